@@ -1,0 +1,1 @@
+"""API server: HTTP routes, auth, routing to edges."""

@@ -1,0 +1,189 @@
+"""The HTTP API: a thin, stateless ASGI front over the edges.
+
+Every route authenticates with an API key (``Authorization: Bearer dsk_...``), finds the
+owning edge from the sandbox id, and maps ``DSecError`` to ``{"error": {...}}`` with the
+error's status. Streams (exec output, process attach) are NDJSON: one JSON event per line,
+``{"type": "stdout"|"stderr", "data": <base64>}``, then ``{"type": "result", "result": ...}``
+or ``{"type": "error", "error": ...}``.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..agent.client import Output
+from ..client.errors import DSecError, InvalidRequest, Unauthorized
+from ..client.models import (CreateRequest, ExecRequest, ExecResult, FileEntry, ProcessInfo,
+                             SandboxInfo, SignalRequest, TtlRequest, b64)
+from ..store.sqlite import StateStore
+from .routing import Router
+
+NDJSON = "application/x-ndjson"
+
+
+def create_app(router: Router, store: StateStore) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await router.start()
+        yield
+        await router.close()
+
+    app = FastAPI(title="dsec", version="0.1.0", lifespan=lifespan,
+                  description="Elastic sandboxes for agentic RL and evaluation.")
+
+    @app.exception_handler(DSecError)
+    async def dsec_error(request: Request, exc: DSecError) -> JSONResponse:
+        return JSONResponse(exc.to_json(), status_code=exc.status)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        """A bug, not a user error: still a typed JSON error for the client (and a traceback
+        in the server log, which the server middleware prints after this returns)."""
+        return JSONResponse(DSecError(f"internal error: {exc!r}").to_json(), status_code=500)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = InvalidRequest("invalid request", errors=json.loads(json.dumps(exc.errors(), default=str)))
+        return JSONResponse(err.to_json(), status_code=err.status)
+
+    def authenticated(request: Request) -> str:
+        scheme, _, secret = request.headers.get("authorization", "").partition(" ")
+        key_id = store.key_for_secret(secret) if scheme.lower() == "bearer" and secret else None
+        if key_id is None:
+            raise Unauthorized("a valid API key is required (Authorization: Bearer dsk_...)")
+        return key_id
+
+    auth = [Depends(authenticated)]
+
+    @app.get("/v1/health")
+    async def health() -> dict[str, Any]:
+        return {"ok": True, "edges": router.describe()}
+
+    @app.post("/v1/sandboxes", dependencies=auth, status_code=201)
+    async def create(req: CreateRequest) -> SandboxInfo:
+        return await router.create(req)
+
+    @app.get("/v1/sandboxes", dependencies=auth)
+    async def list_sandboxes() -> list[SandboxInfo]:
+        return router.list()
+
+    @app.get("/v1/sandboxes/{sandbox_id}", dependencies=auth)
+    async def get(sandbox_id: str) -> SandboxInfo:
+        edge = router.edge_for(sandbox_id)
+        return edge.info(edge.get_row(sandbox_id))
+
+    @app.delete("/v1/sandboxes/{sandbox_id}", dependencies=auth, status_code=204)
+    async def stop(sandbox_id: str) -> Response:
+        await router.edge_for(sandbox_id).stop(sandbox_id)
+        return Response(status_code=204)
+
+    @app.put("/v1/sandboxes/{sandbox_id}/ttl", dependencies=auth)
+    async def set_ttl(sandbox_id: str, req: TtlRequest) -> SandboxInfo:
+        return router.edge_for(sandbox_id).set_ttl(sandbox_id, req.ttl_s)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/exec", dependencies=auth)
+    async def run(sandbox_id: str, req: ExecRequest) -> ExecResult:
+        return await router.edge_for(sandbox_id).run(sandbox_id, req)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/exec/stream", dependencies=auth,
+              response_class=StreamingResponse)
+    async def stream(sandbox_id: str, req: ExecRequest) -> StreamingResponse:
+        return await _ndjson(router.edge_for(sandbox_id).stream(sandbox_id, req))
+
+    @app.post("/v1/sandboxes/{sandbox_id}/processes", dependencies=auth, status_code=201)
+    async def start_process(sandbox_id: str, req: ExecRequest) -> ProcessInfo:
+        return await router.edge_for(sandbox_id).start_process(sandbox_id, req)
+
+    @app.get("/v1/sandboxes/{sandbox_id}/processes", dependencies=auth)
+    async def processes(sandbox_id: str) -> list[ProcessInfo]:
+        return await router.edge_for(sandbox_id).processes(sandbox_id)
+
+    @app.get("/v1/sandboxes/{sandbox_id}/processes/{proc_id}/output", dependencies=auth,
+             response_class=StreamingResponse)
+    async def attach(sandbox_id: str, proc_id: str) -> StreamingResponse:
+        return await _ndjson(router.edge_for(sandbox_id).attach(sandbox_id, proc_id))
+
+    @app.post("/v1/sandboxes/{sandbox_id}/processes/{proc_id}/signal", dependencies=auth,
+              status_code=204)
+    async def signal(sandbox_id: str, proc_id: str, req: SignalRequest) -> Response:
+        await router.edge_for(sandbox_id).signal(sandbox_id, proc_id, req.signal)
+        return Response(status_code=204)
+
+    @app.get("/v1/sandboxes/{sandbox_id}/files", dependencies=auth,
+             response_class=Response, responses={200: {"content": {"application/octet-stream": {}}}})
+    async def read_file(sandbox_id: str, path: str) -> Response:
+        data = await router.edge_for(sandbox_id).read_file(sandbox_id, path)
+        return Response(data, media_type="application/octet-stream")
+
+    @app.put("/v1/sandboxes/{sandbox_id}/files", dependencies=auth, status_code=204)
+    async def write_file(sandbox_id: str, path: str, request: Request,
+                         mode: int = Query(0o644, ge=0, le=0o7777), append: bool = False) -> Response:
+        data = await request.body()
+        await router.edge_for(sandbox_id).write_file(sandbox_id, path, data, mode, append)
+        return Response(status_code=204)
+
+    @app.delete("/v1/sandboxes/{sandbox_id}/files", dependencies=auth, status_code=204)
+    async def remove(sandbox_id: str, path: str, recursive: bool = False) -> Response:
+        await router.edge_for(sandbox_id).remove(sandbox_id, path, recursive)
+        return Response(status_code=204)
+
+    @app.get("/v1/sandboxes/{sandbox_id}/dirs", dependencies=auth)
+    async def list_dir(sandbox_id: str, path: str) -> list[FileEntry]:
+        return await router.edge_for(sandbox_id).list_dir(sandbox_id, path)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/dirs", dependencies=auth, status_code=204)
+    async def mkdir(sandbox_id: str, path: str, parents: bool = False) -> Response:
+        await router.edge_for(sandbox_id).mkdir(sandbox_id, path, parents)
+        return Response(status_code=204)
+
+    @app.get("/v1/sandboxes/{sandbox_id}/stat", dependencies=auth)
+    async def stat(sandbox_id: str, path: str) -> FileEntry:
+        return await router.edge_for(sandbox_id).stat(sandbox_id, path)
+
+    @app.get("/v1/sandboxes/{sandbox_id}/archive", dependencies=auth, response_class=Response,
+             responses={200: {"content": {"application/x-tar": {}}}})
+    async def download(sandbox_id: str, path: str) -> Response:
+        data = await router.edge_for(sandbox_id).download_tar(sandbox_id, path)
+        return Response(data, media_type="application/x-tar")
+
+    @app.put("/v1/sandboxes/{sandbox_id}/archive", dependencies=auth, status_code=204)
+    async def upload(sandbox_id: str, path: str, request: Request) -> Response:
+        await router.edge_for(sandbox_id).upload_tar(sandbox_id, path, await request.body())
+        return Response(status_code=204)
+
+    return app
+
+
+async def _ndjson(events: AsyncIterator[Output | ExecResult]) -> StreamingResponse:
+    """Stream events as NDJSON. The first event is awaited before the response starts, so an
+    unknown sandbox or a bad request is still an ordinary HTTP error."""
+    iterator = aiter(events)
+    try:
+        first = await anext(iterator)
+    except StopAsyncIteration:
+        first = None
+
+    async def lines() -> AsyncIterator[bytes]:
+        if first is not None:
+            yield _event_line(first)
+        try:
+            async for event in iterator:
+                yield _event_line(event)
+        except DSecError as exc:
+            yield json.dumps({"type": "error", **exc.to_json()}).encode() + b"\n"
+
+    return StreamingResponse(lines(), media_type=NDJSON)
+
+
+def _event_line(event: Output | ExecResult) -> bytes:
+    if isinstance(event, Output):
+        body: dict[str, Any] = {"type": "stdout" if event.fd == 1 else "stderr", "data": b64(event.data)}
+    else:
+        body = {"type": "result", "result": event.model_dump()}
+    return json.dumps(body).encode() + b"\n"

@@ -1,0 +1,76 @@
+"""Assembling and running a single-node dsec server: state store, image store, one edge with
+its substrates, the router and the HTTP app, served by uvicorn on a Unix socket or TCP."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI
+
+from ..edge.edge import Edge, EdgeConfig
+from ..images.store import ImageStore
+from ..store.sqlite import StateStore
+from ..substrates.container import ContainerSubstrate
+from .app import create_app
+from .routing import Router
+
+DEFAULT_STATE_DIR = Path(os.environ.get("DSEC_STATE_DIR", "/var/lib/dsec"))
+
+
+@dataclass
+class ServerConfig:
+    state_dir: Path = DEFAULT_STATE_DIR
+    edge_id: str = ""
+    capacity: int = 256
+    runtime: str = "crun"
+    image_store: Path | None = None
+
+    @property
+    def socket_path(self) -> Path:
+        return self.state_dir / "api.sock"
+
+    @property
+    def local_key_path(self) -> Path:
+        return self.state_dir / "local.key"
+
+
+def local_key(config: ServerConfig, store: StateStore) -> str:
+    """The key for clients on this host, kept root-only in the state directory: what lets
+    ``DSecClient()`` work with no configuration, the way a local Docker socket does."""
+    path = config.local_key_path
+    if path.exists():
+        secret = path.read_text().strip()
+        if store.key_for_secret(secret):
+            return secret
+    _, secret, _ = store.create_key("local")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret + "\n")
+    return secret
+
+
+def build_app(config: ServerConfig) -> FastAPI:
+    config.state_dir.mkdir(parents=True, exist_ok=True)
+    store = StateStore(config.state_dir / "state.db")
+    local_key(config, store)
+    edge_config = EdgeConfig(state_dir=config.state_dir, edge_id=config.edge_id,
+                             capacity=config.capacity)
+    substrates = {"container": ContainerSubstrate(config.state_dir, edge_config.edge_id,
+                                                  runtime=config.runtime)}
+    edge = Edge(edge_config, store, ImageStore(config.image_store), substrates)
+    return create_app(Router([edge]), store)
+
+
+def serve(config: ServerConfig, host: str | None = None, port: int | None = None) -> None:
+    app = build_app(config)
+    if host is None:
+        config.socket_path.unlink(missing_ok=True)
+        uv = uvicorn.Config(app, uds=str(config.socket_path), log_level="warning",
+                            timeout_graceful_shutdown=5)
+    else:
+        uv = uvicorn.Config(app, host=host, port=port or 8080, log_level="warning",
+                            timeout_graceful_shutdown=5)
+    uvicorn.Server(uv).run()

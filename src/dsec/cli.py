@@ -1,0 +1,184 @@
+"""The ``dsec`` command."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from .client.aio import DSecClient
+from .client.errors import DSecError
+
+console = Console(stderr=True)
+
+
+def _fail(exc: DSecError) -> None:
+    console.print(f"[red]error[/red] ({exc.code}): {exc.message}")
+    sys.exit(1)
+
+
+def _run(coro: Any) -> Any:
+    try:
+        return asyncio.run(coro)
+    except DSecError as exc:
+        _fail(exc)
+
+
+@click.group()
+@click.version_option(package_name="dsec")
+def main() -> None:
+    """dsec: elastic sandboxes for agentic RL and evaluation."""
+
+
+@main.command()
+@click.option("--state-dir", type=click.Path(path_type=Path), default=None,
+              help="state directory (default $DSEC_STATE_DIR or /var/lib/dsec)")
+@click.option("--host", default=None, help="serve TCP on this address instead of the Unix socket")
+@click.option("--port", type=int, default=8080)
+@click.option("--capacity", type=int, default=256, help="most sandboxes this edge runs at once")
+@click.option("--runtime", type=click.Choice(["crun", "runc", "runsc"]), default="crun")
+@click.option("--edge-id", default="", help="edge id (default: derived from host and state dir)")
+def serve(state_dir: Path | None, host: str | None, port: int, capacity: int, runtime: str,
+          edge_id: str) -> None:
+    """Run the API server with an embedded edge on this host."""
+    from .api.server import DEFAULT_STATE_DIR, ServerConfig, serve as run_server
+    config = ServerConfig(state_dir=state_dir or DEFAULT_STATE_DIR, capacity=capacity,
+                          runtime=runtime, edge_id=edge_id)
+    where = f"http://{host}:{port}" if host else f"unix://{config.socket_path}"
+    console.print(f"dsec serving on {where} (state in {config.state_dir})")
+    run_server(config, host, port if host else None)
+
+
+@main.command()
+@click.argument("command")
+@click.option("--image", default="debian-minbase")
+@click.option("--substrate", default="container")
+@click.option("--timeout", "timeout_s", type=float, default=60.0)
+def run(command: str, image: str, substrate: str, timeout_s: float) -> None:
+    """Create a sandbox, run COMMAND in it, print its output, stop it."""
+    async def go() -> int:
+        async with DSecClient() as client:
+            started = time.perf_counter()
+            async with await client.create(substrate=substrate, image=image) as sb:
+                result = await sb.run(command, timeout_s=timeout_s)
+            console.print(f"[dim]{sb.id}: exit {result.exit_code} in "
+                          f"{(time.perf_counter() - started) * 1000:.0f} ms[/dim]")
+            sys.stdout.buffer.write(result.stdout_bytes)
+            sys.stderr.buffer.write(result.stderr_bytes)
+            return result.exit_code
+    sys.exit(_run(go()))
+
+
+@main.command("ls")
+def list_sandboxes() -> None:
+    """List live sandboxes."""
+    async def go() -> None:
+        async with DSecClient() as client:
+            table = Table("id", "substrate", "image", "state", "expires in")
+            for s in await client.list():
+                table.add_row(s.id, s.substrate, s.image, s.state, f"{s.expires_at - time.time():.0f}s")
+            Console().print(table)
+    _run(go())
+
+
+@main.command("exec")
+@click.argument("sandbox_id")
+@click.argument("command")
+@click.option("--timeout", "timeout_s", type=float, default=60.0)
+def exec_(sandbox_id: str, command: str, timeout_s: float) -> None:
+    """Run COMMAND in a live sandbox, streaming its output."""
+    async def go() -> int:
+        async with DSecClient() as client:
+            stream = (await client.get(sandbox_id)).stream(command, timeout_s=timeout_s)
+            async for chunk in stream:
+                out = sys.stdout if chunk.stream == "stdout" else sys.stderr
+                out.buffer.write(chunk.data)
+                out.flush()
+            assert stream.result is not None
+            return stream.result.exit_code
+    sys.exit(_run(go()))
+
+
+@main.command()
+@click.argument("sandbox_ids", nargs=-1, required=True)
+def stop(sandbox_ids: tuple[str, ...]) -> None:
+    """Stop sandboxes."""
+    async def go() -> None:
+        async with DSecClient() as client:
+            for sandbox_id in sandbox_ids:
+                await (await client.get(sandbox_id)).stop()
+                click.echo(sandbox_id)
+    _run(go())
+
+
+@main.group()
+def image() -> None:
+    """Build, list and import images."""
+
+
+@image.command("build")
+@click.argument("spec")
+def image_build(spec: str) -> None:
+    """Build SPEC (a TOML file, or a built-in name such as python-3.11)."""
+    from .images.spec import load_spec
+    from .images.store import ImageStore
+    try:
+        built = ImageStore().build(load_spec(spec), console=console)
+    except DSecError as exc:
+        _fail(exc)
+    click.echo(f"{built.name} {built.digest}")
+
+
+@image.command("ls")
+def image_ls() -> None:
+    """List images in the store."""
+    from .images.store import ImageStore
+    table = Table("name", "digest", "layers", "size")
+    for img in ImageStore().list():
+        table.add_row(img.name, img.digest[:19], str(len(img.layers)), f"{img.size_bytes / 1e6:.0f} MB")
+    Console().print(table)
+
+
+@image.command("import")
+@click.argument("archive", type=click.Path(exists=True, path_type=Path))
+@click.option("--name", required=True, help="name to give the imported image")
+def image_import(archive: Path, name: str) -> None:
+    """Import an OCI image archive (or a docker save archive)."""
+    from .images.store import ImageStore
+    try:
+        imported = ImageStore().import_oci(archive, name)
+    except DSecError as exc:
+        _fail(exc)
+    click.echo(f"{imported.name} {imported.digest}")
+
+
+@main.group()
+def key() -> None:
+    """Manage API keys."""
+
+
+@key.command("create")
+@click.argument("name")
+@click.option("--state-dir", type=click.Path(path_type=Path), default=None)
+def key_create(name: str, state_dir: Path | None) -> None:
+    """Create an API key named NAME and print its secret (shown once)."""
+    from .api.server import DEFAULT_STATE_DIR
+    from .store.sqlite import StateStore
+    store = StateStore((state_dir or DEFAULT_STATE_DIR) / "state.db")
+    key_id, secret, _ = store.create_key(name)
+    console.print(f"created {key_id}; use it as DSEC_API_KEY")
+    click.echo(secret)
+
+
+@main.command()
+@click.option("--quick", is_flag=True, help="smaller counts, for a smoke run")
+def bench(quick: bool) -> None:
+    """Run the benchmark suite and print the figures (see docs/BENCHMARKS.md)."""
+    from .bench import main as bench_main
+    bench_main(quick=quick)

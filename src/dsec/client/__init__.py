@@ -1,0 +1,1 @@
+"""The dsec SDK: async first (``DSecClient``), with a blocking facade (``Client``)."""

@@ -1,0 +1,103 @@
+"""Typed errors shared by the SDK and the server.
+
+Every error has a stable ``code`` and an HTTP status; the server serialises an error as
+``{"error": {"code": ..., "message": ..., "details": {...}}}`` and the SDK raises the
+matching class again, so a caller never has to parse messages.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class DSecError(Exception):
+    code = "internal"
+    status = 500
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+    def to_json(self) -> dict[str, Any]:
+        return {"error": {"code": self.code, "message": self.message, "details": self.details}}
+
+
+class InvalidRequest(DSecError):
+    code, status = "invalid_request", 400
+
+
+class Unauthorized(DSecError):
+    code, status = "unauthorized", 401
+
+
+class SandboxNotFound(DSecError):
+    code, status = "sandbox_not_found", 404
+
+
+class ImageNotFound(DSecError):
+    code, status = "image_not_found", 404
+
+
+class FileNotFound(DSecError):
+    code, status = "file_not_found", 404
+
+
+class ProcessNotFound(DSecError):
+    code, status = "process_not_found", 404
+
+
+class SandboxDied(DSecError):
+    """The sandbox stopped underneath a call (crashed, OOM-killed its agent, TTL expired)."""
+
+    code, status = "sandbox_died", 410
+
+
+class CommandTimeout(DSecError):
+    code, status = "command_timeout", 408
+
+
+class CapacityExhausted(DSecError):
+    code, status = "capacity_exhausted", 503
+
+
+class NotSupported(DSecError):
+    code, status = "not_supported", 501
+
+
+class ServerUnavailable(DSecError):
+    """The dsec server could not be reached or dropped the connection mid-call."""
+
+    code, status = "server_unavailable", 503
+
+
+class SandboxError(DSecError):
+    """The substrate failed to start or serve a sandbox (runtime error, agent error)."""
+
+    code, status = "sandbox_error", 500
+
+
+ERRORS: dict[str, type[DSecError]] = {
+    cls.code: cls
+    for cls in (
+        DSecError,
+        InvalidRequest,
+        Unauthorized,
+        SandboxNotFound,
+        ImageNotFound,
+        FileNotFound,
+        ProcessNotFound,
+        SandboxDied,
+        CommandTimeout,
+        CapacityExhausted,
+        NotSupported,
+        ServerUnavailable,
+        SandboxError,
+    )
+}
+
+
+def error_from_json(body: dict[str, Any]) -> DSecError:
+    err = body.get("error") or {}
+    cls = ERRORS.get(err.get("code", ""), DSecError)
+    return cls(err.get("message", "unknown error"), **(err.get("details") or {}))

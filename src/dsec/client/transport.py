@@ -1,0 +1,125 @@
+"""Finding and talking to a dsec server: URL and key resolution, the local server, errors.
+
+``DSEC_URL`` (``http://host:port`` or ``unix:///path/api.sock``) and ``DSEC_API_KEY`` select a
+server. Without them the client uses this host's local server on its Unix socket, starting
+it in the background on first use (like a Docker daemon socket, but started on demand), and
+reads the local key the server keeps root-only in its state directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import httpx
+
+from .errors import DSecError, ServerUnavailable, Unauthorized, error_from_json
+
+START_TIMEOUT_S = 120.0
+
+
+def state_dir() -> Path:
+    return Path(os.environ.get("DSEC_STATE_DIR", "/var/lib/dsec"))
+
+
+class Transport:
+    def __init__(self, url: str | None = None, api_key: str | None = None,
+                 timeout_s: float = 600.0, autostart: bool = True) -> None:
+        url = url or os.environ.get("DSEC_URL")
+        self.local = url is None
+        self.socket = state_dir() / "api.sock" if url is None else None
+        if url and url.startswith("unix://"):
+            self.socket = Path(url[len("unix://"):])
+        self.autostart = autostart and self.local
+        self._api_key = api_key or os.environ.get("DSEC_API_KEY")
+        transport = httpx.AsyncHTTPTransport(uds=str(self.socket)) if self.socket else None
+        base = "http://dsec" if self.socket else url
+        self.http = httpx.AsyncClient(base_url=base or "", transport=transport,
+                                      timeout=httpx.Timeout(timeout_s, connect=10.0),
+                                      limits=httpx.Limits(max_connections=256,
+                                                          max_keepalive_connections=64))
+        self._ready = False
+        self._lock = asyncio.Lock()
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def _ensure_ready(self) -> None:
+        if self._ready:
+            return
+        async with self._lock:
+            if self._ready:
+                return
+            if self.autostart and not await self._healthy():
+                await self._start_local_server()
+            if self._api_key is None:
+                key_file = (self.socket.parent if self.socket else state_dir()) / "local.key"
+                if not key_file.exists():
+                    raise Unauthorized("no API key: set DSEC_API_KEY, or run as a user who can "
+                                       f"read the local server's key at {key_file}")
+                self._api_key = key_file.read_text().strip()
+            self.http.headers["authorization"] = f"Bearer {self._api_key}"
+            self._ready = True
+
+    async def _healthy(self) -> bool:
+        try:
+            return (await self.http.get("/v1/health", timeout=2.0)).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    async def _start_local_server(self) -> None:
+        """Start ``dsec serve`` detached; it outlives this client, so sandboxes do too."""
+        directory = self.socket.parent if self.socket else state_dir()
+        directory.mkdir(parents=True, exist_ok=True)
+        with open(directory / "server.log", "ab") as log:
+            subprocess.Popen([sys.executable, "-m", "dsec", "serve", "--state-dir", str(directory)],
+                             stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                             start_new_session=True)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if await self._healthy():
+                return
+            await asyncio.sleep(0.05)
+        raise DSecError(f"the local dsec server did not start within {START_TIMEOUT_S:.0f}s; "
+                        f"see {directory / 'server.log'}")
+
+    async def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        await self._ensure_ready()
+        try:
+            response = await self.http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise ServerUnavailable(f"dsec server at {self.http.base_url}: {exc!r}") from exc
+        if response.status_code >= 400:
+            raise _error(response.status_code, response.content)
+        return response
+
+    async def json(self, method: str, path: str, **kwargs: Any) -> Any:
+        return (await self.request(method, path, **kwargs)).json()
+
+    async def ndjson(self, method: str, path: str, **kwargs: Any) -> AsyncIterator[dict[str, Any]]:
+        await self._ensure_ready()
+        try:
+            async with self.http.stream(method, path, **kwargs) as response:
+                if response.status_code >= 400:
+                    raise _error(response.status_code, await response.aread())
+                async for line in response.aiter_lines():
+                    if line:
+                        event = json.loads(line)
+                        if event["type"] == "error":
+                            raise error_from_json(event)
+                        yield event
+        except httpx.TransportError as exc:
+            raise ServerUnavailable(f"dsec server at {self.http.base_url}: {exc!r}") from exc
+
+
+def _error(status: int, body: bytes) -> DSecError:
+    try:
+        return error_from_json(json.loads(body))
+    except (ValueError, AttributeError):
+        return DSecError(f"HTTP {status}: {body[:500].decode(errors='replace')}")

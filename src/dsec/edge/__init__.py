@@ -1,0 +1,1 @@
+"""The per-host edge: admission, lifecycle, reaper, cleanup."""

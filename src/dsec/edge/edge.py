@@ -1,0 +1,365 @@
+"""The edge: one per host. Admission, lifecycle, and every call into a live sandbox.
+
+The edge is the only component that touches substrates. It keeps an in-memory table of live
+sandboxes (rebuilt from the state store after a restart) and turns substrate and agent
+failures into the SDK's typed errors: a call into a sandbox that died raises ``SandboxDied``
+with the cause, never an empty result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import logging
+import secrets
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+from ..agent.client import AgentClient, AgentError, AgentUnavailable, Exit, Output
+from ..client.errors import (CapacityExhausted, DSecError, FileNotFound, InvalidRequest,
+                             NotSupported, ProcessNotFound, SandboxDied, SandboxError,
+                             SandboxNotFound)
+from ..client.models import (CreateRequest, ExecRequest, ExecResult, FileEntry, ProcessInfo,
+                             SandboxInfo, b64)
+from ..images.store import ImageStore
+from ..store.sqlite import SandboxRow, StateStore
+from ..substrates.base import StartPlan, Substrate
+from .commands import check_env, exec_argv, sandbox_path
+
+log = logging.getLogger("dsec.edge")
+
+T = TypeVar("T")
+BASE_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "HOME": "/root", "LANG": "C.UTF-8"}
+ARCHIVE_LIMIT = 1 << 30
+
+
+def default_edge_id(state_dir: Path) -> str:
+    """Stable per host and state directory, so two edges on one host never share ids."""
+    digest = hashlib.sha256(f"{socket.gethostname()}:{state_dir.resolve()}".encode()).hexdigest()
+    return "e" + digest[:6]
+
+
+@dataclass
+class EdgeConfig:
+    state_dir: Path
+    edge_id: str = ""
+    capacity: int = 256
+    reap_interval_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        self.edge_id = self.edge_id or default_edge_id(self.state_dir)
+
+
+@dataclass
+class Live:
+    row: SandboxRow
+    substrate: Substrate
+    agent: AgentClient
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class Edge:
+    def __init__(self, config: EdgeConfig, store: StateStore, images: ImageStore,
+                 substrates: dict[str, Substrate]) -> None:
+        self.config = config
+        self.id = config.edge_id
+        self.store = store
+        self.images = images
+        self.substrates = substrates
+        self._live: dict[str, Live] = {}
+        self._starting = 0
+        self._reaper: asyncio.Task[None] | None = None
+
+    # lifecycle of the edge itself
+    async def start(self) -> None:
+        for substrate in self.substrates.values():
+            await substrate.prepare()
+        await self.recover()
+        self._reaper = asyncio.create_task(self._reap_forever(), name="dsec-reaper")
+
+    async def close(self) -> None:
+        """Stop serving; sandboxes keep running and are adopted by the next start."""
+        if self._reaper:
+            self._reaper.cancel()
+
+    async def recover(self) -> None:
+        """Adopt the sandboxes that survived a restart; remove everything else we left."""
+        adopted = set()
+        for row in self.store.sandboxes(edge=self.id, live_only=True):
+            substrate = self.substrates.get(row.substrate)
+            if substrate and row.state == "running" and substrate.alive(row.id, row.runtime):
+                self._adopt(row, substrate)
+                adopted.add(row.id)
+            else:
+                reason = ("interrupted while starting" if row.state == "starting"
+                          else "found gone when the edge restarted")
+                self.store.mark_ended(row.id, "died", reason)
+        for substrate in self.substrates.values():
+            for sandbox_id in await substrate.leftovers() - adopted:
+                log.info("removing leftover sandbox %s", sandbox_id)
+                await substrate.destroy(sandbox_id)
+                self.store.event("cleanup", sandbox_id, reason="leftover after restart")
+
+    def _adopt(self, row: SandboxRow, substrate: Substrate) -> Live:
+        req = CreateRequest.model_validate(row.request)
+        live = Live(row, substrate, substrate.agent(row.id, row.runtime), {**BASE_ENV, **req.env})
+        self._live[row.id] = live
+        return live
+
+    # create / stop
+    def load(self) -> int:
+        return len(self._live) + self._starting
+
+    async def create(self, req: CreateRequest) -> SandboxInfo:
+        substrate = self.substrates.get(req.substrate)
+        if substrate is None:
+            raise NotSupported(f"substrate {req.substrate!r} is not served by edge {self.id}",
+                               served=sorted(self.substrates))
+        if req.network != "none":
+            raise NotSupported("only network='none' is served so far", network=req.network)
+        check_env(req.env)
+        if self.load() >= self.config.capacity:
+            raise CapacityExhausted(f"edge {self.id} is at its capacity of "
+                                    f"{self.config.capacity} sandboxes", edge=self.id)
+        self._starting += 1
+        try:
+            image = await asyncio.to_thread(self.images.get, req.image)
+            now = time.time()
+            row = SandboxRow(id=f"sb-{self.id}-{secrets.token_hex(6)}", edge=self.id,
+                             substrate=req.substrate, image=req.image, image_digest=image.digest,
+                             state="starting", request=req.model_dump(), created_at=now,
+                             expires_at=now + req.ttl_s)
+            self.store.insert_sandbox(row)
+            try:
+                row.runtime = await substrate.start(StartPlan(row.id, req, image))
+            except BaseException as exc:
+                self.store.mark_ended(row.id, "died", f"failed to start: {exc}")
+                raise
+            row.state = "running"
+            self.store.mark_running(row.id, row.runtime)
+            self._adopt(row, substrate)
+        finally:
+            self._starting -= 1
+        self.store.event("created", row.id, image=req.image)
+        return self.info(row)
+
+    async def stop(self, sandbox_id: str, state: str = "stopped", reason: str = "stopped by client") -> None:
+        live = self._live.pop(sandbox_id, None)
+        if live is None:
+            self.get_row(sandbox_id)  # raises the right error for an unknown or ended sandbox
+            return
+        self.store.mark_ended(sandbox_id, state, reason)
+        await live.substrate.destroy(sandbox_id)
+        self.store.event(state, sandbox_id, reason=reason)
+
+    def set_ttl(self, sandbox_id: str, ttl_s: int) -> SandboxInfo:
+        live = self._get(sandbox_id)
+        live.row.expires_at = time.time() + ttl_s
+        self.store.set_expiry(sandbox_id, live.row.expires_at)
+        return self.info(live.row)
+
+    # queries
+    def info(self, row: SandboxRow) -> SandboxInfo:
+        req = row.request
+        return SandboxInfo(id=row.id, substrate=row.substrate, image=row.image,  # type: ignore[arg-type]
+                           image_digest=row.image_digest, state=row.state, edge=row.edge,  # type: ignore[arg-type]
+                           created_at=row.created_at, expires_at=row.expires_at, cpu=req["cpu"],
+                           memory_mb=req["memory_mb"], labels=req.get("labels", {}),
+                           reason=row.reason)
+
+    def get_row(self, sandbox_id: str) -> SandboxRow:
+        row = self.store.get_sandbox(sandbox_id)
+        if row is None or row.edge != self.id:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r}", sandbox_id=sandbox_id)
+        return row
+
+    def list(self) -> list[SandboxInfo]:
+        return [self.info(live.row) for live in self._live.values()]
+
+    def _get(self, sandbox_id: str) -> Live:
+        live = self._live.get(sandbox_id)
+        if live is not None:
+            return live
+        row = self.get_row(sandbox_id)
+        if row.state in ("died", "expired"):
+            raise SandboxDied(f"sandbox {sandbox_id} {row.state}: {row.reason}",
+                              sandbox_id=sandbox_id, reason=row.reason)
+        raise SandboxNotFound(f"sandbox {sandbox_id} was {row.state}", sandbox_id=sandbox_id,
+                              state=row.state)
+
+    async def _agent_failed(self, live: Live, exc: AgentUnavailable) -> DSecError:
+        """The agent did not answer: either the sandbox died (report why) or the agent is
+        wedged while the sandbox lives (a sandbox error)."""
+        if live.substrate.alive(live.row.id, live.row.runtime):
+            return SandboxError(f"sandbox {live.row.id} is running but its agent does not "
+                                f"answer: {exc}", sandbox_id=live.row.id)
+        reason = live.substrate.death_cause(live.row.id, live.row.runtime)
+        await self.stop(live.row.id, "died", reason)
+        return SandboxDied(f"sandbox {live.row.id} died: {reason}", sandbox_id=live.row.id,
+                           reason=reason)
+
+    # exec
+    def _exec_args(self, live: Live, req: ExecRequest) -> dict[str, Any]:
+        argv, cwd = exec_argv(req)
+        env = {**live.env, **req.env} if req.session is None else live.env
+        return dict(argv=argv, env=env, cwd=cwd,
+                    stdin=base64.b64decode(req.stdin_b64) if req.stdin_b64 is not None else None,
+                    timeout_ms=int(req.timeout_s * 1000) if req.timeout_s else 0,
+                    max_output=req.max_output_bytes)
+
+    async def run(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
+        out: dict[int, list[bytes]] = {1: [], 2: []}
+        async for event in self.stream(sandbox_id, req):
+            if isinstance(event, Output):
+                out[event.fd].append(event.data)
+            else:
+                return event.model_copy(update={"stdout_b64": b64(b"".join(out[1])),
+                                                "stderr_b64": b64(b"".join(out[2]))})
+        raise AssertionError("stream ends with a result")
+
+    async def stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[Output | ExecResult]:
+        """Output chunks as they come, then one ExecResult (with empty stdout/stderr)."""
+        live = self._get(sandbox_id)
+        args = self._exec_args(live, req)
+        oom_before = live.substrate.oom_kills(sandbox_id, live.row.runtime)
+        try:
+            async for event in live.agent.exec(**args):
+                if isinstance(event, Exit):
+                    oom = live.substrate.oom_kills(sandbox_id, live.row.runtime) > oom_before
+                    yield _result(event, b"", b"", oom)
+                    return
+                yield event
+        except AgentUnavailable as exc:
+            raise await self._agent_failed(live, exc) from None
+        except AgentError as exc:
+            raise _path_error(args["cwd"])(exc) from None
+
+    async def _call(self, sandbox_id: str, call: Callable[[AgentClient], Awaitable[T]],
+                    on_error: Callable[[AgentError], DSecError]) -> T:
+        live = self._get(sandbox_id)
+        try:
+            return await call(live.agent)
+        except AgentUnavailable as exc:
+            raise await self._agent_failed(live, exc) from None
+        except AgentError as exc:
+            raise on_error(exc) from None
+
+    async def start_process(self, sandbox_id: str, req: ExecRequest) -> ProcessInfo:
+        args = self._exec_args(self._get(sandbox_id), req)
+        proc_id, pid = await self._call(sandbox_id, lambda a: a.start(**args),
+                                        _path_error(args["cwd"]))
+        return ProcessInfo(id=proc_id, pid=pid, command=" ".join(args["argv"]), running=True)
+
+    async def processes(self, sandbox_id: str) -> list[ProcessInfo]:
+        procs = await self._call(sandbox_id, lambda a: a.list(), _path_error(""))
+        return [ProcessInfo(id=p.id, pid=p.pid, command=p.command, running=p.running,
+                            exit_code=p.exit_code, signal=p.signal or 0)
+                for p in procs]
+
+    async def attach(self, sandbox_id: str, proc_id: str) -> AsyncIterator[Output | ExecResult]:
+        live = self._get(sandbox_id)
+        try:
+            async for event in live.agent.attach(proc_id):
+                yield _result(event, b"", b"") if isinstance(event, Exit) else event
+        except AgentUnavailable as exc:
+            raise await self._agent_failed(live, exc) from None
+        except AgentError as exc:
+            raise _process_error(proc_id)(exc) from None
+
+    async def signal(self, sandbox_id: str, proc_id: str, sig: int) -> None:
+        await self._call(sandbox_id, lambda a: a.signal(proc_id, sig), _process_error(proc_id))
+
+    # files
+    async def read_file(self, sandbox_id: str, path: str) -> bytes:
+        path = sandbox_path(path)
+        return await self._call(sandbox_id, lambda a: a.read_file(path), _path_error(path))
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644,
+                         append: bool = False) -> None:
+        path = sandbox_path(path)
+        await self._call(sandbox_id, lambda a: a.write_file(path, data, mode=mode, append=append),
+                         _path_error(path))
+
+    async def list_dir(self, sandbox_id: str, path: str) -> list[FileEntry]:
+        path = sandbox_path(path)
+        entries = await self._call(sandbox_id, lambda a: a.list_dir(path), _path_error(path))
+        return [_entry(e, path.rstrip("/") + "/" + e.name) for e in entries]
+
+    async def stat(self, sandbox_id: str, path: str) -> FileEntry:
+        path = sandbox_path(path)
+        return _entry(await self._call(sandbox_id, lambda a: a.stat(path), _path_error(path)), path)
+
+    async def remove(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
+        path = sandbox_path(path)
+        if path == "/":
+            raise InvalidRequest("refusing to remove the sandbox's root")
+        await self._call(sandbox_id, lambda a: a.remove(path, recursive=recursive), _path_error(path))
+
+    async def mkdir(self, sandbox_id: str, path: str, parents: bool = False) -> None:
+        path = sandbox_path(path)
+        await self._call(sandbox_id, lambda a: a.mkdir(path, parents=parents), _path_error(path))
+
+    async def upload_tar(self, sandbox_id: str, path: str, tar: bytes) -> None:
+        path = sandbox_path(path)
+        await self._tar(sandbox_id, ["tar", "-x", "--no-same-owner", "-C", path, "-f", "-"], tar)
+
+    async def download_tar(self, sandbox_id: str, path: str) -> bytes:
+        return await self._tar(sandbox_id, ["tar", "-c", "-C", sandbox_path(path), "-f", "-", "."])
+
+    async def _tar(self, sandbox_id: str, argv: list[str], stdin: bytes | None = None) -> bytes:
+        req = ExecRequest(command=argv, stdin_b64=b64(stdin) if stdin is not None else None,
+                          timeout_s=600, max_output_bytes=ARCHIVE_LIMIT)
+        result = await self.run(sandbox_id, req)
+        if result.exit_code != 0 or result.stdout_truncated:
+            raise InvalidRequest(f"tar failed: {result.stderr_bytes.decode(errors='replace')[-500:]}"
+                                 if not result.stdout_truncated else "archive exceeds 1 GiB")
+        return result.stdout_bytes
+
+    # reaper
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.reap_interval_s)
+            try:
+                await self.reap()
+            except Exception:  # the reaper must outlive any single failure
+                log.exception("reaper pass failed")
+
+    async def reap(self) -> None:
+        now = time.time()
+        for sandbox_id, live in list(self._live.items()):
+            if live.row.expires_at <= now:
+                await self.stop(sandbox_id, "expired", f"TTL of {live.row.request['ttl_s']}s expired")
+            elif not live.substrate.alive(sandbox_id, live.row.runtime):
+                await self.stop(sandbox_id, "died", live.substrate.death_cause(sandbox_id, live.row.runtime))
+
+
+def _result(event: Exit, stdout: bytes, stderr: bytes, oom: bool = False) -> ExecResult:
+    return ExecResult(exit_code=event.exit_code, signal=event.signal, stdout_b64=b64(stdout),
+                      stderr_b64=b64(stderr), stdout_truncated=event.stdout_truncated,
+                      stderr_truncated=event.stderr_truncated, timed_out=event.timed_out,
+                      oom_killed=oom, duration_ms=event.duration_ms)
+
+
+def _entry(e: Any, path: str) -> FileEntry:
+    return FileEntry(name=e.name, path=path, type=e.type, size=e.size, mode=e.mode, mtime=e.mtime)
+
+
+def _path_error(path: str) -> Callable[[AgentError], DSecError]:
+    def error(exc: AgentError) -> DSecError:
+        if exc.errno == "ENOENT":
+            return FileNotFound(f"{path}: no such file or directory", path=path)
+        return InvalidRequest(f"{path}: {exc.message} ({exc.errno})", path=path, errno=exc.errno)
+    return error
+
+
+def _process_error(proc_id: str) -> Callable[[AgentError], DSecError]:
+    def error(exc: AgentError) -> DSecError:
+        if exc.errno in ("ENOENT", "ESRCH"):
+            return ProcessNotFound(f"no process {proc_id!r}", process_id=proc_id)
+        return InvalidRequest(f"{exc.message} ({exc.errno})")
+    return error

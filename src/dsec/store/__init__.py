@@ -1,0 +1,1 @@
+"""State store: SQLite embedded by default."""

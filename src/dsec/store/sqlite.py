@@ -1,0 +1,159 @@
+"""The embedded state store: sandboxes, API keys and events in one SQLite file.
+
+Writes are tiny and run on the event loop thread; WAL mode keeps readers (``dsec ls`` from
+another process) from blocking the server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import sqlite3
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS sandboxes (
+    id TEXT PRIMARY KEY,
+    edge TEXT NOT NULL,
+    substrate TEXT NOT NULL,
+    image TEXT NOT NULL,
+    image_digest TEXT NOT NULL,
+    state TEXT NOT NULL,
+    request TEXT NOT NULL,
+    runtime TEXT NOT NULL DEFAULT '{}',
+    created_at REAL NOT NULL,
+    expires_at REAL NOT NULL,
+    ended_at REAL,
+    reason TEXT
+);
+CREATE INDEX IF NOT EXISTS sandboxes_live ON sandboxes(edge, state);
+CREATE TABLE IF NOT EXISTS api_keys (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    secret_sha256 TEXT NOT NULL UNIQUE,
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS events (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    at REAL NOT NULL,
+    sandbox_id TEXT,
+    kind TEXT NOT NULL,
+    detail TEXT NOT NULL DEFAULT '{}'
+);
+"""
+
+LIVE_STATES = ("starting", "running")
+
+
+@dataclass
+class SandboxRow:
+    id: str
+    edge: str
+    substrate: str
+    image: str
+    image_digest: str
+    state: str
+    request: dict[str, Any]
+    runtime: dict[str, Any] = field(default_factory=dict)
+    created_at: float = 0.0
+    expires_at: float = 0.0
+    ended_at: float | None = None
+    reason: str | None = None
+
+
+def _row(r: sqlite3.Row) -> SandboxRow:
+    d = dict(r)
+    d["request"] = json.loads(d["request"])
+    d["runtime"] = json.loads(d["runtime"])
+    return SandboxRow(**d)
+
+
+class StateStore:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA busy_timeout=5000")
+        self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    # sandboxes
+    def insert_sandbox(self, row: SandboxRow) -> None:
+        self._db.execute(
+            "INSERT INTO sandboxes VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            (row.id, row.edge, row.substrate, row.image, row.image_digest, row.state,
+             json.dumps(row.request), json.dumps(row.runtime), row.created_at, row.expires_at,
+             row.ended_at, row.reason),
+        )
+
+    def mark_running(self, sandbox_id: str, runtime: dict[str, Any]) -> None:
+        self._db.execute("UPDATE sandboxes SET state='running', runtime=? WHERE id=?",
+                         (json.dumps(runtime), sandbox_id))
+
+    def mark_ended(self, sandbox_id: str, state: str, reason: str) -> None:
+        """Record the end of a sandbox once; the first recorded reason wins."""
+        self._db.execute(
+            "UPDATE sandboxes SET state=?, reason=?, ended_at=? WHERE id=? AND state IN (?,?)",
+            (state, reason, time.time(), sandbox_id, *LIVE_STATES),
+        )
+
+    def delete_sandbox(self, sandbox_id: str) -> None:
+        self._db.execute("DELETE FROM sandboxes WHERE id=?", (sandbox_id,))
+
+    def set_expiry(self, sandbox_id: str, expires_at: float) -> None:
+        self._db.execute("UPDATE sandboxes SET expires_at=? WHERE id=?", (expires_at, sandbox_id))
+
+    def get_sandbox(self, sandbox_id: str) -> SandboxRow | None:
+        r = self._db.execute("SELECT * FROM sandboxes WHERE id=?", (sandbox_id,)).fetchone()
+        return _row(r) if r else None
+
+    def sandboxes(self, edge: str | None = None, live_only: bool = False) -> list[SandboxRow]:
+        sql, args = "SELECT * FROM sandboxes WHERE 1=1", []
+        if edge is not None:
+            sql += " AND edge=?"
+            args.append(edge)
+        if live_only:
+            sql += " AND state IN (?,?)"
+            args.extend(LIVE_STATES)
+        return [_row(r) for r in self._db.execute(sql + " ORDER BY created_at", args)]
+
+    # keys
+    def create_key(self, name: str) -> tuple[str, str, float]:
+        """Returns (key id, secret, created_at); only the secret's hash is stored."""
+        key_id = "key-" + secrets.token_hex(4)
+        secret = "dsk_" + secrets.token_urlsafe(24)
+        now = time.time()
+        self._db.execute("INSERT INTO api_keys VALUES (?,?,?,?)",
+                         (key_id, name, _sha256(secret), now))
+        return key_id, secret, now
+
+    def key_for_secret(self, secret: str) -> str | None:
+        r = self._db.execute("SELECT id FROM api_keys WHERE secret_sha256=?",
+                             (_sha256(secret),)).fetchone()
+        return r["id"] if r else None
+
+    def keys(self) -> Iterator[sqlite3.Row]:
+        return iter(self._db.execute("SELECT id, name, created_at FROM api_keys ORDER BY created_at"))
+
+    # events
+    def event(self, kind: str, sandbox_id: str | None = None, **detail: Any) -> None:
+        self._db.execute("INSERT INTO events (at, sandbox_id, kind, detail) VALUES (?,?,?,?)",
+                         (time.time(), sandbox_id, kind, json.dumps(detail)))
+
+    def events(self, sandbox_id: str) -> list[tuple[str, dict[str, Any]]]:
+        rows = self._db.execute("SELECT kind, detail FROM events WHERE sandbox_id=? ORDER BY seq",
+                                (sandbox_id,))
+        return [(r["kind"], json.loads(r["detail"])) for r in rows]
+
+
+def _sha256(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()

@@ -1,0 +1,1 @@
+"""Substrates: one interface, one module per kind of isolation."""

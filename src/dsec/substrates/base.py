@@ -1,0 +1,56 @@
+"""The one interface every substrate implements.
+
+The edge owns bookkeeping (ids, admission, TTLs, the state store); a substrate only starts,
+inspects and destroys the isolation around one in-sandbox agent, and says how to reach it.
+Everything a substrate must remember about a sandbox goes into the ``runtime`` dict it
+returns from ``start``; the edge stores it, so a restarted edge can find the sandbox again.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+from ..agent.client import AgentClient
+from ..client.models import CreateRequest
+from ..images.store import Image
+
+
+@dataclass(frozen=True)
+class StartPlan:
+    sandbox_id: str
+    request: CreateRequest
+    image: Image
+
+
+class Substrate(ABC):
+    name: str
+
+    async def prepare(self) -> None:
+        """One-time host preparation when the edge starts."""
+
+    @abstractmethod
+    async def start(self, plan: StartPlan) -> dict[str, Any]:
+        """Start the sandbox and return once its agent answers. On failure, leave nothing."""
+
+    @abstractmethod
+    def agent(self, sandbox_id: str, runtime: dict[str, Any]) -> AgentClient: ...
+
+    @abstractmethod
+    def alive(self, sandbox_id: str, runtime: dict[str, Any]) -> bool: ...
+
+    @abstractmethod
+    def death_cause(self, sandbox_id: str, runtime: dict[str, Any]) -> str:
+        """Best explanation of why a sandbox that is no longer alive ended."""
+
+    @abstractmethod
+    def oom_kills(self, sandbox_id: str, runtime: dict[str, Any]) -> int: ...
+
+    @abstractmethod
+    async def destroy(self, sandbox_id: str) -> None:
+        """Remove every trace of the sandbox; idempotent, works from the id alone."""
+
+    @abstractmethod
+    async def leftovers(self) -> set[str]:
+        """Ids of sandboxes that have anything (process, mount, cgroup, dir) on this host."""

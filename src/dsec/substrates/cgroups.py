@@ -1,0 +1,101 @@
+"""Host cgroup facts for sandboxes: preparing a hybrid host, finding leftovers, OOM counts.
+
+The OCI runtime creates and removes each sandbox's cgroups (``<parent>/<id>`` in every
+hierarchy); dsec only prepares the host, reads counters and sweeps what a crash left.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from ..client.errors import NotSupported
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def is_cgroup2_only() -> bool:
+    return (CGROUP_ROOT / "cgroup.controllers").exists()
+
+
+def prepare_hybrid_host() -> list[str]:
+    """On a hybrid (v1 + v2) host, crun refuses to run while the v2 hierarchy holds any
+    controller. Bind each such controller to a v1 hierarchy of its own; returns the ones bound.
+    """
+    unified = CGROUP_ROOT / "unified" / "cgroup.controllers"
+    if is_cgroup2_only() or not unified.exists():
+        return []
+    bound = []
+    for controller in unified.read_text().split():
+        target = CGROUP_ROOT / controller
+        target.mkdir(exist_ok=True)
+        done = subprocess.run(["mount", "-t", "cgroup", "-o", controller, "cgroup", str(target)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise NotSupported(
+                f"crun cannot run on this hybrid cgroup host: the v2 hierarchy holds "
+                f"'{controller}' and binding it to v1 failed ({done.stderr.strip()}); "
+                "use runtime='runc' instead")
+        bound.append(controller)
+    return bound
+
+
+def sandbox_cgroups(parent: str) -> dict[str, list[Path]]:
+    """Every sandbox cgroup directory under ``parent``, by sandbox id, in all hierarchies."""
+    found: dict[str, list[Path]] = {}
+    bases = [CGROUP_ROOT] if is_cgroup2_only() else [p for p in CGROUP_ROOT.iterdir() if p.is_dir()]
+    for base in bases:
+        d = base / parent.strip("/")
+        if d.is_dir():
+            for child in d.iterdir():
+                if child.is_dir():
+                    found.setdefault(child.name, []).append(child)
+    return found
+
+
+def remove_cgroups(dirs: list[Path]) -> None:
+    """Kill what is left in each cgroup, then remove it (deepest first)."""
+    for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
+        for sub in sorted(d.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+            if sub.is_dir():
+                _kill_and_rmdir(sub)
+        _kill_and_rmdir(d)
+
+
+def _kill_and_rmdir(d: Path) -> None:
+    procs = d / "cgroup.procs"
+    for _ in range(50):
+        try:
+            pids = [int(p) for p in procs.read_text().split()]
+        except FileNotFoundError:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        try:
+            d.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:  # still emptying
+            time.sleep(0.02)
+
+
+def oom_kills(parent: str, sandbox_id: str) -> int:
+    """How many processes the kernel's OOM killer ended in this sandbox's memory cgroup."""
+    if is_cgroup2_only():
+        path, key = CGROUP_ROOT / parent.strip("/") / sandbox_id / "memory.events", "oom_kill"
+    else:
+        path, key = CGROUP_ROOT / "memory" / parent.strip("/") / sandbox_id / "memory.oom_control", "oom_kill"
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except FileNotFoundError:
+        pass
+    return 0

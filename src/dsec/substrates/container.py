@@ -1,0 +1,169 @@
+"""The container substrate: an OCI runtime (crun, runc or runsc) over an overlayfs rootfs.
+
+Per sandbox, under ``<state>/sandboxes/<id>/``: ``upper`` and ``work`` (the writable layer),
+``rootfs`` (the overlay of the image's read-only layers under ``upper``), ``run`` (bind-mounted
+at /.dsec/run, holds the agent socket), ``config.json``, ``pid`` and ``runtime.log``. The
+agent is the container's init; it prints ``R`` on stdout once it listens, so start-up waits
+on an event, never a poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ..agent.build import agent_binary
+from ..agent.client import AgentClient
+from ..client.errors import NotSupported, SandboxError
+from ..images.mount import LayerMounter, overlay_mount, unmount
+from . import cgroups
+from .base import StartPlan, Substrate
+from .oci_spec import container_config
+
+RUNTIMES = ("crun", "runc", "runsc")
+START_TIMEOUT_S = 30.0
+
+
+class ContainerSubstrate(Substrate):
+    name = "container"
+
+    def __init__(self, state_dir: Path, edge_id: str, runtime: str = "crun",
+                 mounter: LayerMounter | None = None) -> None:
+        if runtime not in RUNTIMES:
+            raise NotSupported(f"unknown container runtime {runtime!r}; choose one of {RUNTIMES}")
+        self.default_runtime = runtime
+        self.root = state_dir / "sandboxes"
+        self.runtime_root = state_dir / "runtime"
+        self.cgroup_parent = f"/dsec-{edge_id}"
+        self.mounter = mounter or LayerMounter()
+        self._agent_binary: Path | None = None
+
+    async def prepare(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        for runtime in RUNTIMES:
+            (self.runtime_root / runtime).mkdir(parents=True, exist_ok=True)
+        if self.default_runtime == "crun":
+            cgroups.prepare_hybrid_host()
+        self._agent_binary = await asyncio.to_thread(agent_binary)
+
+    def _dir(self, sandbox_id: str) -> Path:
+        return self.root / sandbox_id
+
+    def _runtime_cmd(self, runtime: str) -> list[str]:
+        if shutil.which(runtime) is None:
+            raise NotSupported(f"container runtime {runtime!r} is not installed on this edge")
+        cmd = [runtime, "--root", str(self.runtime_root / runtime)]
+        if runtime == "runsc":
+            cmd.append("--network=none")
+        return cmd
+
+    async def start(self, plan: StartPlan) -> dict[str, Any]:
+        runtime = plan.request.runtime or self.default_runtime
+        base = self._runtime_cmd(runtime)
+        d = self._dir(plan.sandbox_id)
+        try:
+            return await self._start(plan, runtime, base, d)
+        except BaseException:
+            await self.destroy(plan.sandbox_id)
+            raise
+
+    async def _start(self, plan: StartPlan, runtime: str, base: list[str], d: Path) -> dict[str, Any]:
+        upper, work, rootfs, run = d / "upper", d / "work", d / "rootfs", d / "run"
+        d.mkdir()
+        for p in (work, rootfs, run):
+            p.mkdir()
+        # Mount points and the default cwd exist in the writable layer before it is mounted.
+        (upper / ".dsec" / "run").mkdir(parents=True)
+        (upper / ".dsec" / "agent").touch()
+        (upper / "work").mkdir()
+        lowers = await asyncio.to_thread(self.mounter.lowerdirs, plan.image)
+        overlay_mount(lowers, upper, work, rootfs)
+        assert self._agent_binary is not None, "prepare() runs before start()"
+        config = container_config(plan.sandbox_id, plan.request, str(rootfs),
+                                  str(self._agent_binary), str(run), self.cgroup_parent)
+        (d / "config.json").write_text(json.dumps(config))
+        with open(d / "runtime.log", "wb") as log:
+            proc = await asyncio.create_subprocess_exec(
+                *base, "run", "--detach", "--bundle", str(d), "--pid-file", str(d / "pid"),
+                plan.sandbox_id,
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=log)
+        assert proc.stdout is not None
+        try:
+            ready = await asyncio.wait_for(proc.stdout.read(1), START_TIMEOUT_S)
+            code = await asyncio.wait_for(proc.wait(), START_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            proc.kill()
+            raise SandboxError(f"{runtime} did not start the sandbox within {START_TIMEOUT_S:.0f}s")
+        if ready != b"R" or code != 0:
+            log_text = (d / "runtime.log").read_text(errors="replace").strip()
+            raise SandboxError(f"{runtime} failed to start the sandbox (exit {code}): "
+                               f"{log_text[-2000:] or 'no output'}")
+        pid = int((d / "pid").read_text())
+        return {"runtime": runtime, "pid": pid, "start_time": _start_time(pid)}
+
+    def agent(self, sandbox_id: str, runtime: dict[str, Any]) -> AgentClient:
+        return AgentClient(self._dir(sandbox_id) / "run" / "agent.sock")
+
+    def alive(self, sandbox_id: str, runtime: dict[str, Any]) -> bool:
+        pid = runtime.get("pid")
+        return bool(pid) and _start_time(pid) == runtime.get("start_time")
+
+    def death_cause(self, sandbox_id: str, runtime: dict[str, Any]) -> str:
+        if self.oom_kills(sandbox_id, runtime):
+            return "out of memory: the kernel killed the sandbox's init"
+        return "the sandbox's init process exited"
+
+    def oom_kills(self, sandbox_id: str, runtime: dict[str, Any]) -> int:
+        return cgroups.oom_kills(self.cgroup_parent, sandbox_id)
+
+    async def destroy(self, sandbox_id: str) -> None:
+        d = self._dir(sandbox_id)
+        for runtime in RUNTIMES:
+            if (self.runtime_root / runtime / sandbox_id).exists():
+                proc = await asyncio.create_subprocess_exec(
+                    *self._runtime_cmd(runtime), "delete", "--force", sandbox_id,
+                    stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+                    stderr=asyncio.subprocess.DEVNULL)
+                await proc.wait()
+        leftover_cgroups = cgroups.sandbox_cgroups(self.cgroup_parent).get(sandbox_id, [])
+        await asyncio.to_thread(cgroups.remove_cgroups, leftover_cgroups)
+        for mount in _mounts_under(d):
+            unmount(mount)
+        await asyncio.to_thread(shutil.rmtree, d, True)
+
+    async def leftovers(self) -> set[str]:
+        ids = {p.name for p in self.root.iterdir()} if self.root.exists() else set()
+        for runtime in RUNTIMES:
+            rt = self.runtime_root / runtime
+            if rt.exists():
+                ids.update(p.name for p in rt.iterdir() if p.is_dir())
+        ids.update(cgroups.sandbox_cgroups(self.cgroup_parent))
+        ids.update(m.relative_to(self.root).parts[0] for m in _mounts_under(self.root))
+        return ids
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks, or None if it is gone or a zombie; together with
+    the pid this names one process, even after a pid is reused."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = stat.rpartition(")")[2].split()
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def _mounts_under(d: Path) -> list[Path]:
+    """Mount points below ``d``, deepest first."""
+    prefix = str(d) + "/"
+    found = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            target = line.split()[4].replace("\\040", " ")
+            if target.startswith(prefix):
+                found.append(Path(target))
+    return sorted(found, key=lambda p: len(p.parts), reverse=True)

@@ -1,0 +1,104 @@
+"""Admission, and what a server crash leaves: live sandboxes survive and are adopted, half-made
+ones are removed, and once all are stopped nothing of them is left on the host."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+
+import dsec
+from conftest import Server, make_server, stop_server
+
+
+def _edge_id(server: Server) -> str:
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(server.state_dir / "api.sock")),
+                      base_url="http://dsec") as http:
+        return http.get("/v1/health").json()["edges"][0]["id"]
+
+
+def host_traces(server: Server, edge_id: str) -> dict[str, list[str]]:
+    """Everything of this edge's sandboxes that the host still holds."""
+    root = str(server.state_dir / "sandboxes")
+    mounts = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()
+              if line.split()[4].startswith(root)]
+    cgroups = [str(p) for p in Path("/sys/fs/cgroup").glob(f"*/dsec-{edge_id}/*") if p.is_dir()]
+    procs = []
+    for cg in Path("/proc").glob("[0-9]*/cgroup"):
+        try:
+            # A killed container init is re-parented to the host's init, which reaps it when it
+            # gets to it; until then it is a zombie that holds nothing but its pid.
+            if f"/dsec-{edge_id}/" in cg.read_text() and not _zombie(cg.parent / "stat"):
+                procs.append(cg.parent.name)
+        except OSError:
+            pass
+    containers = [p.name for p in (server.state_dir / "runtime").glob("*/*")]
+    dirs = [p.name for p in (server.state_dir / "sandboxes").glob("*")]
+    return {"mounts": mounts, "cgroups": cgroups, "processes": procs,
+            "containers": containers, "dirs": dirs}
+
+
+def _zombie(stat: Path) -> bool:
+    return stat.read_text().rpartition(")")[2].split()[0] == "Z"
+
+
+@pytest.fixture
+def fresh_server(images) -> Server:  # type: ignore[no-untyped-def]
+    srv = make_server("--capacity", "60").start()
+    yield srv
+    stop_server(srv)
+
+
+async def test_capacity_refusal(images) -> None:  # type: ignore[no-untyped-def]
+    srv = make_server("--capacity", "2").start()
+    try:
+        async with srv.client() as client:
+            made = await client.create_many(3, concurrency=3, ttl_s=60)
+            refused = [m for m in made if isinstance(m, dsec.CapacityExhausted)]
+            assert len(refused) == 1 and len(made) - len(refused) == 2
+            for m in made:
+                if isinstance(m, dsec.AsyncSandbox):
+                    await m.stop()
+            await (await client.create(ttl_s=60)).stop()  # a freed slot is usable again
+    finally:
+        stop_server(srv)
+
+
+async def test_sandboxes_survive_a_server_crash(fresh_server: Server) -> None:
+    async with fresh_server.client() as client:
+        sb = await client.create(ttl_s=300)
+        await sb.write_file("/work/state", b"before crash")
+    fresh_server.kill(signal.SIGKILL)
+    fresh_server.start()
+    async with fresh_server.client() as client:
+        assert sb.id in [s.id for s in await client.list()]
+        again = await client.get(sb.id)
+        assert await again.read_file("/work/state") == b"before crash"
+        assert (await again.run("echo after")).stdout == "after\n"
+        await again.stop()
+
+
+async def test_crash_mid_burst_leaks_nothing(fresh_server: Server) -> None:
+    edge_id = _edge_id(fresh_server)
+    async with fresh_server.client() as client:
+        burst = asyncio.ensure_future(client.create_many(50, concurrency=25, ttl_s=300))
+        await asyncio.sleep(0.6)
+        fresh_server.kill(signal.SIGKILL)
+        outcomes = await burst
+    assert any(isinstance(o, dsec.ServerUnavailable) for o in outcomes)  # the crash hit the burst
+    assert all(isinstance(o, (dsec.AsyncSandbox, dsec.DSecError)) for o in outcomes)
+
+    fresh_server.start()
+    async with fresh_server.client() as client:
+        survivors = await client.list()
+        for info in survivors:  # everything reported live really is
+            assert (await (await client.get(info.id)).run("echo ok")).stdout == "ok\n"
+        traces = host_traces(fresh_server, edge_id)
+        assert sorted(traces["dirs"]) == sorted(s.id for s in survivors)
+        assert len(traces["mounts"]) == len(survivors)
+        handles = [await client.get(s.id) for s in survivors]
+        await asyncio.gather(*(h.stop() for h in handles))
+    assert host_traces(fresh_server, edge_id) == {k: [] for k in traces}
