@@ -1,0 +1,240 @@
+"""Asyncio client for the in-sandbox agent: one Unix-socket connection per request.
+
+Streams (``exec``, ``attach``) are async generators. Closing one early (``aclose()``, or leaving
+an ``aclosing`` block) closes its connection; the agent then stops streaming to it but does
+NOT kill the process, which runs on (and, for ``exec``, until its own end or timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import os
+from collections.abc import AsyncGenerator, Iterable
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from .protocol import Frame, Value, encode, read_frame
+
+_READ_LIMIT = 4 << 20  # StreamReader buffer; frames carry up to 1 MiB of data
+
+
+class AgentError(Exception):
+    """The agent answered ``X``: ``errno`` is symbolic (``ENOENT``, ``ESRCH``, ...)."""
+
+    def __init__(self, errno: str, message: str) -> None:
+        super().__init__(f"{errno}: {message}")
+        self.errno = errno
+        self.message = message
+
+
+class AgentUnavailable(ConnectionError):
+    """The socket could not be reached, or the connection dropped before the final frame."""
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    fd: int  # 1 stdout, 2 stderr
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Exit:
+    exit_code: int  # -1 if killed by a signal
+    signal: int  # 0 if none
+    timed_out: bool
+    stdout_truncated: bool
+    stderr_truncated: bool
+    duration_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    exit_code: int
+    signal: int
+    timed_out: bool
+    stdout: bytes
+    stderr: bytes
+    stdout_truncated: bool
+    stderr_truncated: bool
+    duration_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class ProcInfo:
+    id: str
+    pid: int
+    command: str
+    running: bool
+    exit_code: int | None  # None while running
+    signal: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    name: str
+    type: str  # file, dir, symlink, other
+    size: int
+    mode: int
+    mtime: int
+
+
+def _exit(f: Frame) -> Exit:
+    return Exit(
+        exit_code=f.num("exit_code"),
+        signal=f.num("signal"),
+        timed_out=bool(f.num("timed_out")),
+        stdout_truncated=bool(f.num("stdout_truncated")),
+        stderr_truncated=bool(f.num("stderr_truncated")),
+        duration_ms=f.num("duration_ms"),
+    )
+
+
+def _event(f: Frame) -> Output | Exit:
+    return Output(f.num("fd"), f.data("data")) if f.type == "o" else _exit(f)
+
+
+def _entry(f: Frame) -> Entry:
+    return Entry(f.text("name"), f.text("type"), f.num("size"), f.num("mode", base=8), f.num("mtime"))
+
+
+def _exec_fields(
+    argv: list[str], env: dict[str, str], cwd: str | None, stdin: bytes | None,
+    timeout_ms: int, max_output: int, mode: str,
+) -> list[tuple[str, Value]]:
+    if not argv:
+        raise ValueError("argv must not be empty")
+    fields: list[tuple[str, Value]] = [("argv", a) for a in argv]
+    fields += [("env", f"{k}={v}") for k, v in env.items()]
+    if cwd is not None:
+        fields.append(("cwd", cwd))
+    if stdin is not None:
+        fields.append(("stdin", stdin))
+    return fields + [("timeout_ms", timeout_ms), ("max_output", max_output), ("mode", mode)]
+
+
+class AgentClient:
+    def __init__(self, socket_path: str | os.PathLike[str]) -> None:
+        self.socket_path = os.fspath(socket_path)
+
+    async def _frames(self, kind: str, fields: Iterable[tuple[str, Value]], until: str) -> AsyncGenerator[Frame, None]:
+        """Send one request and yield reply frames up to and including one whose type is in
+        ``until``; an ``X`` reply raises AgentError. The connection is closed on exit."""
+        request = encode(kind, fields)
+        try:
+            reader, writer = await asyncio.open_unix_connection(self.socket_path, limit=_READ_LIMIT)
+        except OSError as e:
+            raise AgentUnavailable(f"agent socket {self.socket_path}: {e}") from e
+        try:
+            writer.write(request)
+            await writer.drain()
+            while True:
+                frame = await read_frame(reader)
+                if frame.type == "X":
+                    raise AgentError(frame.text("errno"), frame.text("message"))
+                yield frame
+                if frame.type in until:
+                    return
+        except (OSError, asyncio.IncompleteReadError) as e:
+            raise AgentUnavailable(f"agent connection lost: {e!r}") from e
+        finally:
+            writer.close()
+            try:
+                await writer.wait_closed()
+            except OSError:
+                pass
+
+    async def _call(self, kind: str, fields: Iterable[tuple[str, Value]] = (), until: str = "O") -> list[Frame]:
+        async with aclosing(self._frames(kind, fields, until)) as frames:
+            return [f async for f in frames]
+
+    async def _stream(self, kind: str, fields: Iterable[tuple[str, Value]]) -> AsyncGenerator[Output | Exit, None]:
+        async with aclosing(self._frames(kind, fields, "x")) as frames:
+            async for f in frames:
+                yield _event(f)
+
+    async def ping(self) -> None:
+        await self._call("H")
+
+    def exec(
+        self, argv: list[str], *, env: dict[str, str], cwd: str | None = None, stdin: bytes | None = None,
+        timeout_ms: int = 0, max_output: int = 16 << 20,
+    ) -> AsyncGenerator[Output | Exit, None]:
+        """Run ``argv`` and stream its output; the last item is its Exit. ``env`` is the whole
+        environment; ``stdin=None`` means /dev/null."""
+        return self._stream("E", _exec_fields(argv, env, cwd, stdin, timeout_ms, max_output, "wait"))
+
+    async def run(
+        self, argv: list[str], *, env: dict[str, str], cwd: str | None = None, stdin: bytes | None = None,
+        timeout_ms: int = 0, max_output: int = 16 << 20,
+    ) -> RunResult:
+        """``exec`` collected: the whole output and the exit status."""
+        out = {1: bytearray(), 2: bytearray()}
+        async with aclosing(self.exec(argv, env=env, cwd=cwd, stdin=stdin, timeout_ms=timeout_ms,
+                                      max_output=max_output)) as events:
+            async for ev in events:
+                if isinstance(ev, Output):
+                    out[ev.fd] += ev.data
+                else:
+                    return RunResult(ev.exit_code, ev.signal, ev.timed_out, bytes(out[1]), bytes(out[2]),
+                                     ev.stdout_truncated, ev.stderr_truncated, ev.duration_ms)
+        raise AgentUnavailable("exec stream ended without an exit frame")
+
+    async def start(
+        self, argv: list[str], *, env: dict[str, str], cwd: str | None = None, stdin: bytes | None = None,
+        timeout_ms: int = 0, max_output: int = 16 << 20,
+    ) -> tuple[str, int]:
+        """Start ``argv`` in the background; returns ``(id, pid)``. Its output (up to
+        ``max_output`` per stream) is kept for ``attach``."""
+        fields = _exec_fields(argv, env, cwd, stdin, timeout_ms, max_output, "background")
+        (f,) = await self._call("E", fields, until="S")
+        return f.text("id"), f.num("pid")
+
+    def attach(self, id: str) -> AsyncGenerator[Output | Exit, None]:
+        """Output of a background process from its start, then live, then its Exit."""
+        return self._stream("A", [("id", id)])
+
+    async def signal(self, id: str, sig: int) -> None:
+        """Send ``sig`` to the process group of a running background process."""
+        await self._call("K", [("id", id), ("sig", sig)])
+
+    async def list(self) -> builtins.list[ProcInfo]:
+        """Background processes: running ones and the most recent finished ones."""
+        return [
+            ProcInfo(
+                f.text("id"), f.num("pid"), f.text("argv"), bool(f.num("running")),
+                None if f.get("exit_code") is None else f.num("exit_code"),
+                None if f.get("signal") is None else f.num("signal"),
+            )
+            for f in await self._call("L")
+            if f.type == "p"
+        ]
+
+    async def read_file(self, path: str) -> bytes:
+        frames = await self._call("F", [("op", "read"), ("path", path)])
+        return b"".join(f.data("data") for f in frames if f.type == "D")
+
+    async def write_file(self, path: str, data: bytes, mode: int = 0o644, append: bool = False) -> None:
+        """Replace ``path`` atomically (temp file + rename) or append to it. Parent
+        directories are never created. ``mode`` applies when the agent creates the file."""
+        await self._call("F", [("op", "write"), ("path", path), ("data", data), ("mode", f"{mode:o}"),
+                               ("append", int(append))])
+
+    async def list_dir(self, path: str) -> builtins.list[Entry]:
+        """Entries of a directory (symlinks not followed), sorted by name."""
+        frames = await self._call("F", [("op", "list"), ("path", path)])
+        return sorted((_entry(f) for f in frames if f.type == "e"), key=lambda e: e.name)
+
+    async def stat(self, path: str) -> Entry:
+        """lstat ``path``; ``name`` is its basename."""
+        (f,) = await self._call("F", [("op", "stat"), ("path", path)], until="e")
+        return _entry(f)
+
+    async def remove(self, path: str, recursive: bool = False) -> None:
+        """Remove a file, symlink or empty directory; ``recursive`` removes a tree without
+        following symlinks or crossing mount points."""
+        await self._call("F", [("op", "remove"), ("path", path), ("recursive", int(recursive))])
+
+    async def mkdir(self, path: str, parents: bool = False, mode: int = 0o755) -> None:
+        await self._call("F", [("op", "mkdir"), ("path", path), ("parents", int(parents)),
+                               ("mode", f"{mode:o}")])

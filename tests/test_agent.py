@@ -1,0 +1,352 @@
+"""The agent binary, run directly on the host, driven through AgentClient."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from contextlib import aclosing
+from pathlib import Path
+
+import pytest
+
+from dsec.agent import (
+    AgentClient,
+    AgentError,
+    AgentUnavailable,
+    Exit,
+    Output,
+    agent_binary,
+    build,
+)
+from dsec.agent.protocol import decode, encode
+
+ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LC_ALL": "C"}
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory: pytest.TempPathFactory):
+    sock = tmp_path_factory.mktemp("agent") / "agent.sock"
+    proc = subprocess.Popen([agent_binary(), "--listen", sock], stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    with proc.stdout:
+        assert proc.stdout.read(1) == b"R"
+    yield proc, sock
+    proc.terminate()
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture
+def client(agent) -> AgentClient:
+    return AgentClient(agent[1])
+
+
+async def wait_until(predicate, timeout: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+def group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_codec_roundtrip():
+    frame = encode("E", [("argv", "echo"), ("argv", "ü"), ("stdin", bytes(range(256))), ("timeout_ms", 5)])
+    decoded = decode(frame[4:])
+    assert int.from_bytes(frame[:4], "big") == len(frame) - 4
+    assert decoded.type == "E"
+    assert decoded.all("argv") == [b"echo", "ü".encode()]
+    assert decoded.get("stdin") == bytes(range(256))
+    assert decoded.num("timeout_ms") == 5
+    with pytest.raises(ValueError):
+        decode(frame[4:-1])
+
+
+def test_build_once_under_lock(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSEC_CACHE", str(tmp_path))
+    paths: list[Path] = []
+    threads = [threading.Thread(target=lambda: paths.append(agent_binary())) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(paths)) == 1 and os.access(paths[0], os.X_OK)
+    assert paths[0].parent.parent == tmp_path / "agent"
+    assert not list(paths[0].parent.glob("*.tmp"))
+
+
+def test_build_failure_is_explained(tmp_path, monkeypatch):
+    bad = tmp_path / "agent.c"
+    bad.write_text("int main(void) { return nope; }\n")
+    monkeypatch.setattr(build, "SOURCE", bad)
+    monkeypatch.setenv("DSEC_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(RuntimeError, match="nope"):
+        agent_binary()
+
+
+async def test_startup_socket_mode(agent, client):
+    assert os.stat(agent[1]).st_mode & 0o777 == 0o600
+    await client.ping()
+
+
+async def test_unreachable_socket(tmp_path):
+    with pytest.raises(AgentUnavailable):
+        await AgentClient(tmp_path / "missing.sock").ping()
+
+
+async def test_exit_code_and_stderr(client):
+    r = await client.run(["sh", "-c", "echo out; echo err >&2; exit 3"], env=ENV)
+    assert (r.exit_code, r.signal, r.timed_out) == (3, 0, False)
+    assert (r.stdout, r.stderr) == (b"out\n", b"err\n")
+
+
+async def test_killed_by_signal(client):
+    r = await client.run(["sh", "-c", "kill -TERM $$"], env=ENV)
+    assert (r.exit_code, r.signal) == (-1, signal.SIGTERM)
+
+
+async def test_command_not_found_is_127(client):
+    r = await client.run(["definitely-not-a-command"], env=ENV)
+    assert r.exit_code == 127
+    assert b"definitely-not-a-command: command not found" in r.stderr
+
+
+async def test_binary_safe_stdin_and_stdout(client):
+    data = bytes(range(256)) * 4096  # 1 MiB: more than a pipe buffer in both directions
+    r = await client.run(["cat"], env=ENV, stdin=data)
+    assert r.stdout == data and r.exit_code == 0
+
+
+async def test_stdin_not_read_does_not_hang(client):
+    r = await client.run(["true"], env=ENV, stdin=b"x" * (4 << 20))
+    assert r.exit_code == 0
+
+
+async def test_env_is_the_whole_environment_and_cwd(client, tmp_path):
+    r = await client.run(["/usr/bin/env"], env={"A": "1", "B": "x=y"})
+    assert sorted(r.stdout.decode().splitlines()) == ["A=1", "B=x=y"]
+    r = await client.run(["sh", "-c", "pwd; echo $FOO"], env={**ENV, "FOO": "bar"}, cwd=str(tmp_path))
+    assert r.stdout == f"{tmp_path}\nbar\n".encode()
+
+
+async def test_missing_cwd_is_enoent(client, tmp_path):
+    with pytest.raises(AgentError) as err:
+        await client.run(["pwd"], env=ENV, cwd=str(tmp_path / "nope"))
+    assert err.value.errno == "ENOENT"
+
+
+async def test_child_gets_clean_process_state(client):
+    script = "ls /proc/$$/fd; grep -E '^Sig(Blk|Ign)' /proc/self/status; echo $$ $(cut -d' ' -f5,6 /proc/$$/stat)"
+    words = (await client.run(["sh", "-c", script], env=ENV)).stdout.decode().split()
+    assert words[:3] == ["0", "1", "2"]  # only stdio is inherited
+    assert words[3:7] == ["SigBlk:", "0" * 16, "SigIgn:", "0" * 16]
+    assert len(set(words[7:])) == 1  # pid == process group == session: setsid
+
+
+async def test_output_streams_incrementally(client):
+    stamps = []
+    async for ev in client.exec(["sh", "-c", "for i in 1 2 3; do echo $i; sleep 0.2; done"], env=ENV):
+        if isinstance(ev, Output):
+            stamps.append((time.monotonic(), ev.data))
+    assert b"".join(d for _, d in stamps) == b"1\n2\n3\n"
+    assert len(stamps) == 3 and stamps[2][0] - stamps[0][0] > 0.3
+
+
+async def test_timeout_kills_the_whole_group(client):
+    events = [ev async for ev in client.exec(["sh", "-c", "echo $$; sleep 100 & sleep 100"], env=ENV, timeout_ms=300)]
+    pgid = int(events[0].data)
+    exit_ = events[-1]
+    assert isinstance(exit_, Exit) and exit_.timed_out and exit_.signal == signal.SIGKILL
+    assert 250 <= exit_.duration_ms < 2000
+    await wait_until(lambda: group_gone(pgid))  # the backgrounded sleep died with its group
+
+
+async def test_output_over_max_is_dropped_and_flagged(client):
+    t = time.monotonic()
+    r = await client.run(["sh", "-c", "head -c 50000000 /dev/zero; echo tail >&2"], env=ENV, max_output=1 << 20)
+    assert time.monotonic() - t < 5
+    assert len(r.stdout) == 1 << 20 and r.stdout_truncated
+    assert r.stderr == b"tail\n" and not r.stderr_truncated and r.exit_code == 0
+
+
+async def test_slow_reader_gets_everything(agent, client):
+    """Back-pressure: a stalled client loses nothing and the agent does not buffer the stream."""
+    n, got = 128 << 20, 0
+    async with aclosing(client.exec(["head", "-c", str(n), "/dev/zero"], env=ENV, max_output=n)) as events:
+        async for ev in events:
+            if isinstance(ev, Output):
+                if not got:
+                    await asyncio.sleep(0.3)  # the child would be long done without back-pressure
+                    rss = Path(f"/proc/{agent[0].pid}/status").read_text().split("VmRSS:")[1].split()[0]
+                    assert int(rss) < 48 << 10, f"agent RSS {rss} kB"
+                got += len(ev.data)
+            else:
+                assert ev.exit_code == 0 and not ev.stdout_truncated
+    assert got == n
+
+
+async def test_exec_returns_when_main_process_exits(client, tmp_path):
+    """A backgrounded descendant holding the pipe neither delays the reply nor gets SIGPIPE."""
+    marker = tmp_path / "late"
+    t = time.monotonic()
+    r = await client.run(["sh", "-c", f"(sleep 0.3; echo late; echo ok > {marker}) & echo now"], env=ENV)
+    assert r.stdout == b"now\n" and time.monotonic() - t < 0.25
+    await wait_until(marker.exists)
+
+
+async def test_background_start_list_attach(client):
+    pid_id, pid = await client.start(["sh", "-c", "echo a; echo b >&2; sleep 0.3; echo c"], env=ENV)
+    assert pid > 0
+    info = {p.id: p for p in await client.list()}[pid_id]
+    assert info.running and info.exit_code is None and info.command.startswith("sh -c echo a")
+
+    async def collect():
+        return [ev async for ev in client.attach(pid_id)]
+
+    first, second = await asyncio.gather(collect(), collect())
+    later = await collect()  # after the end: everything replayed from the start
+    for events in (first, second, later):
+        out = b"".join(ev.data for ev in events if isinstance(ev, Output) and ev.fd == 1)
+        err = b"".join(ev.data for ev in events if isinstance(ev, Output) and ev.fd == 2)
+        assert (out, err) == (b"a\nc\n", b"b\n")
+        assert events[-1].exit_code == 0
+    info = {p.id: p for p in await client.list()}[pid_id]
+    assert not info.running and (info.exit_code, info.signal) == (0, 0)
+
+
+async def test_background_signal(client):
+    pid_id, pid = await client.start(["sh", "-c", "sleep 100 & sleep 100"], env=ENV)
+    await client.signal(pid_id, signal.SIGKILL)
+    events = [ev async for ev in client.attach(pid_id)]
+    assert (events[-1].exit_code, events[-1].signal) == (-1, signal.SIGKILL)
+    await wait_until(lambda: group_gone(pid))
+    with pytest.raises(AgentError) as err:
+        await client.signal(pid_id, signal.SIGTERM)
+    assert err.value.errno == "ESRCH"
+    with pytest.raises(AgentError):
+        await client.signal("999999", signal.SIGTERM)
+
+
+async def test_background_timeout(client):
+    pid_id, _ = await client.start(["sleep", "100"], env=ENV, timeout_ms=100)
+    exit_ = [ev async for ev in client.attach(pid_id)][-1]
+    assert exit_.timed_out and exit_.signal == signal.SIGKILL
+
+
+async def test_attach_unknown_id(client):
+    with pytest.raises(AgentError) as err:
+        [ev async for ev in client.attach("123456789")]
+    assert err.value.errno == "ESRCH"
+
+
+async def test_hundred_concurrent_execs(client):
+    results = await asyncio.gather(
+        *(client.run(["sh", "-c", 'sleep 0.1; echo "$0"', str(i)], env=ENV) for i in range(100))
+    )
+    assert [r.stdout for r in results] == [f"{i}\n".encode() for i in range(100)]
+
+
+async def test_early_close_keeps_process_running(client, tmp_path):
+    marker = tmp_path / "done"
+    events = client.exec(["sh", "-c", f"echo start; sleep 0.3; echo done > {marker}"], env=ENV)
+    assert (await anext(events)).data == b"start\n"
+    await events.aclose()
+    await wait_until(marker.exists)
+    await client.ping()
+
+
+async def test_agent_survives_abrupt_disconnects(agent, client):
+    # mid-stream, with the agent blocked on a full socket
+    events = client.exec(["head", "-c", "100000000", "/dev/zero"], env=ENV, timeout_ms=5000)
+    await anext(events)
+    await events.aclose()
+    # mid-request: half a frame, then gone
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(str(agent[1]))
+        s.sendall(encode("E", [("argv", "true")])[:7])
+    # a frame length over the limit
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(str(agent[1]))
+        s.sendall((1 << 31).to_bytes(4, "big"))
+        assert decode(s.recv(4096)[4:]).type == "X"
+    await client.ping()
+    assert agent[0].poll() is None
+
+
+async def test_file_roundtrip(client, tmp_path):
+    path = str(tmp_path / "blob")
+    data = bytes(range(256)) * (12 << 10)  # 3 MiB: several D chunks
+    await client.write_file(path, data, mode=0o600)
+    assert await client.read_file(path) == data
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    await client.write_file(path, b"new")  # replace
+    await client.write_file(path, b"+more", append=True)
+    assert await client.read_file(path) == b"new+more"
+    await client.write_file(str(tmp_path / "appended"), b"x", append=True, mode=0o640)
+    assert os.stat(tmp_path / "appended").st_mode & 0o777 == 0o640
+    assert sorted(os.listdir(tmp_path)) == ["appended", "blob"]  # no temp files left behind
+
+
+async def test_file_errors(client, tmp_path):
+    for call in (
+        client.read_file(str(tmp_path / "missing")),
+        client.write_file(str(tmp_path / "no" / "parent"), b"x"),
+        client.stat(str(tmp_path / "missing")),
+        client.list_dir(str(tmp_path / "missing")),
+        client.remove(str(tmp_path / "missing")),
+        client.mkdir(str(tmp_path / "a" / "b")),
+    ):
+        with pytest.raises(AgentError) as err:
+            await call
+        assert err.value.errno == "ENOENT"
+    with pytest.raises(AgentError) as err:
+        await client.read_file(str(tmp_path))
+    assert err.value.errno == "EISDIR"
+    with pytest.raises(AgentError) as err:
+        await client.read_file("relative/path")
+    assert err.value.errno == "EINVAL"
+
+
+async def test_list_stat_mkdir_remove(client, tmp_path):
+    root = tmp_path / "tree"
+    await client.mkdir(str(root / "a" / "b"), parents=True, mode=0o700)
+    await client.mkdir(str(root / "a" / "b"), parents=True)  # exists: fine with parents
+    assert os.stat(root / "a" / "b").st_mode & 0o777 == 0o700
+    with pytest.raises(AgentError) as err:
+        await client.mkdir(str(root / "a"))
+    assert err.value.errno == "EEXIST"
+    await client.write_file(str(root / "a" / "f"), b"12345")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("keep")
+    os.symlink(outside, root / "a" / "link")
+
+    entries = {e.name: e for e in await client.list_dir(str(root / "a"))}
+    assert {n: e.type for n, e in entries.items()} == {"b": "dir", "f": "file", "link": "symlink"}
+    assert entries["f"].size == 5 and entries["f"].mode == 0o644
+    assert abs(entries["f"].mtime - time.time()) < 60
+    st = await client.stat(str(root / "a" / "b") + "/")
+    assert (st.name, st.type, st.mode) == ("b", "dir", 0o700)
+    assert (await client.stat("/")).name == "/"
+
+    with pytest.raises(AgentError) as err:
+        await client.remove(str(root))
+    assert err.value.errno == "ENOTEMPTY"
+    await client.remove(str(root / "a" / "f"))
+    await client.remove(str(root), recursive=True)
+    assert not root.exists()
+    assert (outside / "keep").read_text() == "keep"  # the symlink was not followed
