@@ -40,7 +40,17 @@ class Server:
 
     @property
     def url(self) -> str:
+        if "--port" in self.args:
+            return f"http://{self.args[self.args.index('--host') + 1]}:{self.args[self.args.index('--port') + 1]}"
         return f"unix://{self.state_dir / 'api.sock'}"
+
+    def http(self, authenticated: bool = False) -> httpx.Client:
+        """A raw HTTP client for the server, for what the SDK does not do."""
+        headers = {"authorization": f"Bearer {self.key}"} if authenticated else {}
+        if self.url.startswith("unix://"):
+            return httpx.Client(transport=httpx.HTTPTransport(uds=str(self.state_dir / "api.sock")),
+                                base_url="http://dsec", headers=headers)
+        return httpx.Client(base_url=self.url, headers=headers)
 
     @property
     def key(self) -> str:
@@ -52,9 +62,8 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dsec", "serve", "--state-dir", str(self.state_dir), *self.args],
             stdout=log, stderr=log, start_new_session=True)
-        transport = httpx.HTTPTransport(uds=str(self.state_dir / "api.sock"))
         deadline = time.monotonic() + 120
-        with httpx.Client(transport=transport, base_url="http://dsec") as http:
+        with self.http() as http:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"server exited: {(LOG_DIR / f'{self.state_dir.name}.log').read_text()}")
@@ -85,8 +94,7 @@ def stop_server(server: Server) -> None:
     if server.proc and server.proc.poll() is None:
         server.kill(signal.SIGTERM)
     cleanup = Server(server.state_dir, server.args).start()
-    with httpx.Client(transport=httpx.HTTPTransport(uds=str(server.state_dir / "api.sock")),
-                      base_url="http://dsec", headers={"authorization": f"Bearer {server.key}"}) as http:
+    with cleanup.http(authenticated=True) as http:
         for sb in http.get("/v1/sandboxes").json():
             http.delete(f"/v1/sandboxes/{sb['id']}")
     cleanup.kill(signal.SIGTERM)

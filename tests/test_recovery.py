@@ -7,7 +7,6 @@ import asyncio
 import signal
 from pathlib import Path
 
-import httpx
 import pytest
 
 import dsec
@@ -15,8 +14,7 @@ from conftest import Server, make_server, stop_server
 
 
 def _edge_id(server: Server) -> str:
-    with httpx.Client(transport=httpx.HTTPTransport(uds=str(server.state_dir / "api.sock")),
-                      base_url="http://dsec") as http:
+    with server.http() as http:
         return http.get("/v1/health").json()["edges"][0]["id"]
 
 

@@ -42,6 +42,11 @@ class Sample:
     name: str
     values_ms: list[float]
     failures: int = 0
+    baseline: Sample | None = None
+
+    def ratio(self) -> float | None:
+        """p50 over the baseline's p50."""
+        return self.pct(50) / self.baseline.pct(50) if self.baseline else None
 
     def pct(self, q: float) -> float:
         ordered = sorted(self.values_ms)
@@ -50,7 +55,7 @@ class Sample:
     def row(self) -> dict[str, float | int | str]:
         return {"name": self.name, "n": len(self.values_ms), "failures": self.failures,
                 "p50": self.pct(50), "p95": self.pct(95), "p99": self.pct(99),
-                "mean": statistics.fmean(self.values_ms)}
+                "mean": statistics.fmean(self.values_ms), "p50_ratio_to_baseline": self.ratio()}
 
 
 async def _timed(fn: Callable[[], Awaitable[None]]) -> float:
@@ -59,7 +64,8 @@ async def _timed(fn: Callable[[], Awaitable[None]]) -> float:
     return (time.perf_counter() - t0) * 1000
 
 
-async def _series(name: str, fn: Callable[[], Awaitable[None]], n: int, concurrency: int = 1) -> Sample:
+async def _series(name: str, fn: Callable[[], Awaitable[None]], n: int, concurrency: int = 1,
+                  baseline: Sample | None = None) -> Sample:
     gate = asyncio.Semaphore(concurrency)
     failures = 0
 
@@ -73,7 +79,7 @@ async def _series(name: str, fn: Callable[[], Awaitable[None]], n: int, concurre
                 return None
 
     values = [v for v in await asyncio.gather(*(one() for _ in range(n))) if v is not None]
-    return Sample(name, values, failures)
+    return Sample(name, values, failures, baseline)
 
 
 class BareCrun:
@@ -83,6 +89,9 @@ class BareCrun:
         self.root = root
         self.lowerdirs = lowerdirs
         self.state = root / "crun-state"
+        root.mkdir(parents=True)
+        subprocess.run(["crun", "spec"], cwd=root, capture_output=True, check=True)
+        self.template = json.loads((root / "config.json").read_text())
 
     def _bundle(self, args: list[str]) -> tuple[str, Path]:
         cid = "bare-" + secrets.token_hex(4)
@@ -90,8 +99,7 @@ class BareCrun:
         for sub in ("upper", "work", "rootfs"):
             (d / sub).mkdir(parents=True)
         overlay_mount(self.lowerdirs, d / "upper", d / "work", d / "rootfs")
-        subprocess.run(["crun", "spec"], cwd=d, capture_output=True, check=True)
-        config = json.loads((d / "config.json").read_text())
+        config = json.loads(json.dumps(self.template))
         config["root"] = {"path": str(d / "rootfs"), "readonly": False}
         config["process"]["terminal"] = False
         config["process"]["args"] = args
@@ -158,56 +166,91 @@ class Created:
             await asyncio.gather(*(sb.stop() for sb in batch))
 
 
-def _start_server(state: Path) -> subprocess.Popen[bytes]:
-    log = open(state / "server.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "dsec", "serve", "--state-dir", str(state),
-                             "--capacity", "200"], stdout=log, stderr=log, start_new_session=True)
-    transport = httpx.HTTPTransport(uds=str(state / "api.sock"))
-    with httpx.Client(transport=transport, base_url="http://dsec") as http:
+@asynccontextmanager
+async def bench_server(state: Path, *args: str) -> AsyncIterator[Created]:
+    """A private dsec server; every sandbox made through the yielded ``Created`` is stopped
+    before the server is, also when a series fails."""
+    state.mkdir(parents=True)
+    with open(state / "server.log", "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "dsec", "serve", "--state-dir", str(state),
+                                 "--capacity", "250", *args], stdout=log, stderr=log,
+                                start_new_session=True)
+    try:
+        _wait_healthy(state)
+        async with DSecClient(f"unix://{state / 'api.sock'}",
+                              (state / "local.key").read_text().strip(), autostart=False) as client:
+            created = Created(client)
+            try:
+                yield created
+            finally:
+                await created.stop_all()
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def _wait_healthy(state: Path) -> None:
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(state / "api.sock")),
+                      base_url="http://dsec") as http:
         for _ in range(2400):
             try:
                 if http.get("/v1/health").status_code == 200:
-                    return proc
+                    return
             except httpx.TransportError:
                 time.sleep(0.05)
     raise RuntimeError(f"server did not start: {(state / 'server.log').read_text()}")
 
 
+def idle_memory(created: Created) -> Sample:
+    """Memory charged to each idle sandbox's cgroup (agent, page tables, its page cache)."""
+    values = []
+    for sb in created.sandboxes:
+        for usage in Path("/sys/fs/cgroup/memory").glob(f"dsec-*/{sb.id}/memory.usage_in_bytes"):
+            values.append(int(usage.read_text()) / 1e6)
+    return Sample("idle sandbox memory (MB, not ms)", values)
+
+
 async def run_benchmark(console: Console, quick: bool = False) -> list[Sample]:
     n_seq, n_burst, n_exec = (10, 20, 100) if quick else (50, 100, 500)
     image = ImageStore().ensure(IMAGE, console=console)
-    state = BENCH_ROOT / secrets.token_hex(3)
-    state.mkdir(parents=True)
-    bare = BareCrun(state / "bare", LayerMounter().lowerdirs(image))
-    server = _start_server(state)
+    root = BENCH_ROOT / secrets.token_hex(3)
+    bare = BareCrun(root / "bare", LayerMounter().lowerdirs(image))
     samples = []
     try:
-        async with DSecClient(f"unix://{state / 'api.sock'}",
-                              (state / "local.key").read_text().strip(), autostart=False) as client:
-            created = Created(client)
-            await created.first_output()  # warm-up: agent binary, layer mounts, page cache
+        async with bench_server(root / "cold", "--warm-pool", "0") as cold:
+            await cold.first_output()  # warm-up: agent binary, layer mounts, page cache
             await bare.run_echo()
-            await created.stop_all()
+            await cold.stop_all()
             with console.status("create-to-first-output, one at a time"):
-                samples.append(await _series("bare crun run: first output", bare.run_echo, n_seq))
-                samples.append(await _series("dsec create: first output", created.first_output, n_seq))
-                await created.stop_all()
+                seq = await _series("bare crun run: first output", bare.run_echo, n_seq)
+                samples += [seq, await _series("dsec create (cold): first output",
+                                               cold.first_output, n_seq, baseline=seq)]
+                await cold.stop_all()
             with console.status(f"create-to-first-output, burst of {n_burst}"):
-                samples.append(await _series(f"bare crun run: burst {n_burst}", bare.run_echo,
-                                             n_burst, n_burst))
-                samples.append(await _series(f"dsec create: burst {n_burst}", created.first_output,
-                                             n_burst, n_burst))
-                await created.stop_all()
+                burst = await _series(f"bare crun run: burst {n_burst}", bare.run_echo,
+                                      n_burst, n_burst)
+                samples += [burst, await _series(f"dsec create (cold): burst {n_burst}",
+                                                 cold.first_output, n_burst, n_burst, burst)]
+                memory = idle_memory(cold)
+                await cold.stop_all()
             with console.status("exec round trip of `true`"):
                 async with bare.running() as cid:
-                    samples.append(await _series("bare crun exec true", lambda: bare.exec_true(cid), n_exec // 5))
-                sb = await client.create(image=IMAGE, ttl_s=300)
-                samples.append(await _series("dsec exec true", lambda: _run_true(sb), n_exec))
+                    exec_base = await _series("bare crun exec true", lambda: bare.exec_true(cid),
+                                              n_exec // 5)
+                sb = await cold.client.create(image=IMAGE, ttl_s=300)
+                samples += [exec_base, await _series("dsec exec true", lambda: _run_true(sb),
+                                                     n_exec, baseline=exec_base)]
                 await sb.stop()
+        async with bench_server(root / "warm", "--warm-pool", "8") as warm:
+            with console.status("create-to-first-output from the warm pool"):
+                await warm.first_output()  # asks for the image: the pool fills
+                await asyncio.sleep(2)
+                await warm.stop_all()
+                samples.append(await _series("dsec create (warm pool of 8): first output",
+                                             warm.first_output, 8, baseline=seq))
+        samples.append(memory)
     finally:
-        server.terminate()
-        server.wait()
-        shutil.rmtree(state, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
     return samples
 
 
@@ -217,27 +260,21 @@ async def _run_true(sb: AsyncSandbox) -> None:
         raise RuntimeError("true failed")
 
 
-def report(console: Console, samples: list[Sample]) -> dict[str, float]:
-    table = Table("measure", "n", "fail", "p50 ms", "p95 ms", "p99 ms", title="dsec bench")
+def report(console: Console, samples: list[Sample]) -> None:
+    table = Table("measure", "n", "fail", "p50", "p95", "p99", "p50 / baseline", title="dsec bench (ms)")
     for s in samples:
-        r = s.row()
-        table.add_row(s.name, str(r["n"]), str(r["failures"]), f"{r['p50']:.1f}", f"{r['p95']:.1f}",
-                      f"{r['p99']:.1f}")
+        ratio = s.ratio()
+        table.add_row(s.name, str(len(s.values_ms)), str(s.failures), f"{s.pct(50):.1f}",
+                      f"{s.pct(95):.1f}", f"{s.pct(99):.1f}", f"{ratio:.2f}" if ratio else "")
     console.print(table)
-    ratios = {}
-    for base, ours in zip(samples[::2], samples[1::2]):  # series come in (baseline, dsec) pairs
-        ratios[ours.name] = ours.pct(50) / base.pct(50)
-        console.print(f"{ours.name} / {base.name}: p50 ratio {ratios[ours.name]:.2f}")
-    return ratios
 
 
-def main(quick: bool = False) -> None:
+def main(quick: bool = False, json_out: Path | None = None) -> None:
     if os.geteuid() != 0:
         raise SystemExit("dsec bench runs containers and must run as root")
     console = Console()
     samples = asyncio.run(run_benchmark(console, quick))
     report(console, samples)
-    out = Path(os.environ.get("DSEC_BENCH_JSON", "benchmarks/results.json"))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps([s.row() for s in samples], indent=2))
-    console.print(f"raw figures in {out}")
+    if json_out:
+        json_out.write_text(json.dumps([s.row() for s in samples], indent=2))
+        console.print(f"raw figures in {json_out}")

@@ -42,14 +42,16 @@ def main() -> None:
 @click.option("--host", default=None, help="serve TCP on this address instead of the Unix socket")
 @click.option("--port", type=int, default=8080)
 @click.option("--capacity", type=int, default=256, help="most sandboxes this edge runs at once")
+@click.option("--warm-pool", type=int, default=2,
+              help="sandboxes kept started per image that was asked for (0: none)")
 @click.option("--runtime", type=click.Choice(["crun", "runc", "runsc"]), default="crun")
 @click.option("--edge-id", default="", help="edge id (default: derived from host and state dir)")
-def serve(state_dir: Path | None, host: str | None, port: int, capacity: int, runtime: str,
-          edge_id: str) -> None:
+def serve(state_dir: Path | None, host: str | None, port: int, capacity: int, warm_pool: int,
+          runtime: str, edge_id: str) -> None:
     """Run the API server with an embedded edge on this host."""
     from .api.server import DEFAULT_STATE_DIR, ServerConfig, serve as run_server
     config = ServerConfig(state_dir=state_dir or DEFAULT_STATE_DIR, capacity=capacity,
-                          runtime=runtime, edge_id=edge_id)
+                          warm_pool=warm_pool, runtime=runtime, edge_id=edge_id)
     where = f"http://{host}:{port}" if host else f"unix://{config.socket_path}"
     console.print(f"dsec serving on {where} (state in {config.state_dir})")
     run_server(config, host, port if host else None)
@@ -178,7 +180,9 @@ def key_create(name: str, state_dir: Path | None) -> None:
 
 @main.command()
 @click.option("--quick", is_flag=True, help="smaller counts, for a smoke run")
-def bench(quick: bool) -> None:
-    """Run the benchmark suite and print the figures (see docs/BENCHMARKS.md)."""
+@click.option("--json", "json_out", type=click.Path(path_type=Path), default=None,
+              help="also write the figures as JSON here")
+def bench(quick: bool, json_out: Path | None) -> None:
+    """Run the benchmark against bare crun and print the figures (see docs/BENCHMARKS.md)."""
     from .bench import main as bench_main
-    bench_main(quick=quick)
+    bench_main(quick=quick, json_out=json_out)

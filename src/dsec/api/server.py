@@ -25,6 +25,7 @@ class ServerConfig:
     state_dir: Path = DEFAULT_STATE_DIR
     edge_id: str = ""
     capacity: int = 256
+    warm_pool: int = 2
     runtime: str = "crun"
     image_store: Path | None = None
 
@@ -57,7 +58,7 @@ def build_app(config: ServerConfig) -> FastAPI:
     store = StateStore(config.state_dir / "state.db")
     local_key(config, store)
     edge_config = EdgeConfig(state_dir=config.state_dir, edge_id=config.edge_id,
-                             capacity=config.capacity)
+                             capacity=config.capacity, warm_pool=config.warm_pool)
     substrates = {"container": ContainerSubstrate(config.state_dir, edge_config.edge_id,
                                                   runtime=config.runtime)}
     edge = Edge(edge_config, store, ImageStore(config.image_store), substrates)

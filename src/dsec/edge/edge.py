@@ -25,10 +25,11 @@ from ..client.errors import (CapacityExhausted, DSecError, FileNotFound, Invalid
                              SandboxNotFound)
 from ..client.models import (CreateRequest, ExecRequest, ExecResult, FileEntry, ProcessInfo,
                              SandboxInfo, b64)
-from ..images.store import ImageStore
+from ..images.store import Image, ImageStore
 from ..store.sqlite import SandboxRow, StateStore
 from ..substrates.base import StartPlan, Substrate
 from .commands import check_env, exec_argv, sandbox_path
+from .pool import Pooled, WarmPool
 
 log = logging.getLogger("dsec.edge")
 
@@ -49,6 +50,7 @@ class EdgeConfig:
     state_dir: Path
     edge_id: str = ""
     capacity: int = 256
+    warm_pool: int = 2
     reap_interval_s: float = 0.5
 
     def __post_init__(self) -> None:
@@ -71,6 +73,8 @@ class Edge:
         self.store = store
         self.images = images
         self.substrates = substrates
+        self.pools = {name: WarmPool(substrate, self.id, config.warm_pool)
+                      for name, substrate in substrates.items()}
         self._live: dict[str, Live] = {}
         self._starting = 0
         self._reaper: asyncio.Task[None] | None = None
@@ -83,9 +87,14 @@ class Edge:
         self._reaper = asyncio.create_task(self._reap_forever(), name="dsec-reaper")
 
     async def close(self) -> None:
-        """Stop serving; sandboxes keep running and are adopted by the next start."""
+        """Stop serving; sandboxes keep running and are adopted by the next start. Warm-pool
+        sandboxes were never handed out, so they go."""
         if self._reaper:
             self._reaper.cancel()
+        for pool in self.pools.values():
+            await pool.close()
+        for substrate in self.substrates.values():
+            await substrate.close()
 
     async def recover(self) -> None:
         """Adopt the sandboxes that survived a restart; remove everything else we left."""
@@ -106,8 +115,7 @@ class Edge:
                 self.store.event("cleanup", sandbox_id, reason="leftover after restart")
 
     def _adopt(self, row: SandboxRow, substrate: Substrate) -> Live:
-        req = CreateRequest.model_validate(row.request)
-        live = Live(row, substrate, substrate.agent(row.id, row.runtime), {**BASE_ENV, **req.env})
+        live = Live(row, substrate, substrate.agent(row.id, row.runtime), row.request["env"])
         self._live[row.id] = live
         return live
 
@@ -128,25 +136,50 @@ class Edge:
                                     f"{self.config.capacity} sandboxes", edge=self.id)
         self._starting += 1
         try:
-            image = await asyncio.to_thread(self.images.get, req.image)
-            now = time.time()
-            row = SandboxRow(id=f"sb-{self.id}-{secrets.token_hex(6)}", edge=self.id,
-                             substrate=req.substrate, image=req.image, image_digest=image.digest,
-                             state="starting", request=req.model_dump(), created_at=now,
-                             expires_at=now + req.ttl_s)
-            self.store.insert_sandbox(row)
-            try:
-                row.runtime = await substrate.start(StartPlan(row.id, req, image))
-            except BaseException as exc:
-                self.store.mark_ended(row.id, "died", f"failed to start: {exc}")
-                raise
-            row.state = "running"
-            self.store.mark_running(row.id, row.runtime)
+            image = self.images.get(req.image)
+            image_env = dict(kv.partition("=")[::2] for kv in image.config.env)
+            req = req.model_copy(update={"env": {**BASE_ENV, **image_env, **req.env}})
+            pool = self.pools.get(req.substrate)
+            pooled = pool.take(image) if pool and req.runtime is None else None
+            row = await (self._claim(substrate, req, pooled) if pooled
+                         else self._start(substrate, req, image))
             self._adopt(row, substrate)
         finally:
             self._starting -= 1
-        self.store.event("created", row.id, image=req.image)
+        self.store.event("created", row.id, image=req.image, warm=pooled is not None)
         return self.info(row)
+
+    def _row(self, sandbox_id: str, req: CreateRequest, image_digest: str, state: str) -> SandboxRow:
+        now = time.time()
+        return SandboxRow(id=sandbox_id, edge=self.id, substrate=req.substrate, image=req.image,
+                          image_digest=image_digest, state=state, request=req.model_dump(),
+                          created_at=now, expires_at=now + req.ttl_s)
+
+    async def _start(self, substrate: Substrate, req: CreateRequest, image: Image) -> SandboxRow:
+        """Record the sandbox as starting first, so a crash mid-start leaves a trace to clean."""
+        row = self._row(f"sb-{self.id}-{secrets.token_hex(6)}", req, image.digest, "starting")
+        self.store.insert_sandbox(row)
+        try:
+            row.runtime = await substrate.start(StartPlan(row.id, req, image))
+        except BaseException as exc:
+            self.store.mark_ended(row.id, "died", f"failed to start: {exc}")
+            raise
+        row.state = "running"
+        self.store.mark_running(row.id, row.runtime)
+        return row
+
+    async def _claim(self, substrate: Substrate, req: CreateRequest, pooled: Pooled) -> SandboxRow:
+        try:
+            await substrate.resize(pooled.sandbox_id, pooled.runtime, req)
+        except BaseException as exc:
+            await substrate.destroy(pooled.sandbox_id)
+            if isinstance(exc, OSError):
+                raise SandboxError(f"could not apply limits to a warm sandbox: {exc}") from exc
+            raise
+        row = self._row(pooled.sandbox_id, req, pooled.image.digest, "running")
+        row.runtime = pooled.runtime
+        self.store.insert_sandbox(row)
+        return row
 
     async def stop(self, sandbox_id: str, state: str = "stopped", reason: str = "stopped by client") -> None:
         live = self._live.pop(sandbox_id, None)

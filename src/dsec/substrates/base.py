@@ -30,9 +30,17 @@ class Substrate(ABC):
     async def prepare(self) -> None:
         """One-time host preparation when the edge starts."""
 
+    async def close(self) -> None:
+        """The edge stops serving; live sandboxes stay, to be adopted by the next edge."""
+
     @abstractmethod
     async def start(self, plan: StartPlan) -> dict[str, Any]:
         """Start the sandbox and return once its agent answers. On failure, leave nothing."""
+
+    @abstractmethod
+    async def resize(self, sandbox_id: str, runtime: dict[str, Any], request: CreateRequest) -> None:
+        """Apply the request's cpu, memory and pids limits to a running sandbox (used when a
+        warm-pool sandbox is claimed)."""
 
     @abstractmethod
     def agent(self, sandbox_id: str, runtime: dict[str, Any]) -> AgentClient: ...

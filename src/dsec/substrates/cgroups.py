@@ -14,6 +14,7 @@ from pathlib import Path
 from ..client.errors import NotSupported
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+CPU_PERIOD_US = 100_000
 
 
 def is_cgroup2_only() -> bool:
@@ -45,14 +46,26 @@ def prepare_hybrid_host() -> list[str]:
 def sandbox_cgroups(parent: str) -> dict[str, list[Path]]:
     """Every sandbox cgroup directory under ``parent``, by sandbox id, in all hierarchies."""
     found: dict[str, list[Path]] = {}
-    bases = [CGROUP_ROOT] if is_cgroup2_only() else [p for p in CGROUP_ROOT.iterdir() if p.is_dir()]
-    for base in bases:
+    for base in _hierarchies():
         d = base / parent.strip("/")
         if d.is_dir():
             for child in d.iterdir():
                 if child.is_dir():
                     found.setdefault(child.name, []).append(child)
     return found
+
+
+def remove_parent_if_unused(parent: str) -> None:
+    """Remove the edge's parent cgroup in every hierarchy once no sandbox is left under it."""
+    for base in _hierarchies():
+        try:
+            (base / parent.strip("/")).rmdir()
+        except OSError:  # absent, or sandboxes still live in it
+            pass
+
+
+def _hierarchies() -> list[Path]:
+    return [CGROUP_ROOT] if is_cgroup2_only() else [p for p in CGROUP_ROOT.iterdir() if p.is_dir()]
 
 
 def remove_cgroups(dirs: list[Path]) -> None:
@@ -99,3 +112,18 @@ def oom_kills(parent: str, sandbox_id: str) -> int:
     except FileNotFoundError:
         pass
     return 0
+
+
+def set_limits(parent: str, sandbox_id: str, cpu: float, memory_bytes: int, pids: int) -> None:
+    """Change a running sandbox's limits in place (what ``crun update`` does, without a fork)."""
+    rel = f"{parent.strip('/')}/{sandbox_id}"
+    quota = int(cpu * CPU_PERIOD_US)
+    if is_cgroup2_only():
+        writes = {f"{rel}/cpu.max": f"{quota} {CPU_PERIOD_US}", f"{rel}/memory.max": str(memory_bytes),
+                  f"{rel}/pids.max": str(pids)}
+    else:
+        writes = {f"cpu/{rel}/cpu.cfs_quota_us": str(quota),
+                  f"memory/{rel}/memory.limit_in_bytes": str(memory_bytes),
+                  f"pids/{rel}/pids.max": str(pids)}
+    for path, value in writes.items():
+        (CGROUP_ROOT / path).write_text(value)

@@ -19,6 +19,7 @@ from typing import Any
 from ..agent.build import agent_binary
 from ..agent.client import AgentClient
 from ..client.errors import NotSupported, SandboxError
+from ..client.models import CreateRequest
 from ..images.mount import LayerMounter, overlay_mount, unmount
 from . import cgroups
 from .base import StartPlan, Substrate
@@ -49,6 +50,9 @@ class ContainerSubstrate(Substrate):
         if self.default_runtime == "crun":
             cgroups.prepare_hybrid_host()
         self._agent_binary = await asyncio.to_thread(agent_binary)
+
+    async def close(self) -> None:
+        cgroups.remove_parent_if_unused(self.cgroup_parent)
 
     def _dir(self, sandbox_id: str) -> Path:
         return self.root / sandbox_id
@@ -104,6 +108,10 @@ class ContainerSubstrate(Substrate):
                                f"{log_text[-2000:] or 'no output'}")
         pid = int((d / "pid").read_text())
         return {"runtime": runtime, "pid": pid, "start_time": _start_time(pid)}
+
+    async def resize(self, sandbox_id: str, runtime: dict[str, Any], request: CreateRequest) -> None:
+        cgroups.set_limits(self.cgroup_parent, sandbox_id, request.cpu, request.memory_mb << 20,
+                           request.pids)
 
     def agent(self, sandbox_id: str, runtime: dict[str, Any]) -> AgentClient:
         return AgentClient(self._dir(sandbox_id) / "run" / "agent.sock")

@@ -11,6 +11,7 @@ import resource
 from typing import Any
 
 from ..client.models import CreateRequest
+from .cgroups import CPU_PERIOD_US
 
 AGENT_PATH = "/.dsec/agent"
 AGENT_RUN_DIR = "/.dsec/run"
@@ -72,7 +73,7 @@ def container_config(
            "HOME": "/root", "LANG": "C.UTF-8"}
     env.update(request.env)
     caps = list(CAPABILITIES)
-    period = 100_000
+    period = CPU_PERIOD_US
     memory = request.memory_mb << 20
     nofile = min(65536, resource.getrlimit(resource.RLIMIT_NOFILE)[1])  # never above our own
     return {

@@ -1,0 +1,86 @@
+"""Warm pool: sandboxes started ahead of demand, so that a create is a claim, not a boot.
+
+A pooled sandbox is an ordinary sandbox of an image, started with default limits and not yet
+recorded in the state store: a claim applies the request's limits, records it, and the pool
+refills in the background. Only images that were asked for get a pool. After a crash, pooled
+sandboxes are leftovers like any other and the restarted edge removes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from ..client.models import CreateRequest
+from ..images.store import Image
+from ..substrates.base import StartPlan, Substrate
+
+log = logging.getLogger("dsec.pool")
+
+
+@dataclass(frozen=True)
+class Pooled:
+    sandbox_id: str
+    image: Image
+    runtime: dict[str, Any]
+
+
+class WarmPool:
+    def __init__(self, substrate: Substrate, edge_id: str, size: int) -> None:
+        self.substrate = substrate
+        self.edge_id = edge_id
+        self.size = size
+        self._ready: dict[str, deque[Pooled]] = {}
+        self._fillers: dict[str, asyncio.Task[None]] = {}
+
+    def eligible(self, req: CreateRequest, default_runtime: str) -> bool:
+        return (self.size > 0 and req.substrate == self.substrate.name
+                and req.runtime in (None, default_runtime))
+
+    def take(self, image: Image) -> Pooled | None:
+        """A live pooled sandbox of exactly this image (same digest), if one is ready; starts
+        refilling either way."""
+        ready = self._ready.setdefault(image.digest, deque())
+        found = None
+        while ready and found is None:
+            candidate = ready.popleft()
+            if self.substrate.alive(candidate.sandbox_id, candidate.runtime):
+                found = candidate
+            else:
+                asyncio.ensure_future(self.substrate.destroy(candidate.sandbox_id))
+        self._refill(image)
+        return found
+
+    def count(self) -> int:
+        return sum(len(q) for q in self._ready.values())
+
+    def _refill(self, image: Image) -> None:
+        filler = self._fillers.get(image.digest)
+        if filler is None or filler.done():
+            self._fillers[image.digest] = asyncio.create_task(self._fill(image),
+                                                              name=f"dsec-pool-{image.name}")
+
+    async def _fill(self, image: Image) -> None:
+        """One start at a time, so refilling never competes hard with live creates."""
+        ready = self._ready[image.digest]
+        while len(ready) < self.size:
+            sandbox_id = f"sb-{self.edge_id}-{secrets.token_hex(6)}"
+            request = CreateRequest(substrate=self.substrate.name, image=image.name)  # type: ignore[arg-type]
+            try:
+                runtime = await self.substrate.start(StartPlan(sandbox_id, request, image))
+            except Exception:
+                log.exception("warm pool could not start a sandbox of %s", image.name)
+                return
+            ready.append(Pooled(sandbox_id, image, runtime))
+
+    async def close(self) -> None:
+        for filler in self._fillers.values():
+            filler.cancel()
+        await asyncio.gather(*self._fillers.values(), return_exceptions=True)
+        for ready in self._ready.values():
+            while ready:
+                await self.substrate.destroy(ready.popleft().sandbox_id)
