@@ -236,3 +236,14 @@ async def test_api_key_is_required(server) -> None:  # type: ignore[no-untyped-d
     async with dsec.DSecClient(server.url, "dsk_wrong", autostart=False) as bad:
         with pytest.raises(dsec.Unauthorized):
             await bad.list()
+
+
+@pytest.mark.parametrize("runtime", ["runc", "runsc"])
+async def test_other_runtimes(client: dsec.DSecClient, runtime: str) -> None:
+    async with await client.create(runtime=runtime, ttl_s=120) as sb:
+        kernel = (await sb.run("cat /proc/version")).stdout
+        assert ("Linux version 4.4.0" in kernel) == (runtime == "runsc")  # gVisor's own kernel
+        await sb.write_file("/work/f", b"data")
+        assert (await sb.run("cat /work/f")).stdout == "data"
+        routes = (await sb.run("cat /proc/net/route 2>/dev/null")).stdout.strip().splitlines()
+        assert routes[1:] == []  # no route out, under either runtime

@@ -9,9 +9,9 @@ from .client.aio import OutputStream as AsyncOutputStream
 from .client.aio import Process as AsyncProcess
 from .client.aio import Sandbox as AsyncSandbox
 from .client.errors import (CapacityExhausted, CommandTimeout, DSecError, FileNotFound,
-                            ImageNotFound, InvalidRequest, NotSupported, ProcessNotFound,
-                            SandboxDied, SandboxError, SandboxNotFound, ServerUnavailable,
-                            Unauthorized)
+                            ImageBuildError, ImageNotFound, InvalidRequest, NotSupported,
+                            ProcessNotFound, SandboxDied, SandboxError, SandboxNotFound,
+                            ServerUnavailable, Unauthorized)
 from .client.models import FileEntry, ProcessInfo, SandboxInfo
 from .client.sync import Client, OutputStream, Process, Sandbox
 
@@ -19,7 +19,7 @@ __all__ = [
     "DSecClient", "AsyncSandbox", "AsyncProcess", "AsyncOutputStream", "OutputChunk",
     "CommandResult", "Client", "Sandbox", "Process", "OutputStream", "FileEntry", "ProcessInfo",
     "SandboxInfo", "DSecError", "CapacityExhausted", "CommandTimeout", "FileNotFound",
-    "ImageNotFound", "InvalidRequest", "NotSupported", "ProcessNotFound", "SandboxDied",
-    "SandboxError", "SandboxNotFound", "ServerUnavailable", "Unauthorized",
+    "ImageBuildError", "ImageNotFound", "InvalidRequest", "NotSupported", "ProcessNotFound",
+    "SandboxDied", "SandboxError", "SandboxNotFound", "ServerUnavailable", "Unauthorized",
 ]
 __version__ = "0.1.0"

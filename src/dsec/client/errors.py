@@ -39,6 +39,12 @@ class ImageNotFound(DSecError):
     code, status = "image_not_found", 404
 
 
+class ImageBuildError(DSecError):
+    """A build step failed; the message ends with the step's last lines of output."""
+
+    code, status = "image_build_failed", 500
+
+
 class FileNotFound(DSecError):
     code, status = "file_not_found", 404
 
@@ -85,6 +91,7 @@ ERRORS: dict[str, type[DSecError]] = {
         Unauthorized,
         SandboxNotFound,
         ImageNotFound,
+        ImageBuildError,
         FileNotFound,
         ProcessNotFound,
         SandboxDied,

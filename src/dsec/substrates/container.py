@@ -62,7 +62,7 @@ class ContainerSubstrate(Substrate):
             raise NotSupported(f"container runtime {runtime!r} is not installed on this edge")
         cmd = [runtime, "--root", str(self.runtime_root / runtime)]
         if runtime == "runsc":
-            cmd.append("--network=none")
+            cmd += ["--network=none", "--host-uds=create"]  # the agent binds its socket on the host
         return cmd
 
     async def start(self, plan: StartPlan) -> dict[str, Any]:

@@ -1,0 +1,162 @@
+"""Mounting image layers: EROFS layers once per node, an overlay stack per sandbox.
+
+The overlay mount sits on the sandbox create path, so it is a direct mount(2) call through
+ctypes (about 0.3 ms) rather than the ``mount`` command (about 2 ms of fork/exec).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import logging
+import os
+import re
+import subprocess
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dsec.client.errors import NotSupported
+
+if TYPE_CHECKING:
+    from dsec.images.store import Image, Layer
+
+log = logging.getLogger(__name__)
+
+_MNT_DETACH = 2
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+# Every upper must stay a self-contained diff (it becomes a layer, or a snapshot): no
+# metadata-only copy-ups or directory redirects pointing into the lower layers.
+_SELF_CONTAINED_UPPER = ("index=off", "redirect_dir=off", "metacopy=off")
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+
+
+def kernel_supports(fstype: str) -> bool:
+    """Whether the running kernel can mount ``fstype`` (it is listed in /proc/filesystems)."""
+    with open("/proc/filesystems") as f:
+        return any(line.split()[-1] == fstype for line in f if line.strip())
+
+
+def overlay_options(lowerdirs: Sequence[Path], upper: Path, work: Path) -> str:
+    """The overlay mount data for ``lowerdirs`` (top first); raises ValueError if unusable."""
+    for path in (*lowerdirs, upper, work):
+        if any(c in str(path) for c in ",:\\"):
+            raise ValueError(f"overlay paths must not contain ',', ':' or '\\': {path}")
+    options = ",".join(
+        (
+            f"lowerdir={':'.join(map(str, lowerdirs))}",
+            f"upperdir={upper}",
+            f"workdir={work}",
+            *_SELF_CONTAINED_UPPER,
+        )
+    )
+    if len(options.encode()) >= _PAGE_SIZE:
+        raise ValueError(
+            f"overlay mount options are {len(options)} bytes, the kernel takes at most {_PAGE_SIZE - 1}: "
+            f"use fewer layers or a shorter layer cache directory"
+        )
+    return options
+
+
+def overlay_mount(lowerdirs: Sequence[Path], upper: Path, work: Path, target: Path) -> None:
+    """Mount an overlay of ``lowerdirs`` (top first) with a writable ``upper`` at ``target``."""
+    data = overlay_options(lowerdirs, upper, work).encode()
+    if _libc.mount(b"overlay", os.fsencode(target), b"overlay", 0, data) != 0:
+        raise _os_error(f"mount overlay on {target}")
+
+
+def unmount(target: Path, lazy: bool = False) -> None:
+    """Unmount ``target``; ``lazy`` detaches it even while still in use (MNT_DETACH)."""
+    if _libc.umount2(os.fsencode(target), _MNT_DETACH if lazy else 0) != 0:
+        raise _os_error(f"unmount {target}")
+
+
+def mountpoints() -> set[Path]:
+    """Mount points of this process's mount namespace, from /proc/self/mountinfo."""
+    with open("/proc/self/mountinfo") as f:
+        return {Path(_unescape(line.split(" ", 5)[4])) for line in f}
+
+
+@contextmanager
+def locked(path: Path, shared: bool = False) -> Iterator[None]:
+    """Hold a flock on ``path`` (created if missing), exclusive unless ``shared``; works across processes."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+class LayerMounter:
+    """Makes an image's layers available as read-only directories on this node.
+
+    EROFS layers are loop-mounted once per node at ``cache_dir/<digest>`` and stay mounted
+    for every later sandbox; directory layers are used where they are.
+    """
+
+    def __init__(self, cache_dir: Path | None = None) -> None:
+        state_dir = Path(os.environ.get("DSEC_STATE_DIR", "/var/lib/dsec"))
+        # Resolved, so paths compare equal to the ones in /proc/self/mountinfo.
+        self.cache_dir = Path(cache_dir or state_dir / "layers").resolve()
+
+    def lowerdirs(self, image: Image) -> list[Path]:
+        """The image's layer directories top→bottom, ready for an overlay ``lowerdir=``."""
+        mounted = mountpoints()
+        return [
+            self._mount(layer, mounted) if layer.format == "erofs" else layer.path
+            for layer in reversed(image.layers)
+        ]
+
+    def unmount_all(self) -> list[Path]:
+        """Unmount every layer mounted under ``cache_dir``; returns those still busy."""
+        busy = []
+        for target in sorted(p for p in mountpoints() if p.parent == self.cache_dir):
+            try:
+                unmount(target)
+            except OSError as exc:
+                if exc.errno != errno.EBUSY:
+                    raise
+                busy.append(target)  # a sandbox still uses it
+            else:
+                target.rmdir()
+        return busy
+
+    def _mount(self, layer: Layer, mounted: set[Path]) -> Path:
+        target = self.cache_dir / layer.digest.removeprefix("sha256:")
+        if target in mounted:
+            return target
+        if not kernel_supports("erofs"):
+            raise NotSupported(f"layer {layer.digest} is EROFS, but this kernel cannot mount erofs")
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        with locked(target.with_name(target.name + ".lock")):
+            if target not in mountpoints():  # another process may have mounted it meanwhile
+                target.mkdir(exist_ok=True)
+                mount_erofs(layer.path, target)
+                log.info("mounted layer %s at %s", layer.digest, target)
+        return target
+
+
+def mount_erofs(image_file: Path, target: Path) -> None:
+    """Loop-mount an EROFS image read-only (a one-off per layer and node, so the command is fine)."""
+    result = subprocess.run(
+        ["mount", "-t", "erofs", "-o", "ro,loop", str(image_file), str(target)],
+        capture_output=True,
+        text=True,
+    )
+    if result.returncode != 0:
+        raise OSError(f"mount erofs {image_file} on {target}: {result.stderr.strip()}")
+
+
+def _unescape(field: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def _os_error(what: str) -> OSError:
+    err = ctypes.get_errno()
+    return OSError(err, f"{what}: {os.strerror(err)}")

@@ -1,0 +1,319 @@
+"""The image store: content-addressed layers and named image manifests in a plain directory.
+
+Layout under the root (plain files only, so the store can live on NFS or 3FS)::
+
+    layers/<hex>/layer.json     layer metadata (digest, format, size, what built it)
+    layers/<hex>/layer.erofs    the layer as an EROFS image, or
+    layers/<hex>/rootfs/        the layer as a directory (kernels without erofs)
+    images/<name>.json          manifest: layer digests bottom→top, config, source
+    locks/                      flock files: one per layer, one for the whole store
+    tmp/                        layers under construction, renamed into layers/ when complete
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dsec.client.errors import ImageNotFound, InvalidRequest
+from dsec.client.errors import ImageBuildError
+from dsec.images.builder import build_layers, plan_layers
+from dsec.images.mount import kernel_supports, locked
+from dsec.images.oci import import_archive
+from dsec.images.spec import IMAGE_NAME, WORKDIR, ImageSpec, builtin_names, load_spec
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ROOT = Path("/var/cache/dsec/images")
+LAYER_FORMATS = ("erofs", "dir")
+DEFAULT_PATH = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# lz4hc: the bookworm minbase layer is 94 MB instead of 165 MB uncompressed (2.5 s vs 1.8 s to
+# pack); lz4 decompression is cheap next to the page cache it fills.
+_EROFS_OPTIONS = ("-zlz4hc", "--quiet")
+
+
+@dataclass(frozen=True)
+class Layer:
+    digest: str  # "sha256:<hex>", the build cache key (parent digest + what the layer holds)
+    path: Path  # the EROFS image file, or the directory
+    format: str  # "erofs" | "dir"
+    size_bytes: int
+
+
+@dataclass(frozen=True)
+class ImageConfig:
+    """How a sandbox runs the image by default (from the OCI config for imported images)."""
+
+    env: tuple[str, ...] = (DEFAULT_PATH,)
+    working_dir: str = WORKDIR
+    entrypoint: tuple[str, ...] = ()
+    cmd: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Image:
+    name: str
+    digest: str  # "sha256:<hex>" over the layer digests
+    layers: tuple[Layer, ...]  # bottom → top
+    created_at: float  # unix time
+    size_bytes: int
+    config: ImageConfig = ImageConfig()
+
+
+def image_digest(layers: tuple[Layer, ...] | list[Layer]) -> str:
+    return "sha256:" + hashlib.sha256("\n".join(layer.digest for layer in layers).encode()).hexdigest()
+
+
+def detect_layer_format() -> str:
+    """EROFS where the kernel mounts it and mkfs.erofs exists, else plain directories."""
+    if not kernel_supports("erofs"):
+        log.warning("kernel does not list erofs in /proc/filesystems: storing layers as directories")
+        return "dir"
+    if shutil.which("mkfs.erofs") is None:
+        log.warning("mkfs.erofs not found (install erofs-utils): storing layers as directories")
+        return "dir"
+    return "erofs"
+
+
+class LayerStore:
+    """Immutable layers keyed by digest; each is built once, under a lock, then renamed into place."""
+
+    def __init__(self, root: Path, layer_format: str) -> None:
+        if layer_format not in LAYER_FORMATS:
+            raise InvalidRequest(f"layer format must be one of {LAYER_FORMATS}, got {layer_format!r}")
+        self.format = layer_format
+        self._layers, self._locks, self._tmp = root / "layers", root / "locks", root / "tmp"
+        for d in (self._layers, self._locks, self._tmp):
+            d.mkdir(parents=True, exist_ok=True)
+
+    def get(self, digest: str) -> Layer | None:
+        directory = self._layers / _hex(digest)
+        try:
+            meta = json.loads((directory / "layer.json").read_text())
+        except FileNotFoundError:
+            return None
+        name = "layer.erofs" if meta["format"] == "erofs" else "rootfs"
+        return Layer(
+            digest=digest, path=directory / name, format=meta["format"], size_bytes=meta["size_bytes"]
+        )
+
+    def ensure(
+        self, digest: str, source: dict[str, Any], build: Callable[[Path], None]
+    ) -> tuple[Layer, bool]:
+        """The layer ``digest``, built if missing; returns (layer, whether it was built now).
+
+        ``build(scratch)`` must leave the layer's files in ``scratch/"rootfs"``; the scratch
+        directory is removed afterwards, whether the build succeeded or not.
+        """
+        with locked(self._locks / f"{_hex(digest)}.lock"):
+            if layer := self.get(digest):
+                return layer, False
+            for stale in self._tmp.glob(f"{_hex(digest)}.*"):  # left by a builder that died: we hold the lock
+                shutil.rmtree(stale)
+            scratch = Path(tempfile.mkdtemp(prefix=f"{_hex(digest)}.", dir=self._tmp))
+            try:
+                build(scratch)
+                return self._commit(digest, scratch, source), True
+            finally:
+                shutil.rmtree(scratch)
+
+    def remove_except(self, keep: set[str]) -> list[str]:
+        """Delete every layer whose digest is not in ``keep``; the caller excludes builders."""
+        removed = []
+        for directory in self._layers.iterdir():
+            digest = f"sha256:{directory.name}"
+            if digest not in keep:
+                shutil.rmtree(directory)
+                (self._locks / f"{directory.name}.lock").unlink(missing_ok=True)
+                removed.append(digest)
+        return removed
+
+    def _commit(self, digest: str, scratch: Path, source: dict[str, Any]) -> Layer:
+        out = scratch / "out"
+        out.mkdir()
+        if self.format == "erofs":
+            image_file = out / "layer.erofs"
+            _mkfs_erofs(scratch / "rootfs", image_file)
+            size = image_file.stat().st_size
+        else:
+            os.rename(scratch / "rootfs", out / "rootfs")
+            size = _disk_usage(out / "rootfs")
+        meta = {
+            "digest": digest,
+            "format": self.format,
+            "size_bytes": size,
+            "source": source,
+            "created_at": time.time(),
+        }
+        _write_durably(out / "layer.json", json.dumps(meta, indent=2).encode())
+        os.rename(out, self._layers / _hex(digest))  # atomic: the layer appears complete or not at all
+        layer = self.get(digest)
+        assert layer is not None
+        return layer
+
+
+class ImageStore:
+    """Named images over shared layers; see the module docstring for the on-disk layout."""
+
+    def __init__(self, root: Path | None = None, layer_format: str | None = None) -> None:
+        self.root = Path(root or os.environ.get("DSEC_IMAGE_STORE") or DEFAULT_ROOT)
+        self._images = self.root / "images"
+        self._images.mkdir(parents=True, exist_ok=True)
+        self.layers = LayerStore(self.root, layer_format or detect_layer_format())
+        self._store_lock = self.root / "locks" / "store.lock"
+
+    def build(self, spec: ImageSpec, console: Console | None = None) -> Image:
+        """Build (or find in the cache) every layer of ``spec`` and name the result ``spec.name``."""
+        with locked(self._store_lock, shared=True):
+            layers = build_layers(spec, self.layers, console)
+            return self._save(spec.name, layers, ImageConfig(), {"spec": spec.name})
+
+    def import_oci(self, tar_path: Path, name: str, console: Console | None = None) -> Image:
+        """Import an OCI image layout or ``docker save`` archive as image ``name``."""
+        _check_name(name)
+        with locked(self._store_lock, shared=True):
+            layers, run_config = import_archive(Path(tar_path), self.layers, console)
+            return self._save(name, layers, ImageConfig(**run_config), {"oci": str(tar_path)})
+
+    def get(self, ref: str) -> Image:
+        """The image named ``ref``, or whose digest starts with ``ref`` (``sha256:ab12...``)."""
+        if ref.startswith("sha256:"):
+            matches = [image for image in self.list() if image.digest.startswith(ref)]
+            if len(matches) > 1:
+                raise InvalidRequest(
+                    f"digest prefix {ref} is ambiguous: {', '.join(i.name for i in matches)}"
+                )
+            if matches:
+                return matches[0]
+        elif image := self._find(ref):
+            return image
+        known = ", ".join(image.name for image in self.list()) or "none"
+        raise ImageNotFound(
+            f"no image {ref!r} in {self.root} (known images: {known}; "
+            f"builtin specs that ensure() builds on demand: {', '.join(builtin_names())})",
+            ref=ref,
+        )
+
+    def ensure(self, ref_or_builtin_name: str, console: Console | None = None) -> Image:
+        """``get``, except that a builtin spec name is built when missing or out of date."""
+        if ref_or_builtin_name not in builtin_names():
+            return self.get(ref_or_builtin_name)
+        spec = load_spec(ref_or_builtin_name)
+        image = self._find(spec.name)
+        if image and [layer.digest for layer in image.layers] == [plan.digest for plan in plan_layers(spec)]:
+            return image
+        return self.build(spec, console)
+
+    def remove(self, ref: str) -> Image:
+        """Remove an image, and the layers no other image uses."""
+        with locked(self._store_lock):  # exclusive: no build may be picking up a layer we delete
+            image = self.get(ref)
+            (self._images / f"{image.name}.json").unlink()
+            in_use = {layer.digest for other in self.list() for layer in other.layers}
+            removed = self.layers.remove_except(in_use)
+            log.info("removed image %s and %d unused layers", image.name, len(removed))
+            return image
+
+    def _find(self, name: str) -> Image | None:
+        _check_name(name)
+        path = self._images / f"{name}.json"
+        return self._load(path) if path.exists() else None
+
+    def _save(self, name: str, layers: list[Layer], config: ImageConfig, source: dict[str, Any]) -> Image:
+        digest = image_digest(layers)
+        existing = self._find(name)
+        if existing and existing.digest == digest and existing.config == config:
+            return existing  # nothing changed: keep the manifest (and its created_at) as it is
+        manifest = {
+            "name": name,
+            "digest": digest,
+            "layers": [layer.digest for layer in layers],
+            "created_at": time.time(),
+            "config": asdict(config),
+            "source": source,
+        }
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=self._images)
+        os.close(fd)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; other nodes' readers need it
+        _write_durably(Path(tmp), json.dumps(manifest, indent=2).encode())
+        os.rename(tmp, self._images / f"{name}.json")  # atomic: readers see the old or the new manifest
+        return self._load(self._images / f"{name}.json")
+
+    def _load(self, path: Path) -> Image:
+        manifest = json.loads(path.read_text())
+        layers = []
+        for digest in manifest["layers"]:
+            layer = self.layers.get(digest)
+            if layer is None:
+                raise ImageNotFound(
+                    f"image {manifest['name']!r} is incomplete: layer {digest} is missing; rebuild it"
+                )
+            layers.append(layer)
+        config = manifest["config"]
+        return Image(
+            name=manifest["name"],
+            digest=manifest["digest"],
+            layers=tuple(layers),
+            created_at=manifest["created_at"],
+            size_bytes=sum(layer.size_bytes for layer in layers),
+            config=ImageConfig(
+                env=tuple(config["env"]),
+                working_dir=config["working_dir"],
+                entrypoint=tuple(config["entrypoint"]),
+                cmd=tuple(config["cmd"]),
+            ),
+        )
+
+    def list(self) -> list[Image]:  # last, so that ``list`` in the annotations above is the builtin
+        return [self._load(path) for path in sorted(self._images.glob("*.json"))]
+
+
+def _check_name(name: str) -> None:
+    if not IMAGE_NAME.match(name):
+        raise InvalidRequest(f"{name!r} is not a valid image name (letters, digits, '.', '_', ':', '-')")
+
+
+def _hex(digest: str) -> str:
+    return digest.removeprefix("sha256:")
+
+
+def _mkfs_erofs(rootfs: Path, image_file: Path) -> None:
+    """Pack a layer directory; overlay whiteouts (char 0:0) and opaque xattrs are kept as they are."""
+    result = subprocess.run(
+        ["mkfs.erofs", *_EROFS_OPTIONS, str(image_file), str(rootfs)], capture_output=True, text=True
+    )
+    if result.returncode != 0:
+        raise ImageBuildError(f"mkfs.erofs failed (exit {result.returncode}): {result.stderr.strip()}")
+    _write_durably(image_file, None)
+
+
+def _write_durably(path: Path, data: bytes | None) -> None:
+    """Write ``data`` (or keep the content, if None) and fsync, before a rename publishes it."""
+    with open(path, "r+b" if data is None else "wb") as f:
+        if data is not None:
+            f.write(data)
+        os.fsync(f.fileno())
+
+
+def _disk_usage(root: Path) -> int:
+    seen, total = set(), 0
+    for directory, dirs, files in os.walk(root):
+        for name in (*dirs, *files):
+            st = os.lstat(os.path.join(directory, name))
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+    return total
