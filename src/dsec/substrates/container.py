@@ -21,9 +21,10 @@ from ..agent.client import AgentClient
 from ..client.errors import NotSupported, SandboxError
 from ..client.models import CreateRequest
 from ..images.mount import LayerMounter, overlay_mount, unmount
-from . import cgroups
+from . import cgroups, spawn
 from .base import StartPlan, Substrate
 from .oci_spec import container_config
+from .spawn import Spawned
 
 RUNTIMES = ("crun", "runc", "runsc")
 START_TIMEOUT_S = 30.0
@@ -58,9 +59,7 @@ class ContainerSubstrate(Substrate):
         return self.root / sandbox_id
 
     def _runtime_cmd(self, runtime: str) -> list[str]:
-        if shutil.which(runtime) is None:
-            raise NotSupported(f"container runtime {runtime!r} is not installed on this edge")
-        cmd = [runtime, "--root", str(self.runtime_root / runtime)]
+        cmd = [spawn.resolve(runtime), "--root", str(self.runtime_root / runtime)]
         if runtime == "runsc":
             cmd += ["--network=none", "--host-uds=create"]  # the agent binds its socket on the host
         return cmd
@@ -90,18 +89,17 @@ class ContainerSubstrate(Substrate):
         config = container_config(plan.sandbox_id, plan.request, str(rootfs),
                                   str(self._agent_binary), str(run), self.cgroup_parent)
         (d / "config.json").write_text(json.dumps(config))
-        with open(d / "runtime.log", "wb") as log:
-            proc = await asyncio.create_subprocess_exec(
-                *base, "run", "--detach", "--bundle", str(d), "--pid-file", str(d / "pid"),
-                plan.sandbox_id,
-                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=log)
-        assert proc.stdout is not None
+        crun = Spawned([*base, "run", "--detach", "--bundle", str(d), "--pid-file", str(d / "pid"),
+                        plan.sandbox_id], capture_stdout=True, stderr=d / "runtime.log")
         try:
-            ready = await asyncio.wait_for(proc.stdout.read(1), START_TIMEOUT_S)
-            code = await asyncio.wait_for(proc.wait(), START_TIMEOUT_S)
+            ready = await asyncio.wait_for(crun.first_byte(), START_TIMEOUT_S)
+            code = await asyncio.wait_for(crun.wait(), START_TIMEOUT_S)
         except asyncio.TimeoutError:
-            proc.kill()
+            crun.kill()
+            await crun.wait()
             raise SandboxError(f"{runtime} did not start the sandbox within {START_TIMEOUT_S:.0f}s")
+        finally:
+            crun.close()
         if ready != b"R" or code != 0:
             log_text = (d / "runtime.log").read_text(errors="replace").strip()
             raise SandboxError(f"{runtime} failed to start the sandbox (exit {code}): "
@@ -132,11 +130,7 @@ class ContainerSubstrate(Substrate):
         d = self._dir(sandbox_id)
         for runtime in RUNTIMES:
             if (self.runtime_root / runtime / sandbox_id).exists():
-                proc = await asyncio.create_subprocess_exec(
-                    *self._runtime_cmd(runtime), "delete", "--force", sandbox_id,
-                    stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-                    stderr=asyncio.subprocess.DEVNULL)
-                await proc.wait()
+                await spawn.run([*self._runtime_cmd(runtime), "delete", "--force", sandbox_id])
         leftover_cgroups = cgroups.sandbox_cgroups(self.cgroup_parent).get(sandbox_id, [])
         await asyncio.to_thread(cgroups.remove_cgroups, leftover_cgroups)
         for mount in _mounts_under(d):
