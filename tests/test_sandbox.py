@@ -247,3 +247,17 @@ async def test_other_runtimes(client: dsec.DSecClient, runtime: str) -> None:
         assert (await sb.run("cat /work/f")).stdout == "data"
         routes = (await sb.run("cat /proc/net/route 2>/dev/null")).stdout.strip().splitlines()
         assert routes[1:] == []  # no route out, under either runtime
+
+
+async def test_warm_pool_sandboxes_run_at_normal_priority(client: dsec.DSecClient) -> None:
+    await (await client.create(ttl_s=60)).stop()  # asks for the image: its warm pool fills
+    await asyncio.sleep(1.5)
+    async with await client.create(ttl_s=60, memory_mb=96, pids=40) as sb:
+        # The pool starts sandboxes at idle CPU priority; a claimed one runs at normal priority
+        # with the limits asked for.
+        r = await sb.run("grep -h '^policy' /proc/1/sched /proc/self/sched")
+        assert [line.split()[-1] for line in r.stdout.splitlines()] == ["0", "0"]  # SCHED_OTHER
+        limits = Path("/sys/fs/cgroup")
+        (mem,) = limits.glob(f"memory/dsec-*/{sb.id}/memory.limit_in_bytes")
+        (pids,) = limits.glob(f"pids/dsec-*/{sb.id}/pids.max")
+        assert int(mem.read_text()) == 96 << 20 and pids.read_text().strip() == "40"

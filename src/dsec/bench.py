@@ -19,10 +19,10 @@ import statistics
 import subprocess
 import sys
 import time
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable, Iterator
 
 import httpx
 from rich.console import Console
@@ -32,9 +32,13 @@ from .client.aio import DSecClient
 from .client.aio import Sandbox as AsyncSandbox
 from .images.mount import LayerMounter, overlay_mount, unmount
 from .images.store import ImageStore
+from .substrates import spawn
+from .substrates.cgroups import remove_parent_if_unused
+from .substrates.spawn import Spawned
 
 IMAGE = "debian-minbase"
 BENCH_ROOT = Path("/run/dsec-bench")
+BARE_CGROUP_PARENT = "/dsec-bench"
 
 
 @dataclass
@@ -49,37 +53,43 @@ class Sample:
         return self.pct(50) / self.baseline.pct(50) if self.baseline else None
 
     def pct(self, q: float) -> float:
-        ordered = sorted(self.values_ms)
+        ordered = sorted(self.values_ms) or [float("nan")]
         return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
     def row(self) -> dict[str, float | int | str]:
         return {"name": self.name, "n": len(self.values_ms), "failures": self.failures,
                 "p50": self.pct(50), "p95": self.pct(95), "p99": self.pct(99),
-                "mean": statistics.fmean(self.values_ms), "p50_ratio_to_baseline": self.ratio()}
+                "mean": statistics.fmean(self.values_ms) if self.values_ms else None, "p50_ratio_to_baseline": self.ratio()}
 
 
-async def _timed(fn: Callable[[], Awaitable[None]]) -> float:
-    t0 = time.perf_counter()
-    await fn()
-    return (time.perf_counter() - t0) * 1000
+async def compare(base: Sample, base_fn: Callable[[], Awaitable[float]], ours: Sample,
+                  ours_fn: Callable[[], Awaitable[float]], batch: int, rounds: int,
+                  concurrent: bool = False,
+                  between: Callable[[], Awaitable[None]] | None = None) -> list[Sample]:
+    """Alternate batches of the baseline and of dsec, so both meet the same machine: on a
+    shared host, conditions drift more between minutes than between the two. A batch runs
+    one call after another, or all at once (``concurrent``); ``between`` runs after each
+    round, untimed (clean-up of both sides). Each function returns the milliseconds that
+    count."""
+    ours.baseline = base
+    for _ in range(rounds):
+        for sample, fn in ((base, base_fn), (ours, ours_fn)):
+            if concurrent:
+                results = await asyncio.gather(*(fn() for _ in range(batch)), return_exceptions=True)
+            else:
+                results = [await _attempt(fn) for _ in range(batch)]
+            sample.values_ms += [r for r in results if isinstance(r, float)]
+            sample.failures += sum(isinstance(r, BaseException) for r in results)
+        if between:
+            await between()
+    return [base, ours]
 
 
-async def _series(name: str, fn: Callable[[], Awaitable[None]], n: int, concurrency: int = 1,
-                  baseline: Sample | None = None) -> Sample:
-    gate = asyncio.Semaphore(concurrency)
-    failures = 0
-
-    async def one() -> float | None:
-        nonlocal failures
-        async with gate:
-            try:
-                return await _timed(fn)
-            except Exception:
-                failures += 1
-                return None
-
-    values = [v for v in await asyncio.gather(*(one() for _ in range(n))) if v is not None]
-    return Sample(name, values, failures, baseline)
+async def _attempt(fn: Callable[[], Awaitable[float]]) -> float | BaseException:
+    try:
+        return await fn()
+    except Exception as exc:
+        return exc
 
 
 class BareCrun:
@@ -89,6 +99,7 @@ class BareCrun:
         self.root = root
         self.lowerdirs = lowerdirs
         self.state = root / "crun-state"
+        self.finished: list[tuple[str, Path]] = []
         root.mkdir(parents=True)
         subprocess.run(["crun", "spec"], cwd=root, capture_output=True, check=True)
         self.template = json.loads((root / "config.json").read_text())
@@ -103,44 +114,46 @@ class BareCrun:
         config["root"] = {"path": str(d / "rootfs"), "readonly": False}
         config["process"]["terminal"] = False
         config["process"]["args"] = args
-        config["linux"]["cgroupsPath"] = f"/dsec-bench/{cid}"
+        config["linux"]["cgroupsPath"] = f"{BARE_CGROUP_PARENT}/{cid}"
         (d / "config.json").write_text(json.dumps(config))
         return cid, d
 
     async def run_echo(self) -> float:
-        """ms from spawning ``crun run`` to its first byte of output, bundle set-up included."""
+        """ms from setting up the bundle to the first byte ``crun run`` prints (clean-up not
+        counted, as dsec's stop is not)."""
         t0 = time.perf_counter()
         cid, d = self._bundle(["/bin/echo", "hi"])
-        proc = await asyncio.create_subprocess_exec(
-            "crun", "--root", str(self.state), "run", "--bundle", str(d), cid,
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE)
-        assert proc.stdout is not None
-        first = await proc.stdout.read(1)
+        crun = Spawned(["crun", "--root", str(self.state), "run", "--bundle", str(d), cid],
+                       capture_stdout=True, stderr=None)
+        first = await crun.first_byte()
         elapsed = (time.perf_counter() - t0) * 1000
-        await proc.wait()
-        self._remove(cid, d)
+        await crun.wait()
+        self.finished.append((cid, d))
         if first != b"h":
             raise RuntimeError("bare crun printed nothing")
         return elapsed
 
+    async def remove_finished(self) -> None:
+        while self.finished:
+            await self._remove(*self.finished.pop())
+
     @asynccontextmanager
     async def running(self) -> AsyncIterator[str]:
         cid, d = self._bundle(["/bin/sleep", "infinity"])
-        await (await asyncio.create_subprocess_exec(
-            "crun", "--root", str(self.state), "run", "--detach", "--bundle", str(d), cid)).wait()
+        await spawn.run(["crun", "--root", str(self.state), "run", "--detach", "--bundle", str(d), cid])
         try:
             yield cid
         finally:
-            self._remove(cid, d)
+            await self._remove(cid, d)
 
-    async def exec_true(self, cid: str) -> None:
-        proc = await asyncio.create_subprocess_exec("crun", "--root", str(self.state), "exec", cid, "true")
-        if await proc.wait() != 0:
+    async def exec_true(self, cid: str) -> float:
+        t0 = time.perf_counter()
+        if await spawn.run(["crun", "--root", str(self.state), "exec", cid, "true"]) != 0:
             raise RuntimeError("crun exec failed")
+        return (time.perf_counter() - t0) * 1000
 
-    def _remove(self, cid: str, d: Path) -> None:
-        subprocess.run(["crun", "--root", str(self.state), "delete", "--force", cid],
-                       capture_output=True)
+    async def _remove(self, cid: str, d: Path) -> None:
+        await spawn.run(["crun", "--root", str(self.state), "delete", "--force", cid])
         unmount(d / "rootfs")
         shutil.rmtree(d, ignore_errors=True)
 
@@ -152,13 +165,25 @@ class Created:
         self.client = client
         self.sandboxes: list[AsyncSandbox] = []
 
-    async def first_output(self) -> None:
+    async def first_output(self) -> float:
+        """ms from asking for a sandbox to the first byte of ``echo hi`` run in it."""
+        t0 = time.perf_counter()
         sb = await self.client.create(image=IMAGE, ttl_s=120)
-        self.sandboxes.append(sb)
         async for chunk in sb.stream("echo hi"):
+            elapsed = (time.perf_counter() - t0) * 1000
             if not chunk.data.startswith(b"h"):
                 raise RuntimeError(f"unexpected output {chunk.data!r}")
             break
+        self.sandboxes.append(sb)
+        return elapsed
+
+    async def wait_warm(self, n: int, timeout_s: float = 120) -> None:
+        """Until the server's warm pool holds ``n`` sandboxes."""
+        deadline = time.monotonic() + timeout_s
+        while sum((await self.client.health())["edges"][0]["warm"].values()) < n:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the warm pool did not reach {n} within {timeout_s}s")
+            await asyncio.sleep(0.2)
 
     async def stop_all(self) -> None:
         while self.sandboxes:
@@ -201,63 +226,85 @@ def _wait_healthy(state: Path) -> None:
     raise RuntimeError(f"server did not start: {(state / 'server.log').read_text()}")
 
 
-def idle_memory(created: Created) -> Sample:
-    """Memory charged to each idle sandbox's cgroup (agent, page tables, its page cache)."""
+@contextmanager
+def phase(console: Console, title: str) -> Iterator[None]:
+    """Say what is being measured. Deliberately no live spinner: its refresh thread would take
+    the GIL from the client's event loop and inflate every latency measured."""
+    console.print(f"[dim]measuring {title} ...[/dim]")
+    t0 = time.perf_counter()
+    yield
+    console.print(f"[dim]  done in {time.perf_counter() - t0:.1f}s[/dim]")
+
+
+def idle_memory(created: Created) -> list[float]:
+    """MB charged to each idle sandbox's memory cgroup (agent, page tables, its page cache)."""
     values = []
     for sb in created.sandboxes:
         for usage in Path("/sys/fs/cgroup/memory").glob(f"dsec-*/{sb.id}/memory.usage_in_bytes"):
             values.append(int(usage.read_text()) / 1e6)
-    return Sample("idle sandbox memory (MB, not ms)", values)
+    return values
 
 
 async def run_benchmark(console: Console, quick: bool = False) -> list[Sample]:
-    n_seq, n_burst, n_exec = (10, 20, 100) if quick else (50, 100, 500)
+    n_seq, n_burst, burst_rounds, n_exec = (10, 20, 1, 50) if quick else (50, 100, 2, 200)
     image = ImageStore().ensure(IMAGE, console=console)
     root = BENCH_ROOT / secrets.token_hex(3)
     bare = BareCrun(root / "bare", LayerMounter().lowerdirs(image))
-    samples = []
+    samples: list[Sample] = []
+    memory = Sample("idle sandbox memory (MB, not ms)", [])
     try:
         async with bench_server(root / "cold", "--warm-pool", "0") as cold:
             await cold.first_output()  # warm-up: agent binary, layer mounts, page cache
             await bare.run_echo()
-            await cold.stop_all()
-            with console.status("create-to-first-output, one at a time"):
-                seq = await _series("bare crun run: first output", bare.run_echo, n_seq)
-                samples += [seq, await _series("dsec create (cold): first output",
-                                               cold.first_output, n_seq, baseline=seq)]
-                await cold.stop_all()
-            with console.status(f"create-to-first-output, burst of {n_burst}"):
-                burst = await _series(f"bare crun run: burst {n_burst}", bare.run_echo,
-                                      n_burst, n_burst)
-                samples += [burst, await _series(f"dsec create (cold): burst {n_burst}",
-                                                 cold.first_output, n_burst, n_burst, burst)]
-                memory = idle_memory(cold)
-                await cold.stop_all()
-            with console.status("exec round trip of `true`"):
-                async with bare.running() as cid:
-                    exec_base = await _series("bare crun exec true", lambda: bare.exec_true(cid),
-                                              n_exec // 5)
+            await asyncio.gather(cold.stop_all(), bare.remove_finished())
+            async def clean_up() -> None:
+                memory.values_ms += idle_memory(cold)
+                await asyncio.gather(cold.stop_all(), bare.remove_finished())
+
+            with phase(console, "create-to-first-output, one at a time"):
+                samples += await compare(Sample("bare crun run: first output", []), bare.run_echo,
+                                         Sample("dsec create (cold): first output", []),
+                                         cold.first_output, 10, n_seq // 10, between=clean_up)
+            with phase(console, f"create-to-first-output, {burst_rounds} bursts of {n_burst}"):
+                samples += await compare(Sample(f"bare crun run: burst {n_burst}", []), bare.run_echo,
+                                         Sample(f"dsec create (cold): burst {n_burst}", []),
+                                         cold.first_output, n_burst, burst_rounds, concurrent=True,
+                                         between=clean_up)
+            with phase(console, "exec round trip of `true`"):
                 sb = await cold.client.create(image=IMAGE, ttl_s=300)
-                samples += [exec_base, await _series("dsec exec true", lambda: _run_true(sb),
-                                                     n_exec, baseline=exec_base)]
+                async with bare.running() as cid:
+                    samples += await compare(Sample("bare crun exec true", []),
+                                             lambda: bare.exec_true(cid), Sample("dsec exec true", []),
+                                             lambda: _run_true(sb), 20, n_exec // 20)
                 await sb.stop()
-        async with bench_server(root / "warm", "--warm-pool", "8") as warm:
-            with console.status("create-to-first-output from the warm pool"):
-                await warm.first_output()  # asks for the image: the pool fills
-                await asyncio.sleep(2)
+        async with bench_server(root / "warm", "--warm-pool", str(n_burst)) as warm:
+            with phase(console, f"create-to-first-output from a warm pool of {n_burst}"):
+                await warm.first_output()  # asks for the image: its pool fills
                 await warm.stop_all()
-                samples.append(await _series("dsec create (warm pool of 8): first output",
-                                             warm.first_output, 8, baseline=seq))
+                await warm.wait_warm(n_burst)
+                samples += await compare(Sample("bare crun run: first output (again)", []),
+                                         bare.run_echo,
+                                         Sample("dsec create (warm pool): first output", []),
+                                         warm.first_output, 10, 1)
+                await asyncio.gather(warm.stop_all(), bare.remove_finished())
+                await warm.wait_warm(n_burst)
+                samples += await compare(Sample(f"bare crun run: burst {n_burst} (again)", []),
+                                         bare.run_echo,
+                                         Sample(f"dsec create (warm pool): burst {n_burst}", []),
+                                         warm.first_output, n_burst, 1, concurrent=True)
+                await asyncio.gather(warm.stop_all(), bare.remove_finished())
         samples.append(memory)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        remove_parent_if_unused(BARE_CGROUP_PARENT)
     return samples
 
 
-async def _run_true(sb: AsyncSandbox) -> None:
-    r = await sb.run("true")
-    if r.exit_code != 0:
+async def _run_true(sb: AsyncSandbox) -> float:
+    t0 = time.perf_counter()
+    if (await sb.run("true")).exit_code != 0:
         raise RuntimeError("true failed")
+    return (time.perf_counter() - t0) * 1000
 
 
 def report(console: Console, samples: list[Sample]) -> None:

@@ -52,11 +52,17 @@ def create_app(router: Router, store: StateStore) -> FastAPI:
         err = InvalidRequest("invalid request", errors=json.loads(json.dumps(exc.errors(), default=str)))
         return JSONResponse(err.to_json(), status_code=err.status)
 
-    def authenticated(request: Request) -> str:
+    known_keys: dict[str, str] = {}  # secret -> key id; keys are never revoked yet
+
+    async def authenticated(request: Request) -> str:
+        """Async on purpose: FastAPI runs a sync dependency in a thread, on every request."""
         scheme, _, secret = request.headers.get("authorization", "").partition(" ")
-        key_id = store.key_for_secret(secret) if scheme.lower() == "bearer" and secret else None
+        if scheme.lower() != "bearer" or not secret:
+            raise Unauthorized("a valid API key is required (Authorization: Bearer dsk_...)")
+        key_id = known_keys.get(secret) or store.key_for_secret(secret)
         if key_id is None:
             raise Unauthorized("a valid API key is required (Authorization: Bearer dsk_...)")
+        known_keys[secret] = key_id
         return key_id
 
     auth = [Depends(authenticated)]

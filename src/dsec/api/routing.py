@@ -53,4 +53,6 @@ class Router:
 
     def describe(self) -> list[dict[str, Any]]:
         return [{"id": e.id, "load": e.load(), "capacity": e.config.capacity,
-                 "substrates": sorted(e.substrates)} for e in self.edges.values()]
+                 "substrates": sorted(e.substrates),
+                 "warm": {name: pool.count() for name, pool in e.pools.items()}}
+                for e in self.edges.values()]

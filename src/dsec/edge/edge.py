@@ -170,7 +170,7 @@ class Edge:
 
     async def _claim(self, substrate: Substrate, req: CreateRequest, pooled: Pooled) -> SandboxRow:
         try:
-            await substrate.resize(pooled.sandbox_id, pooled.runtime, req)
+            await substrate.claim(pooled.sandbox_id, pooled.runtime, req)
         except BaseException as exc:
             await substrate.destroy(pooled.sandbox_id)
             if isinstance(exc, OSError):

@@ -65,13 +65,13 @@ class WarmPool:
                                                               name=f"dsec-pool-{image.name}")
 
     async def _fill(self, image: Image) -> None:
-        """One start at a time, so refilling never competes hard with live creates."""
+        """One start at a time and at idle CPU priority, so refilling never slows live work."""
         ready = self._ready[image.digest]
         while len(ready) < self.size:
             sandbox_id = f"sb-{self.edge_id}-{secrets.token_hex(6)}"
             request = CreateRequest(substrate=self.substrate.name, image=image.name)  # type: ignore[arg-type]
             try:
-                runtime = await self.substrate.start(StartPlan(sandbox_id, request, image))
+                runtime = await self.substrate.start(StartPlan(sandbox_id, request, image, warm=True))
             except Exception:
                 log.exception("warm pool could not start a sandbox of %s", image.name)
                 return

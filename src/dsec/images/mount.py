@@ -104,18 +104,31 @@ class LayerMounter:
         state_dir = Path(os.environ.get("DSEC_STATE_DIR", "/var/lib/dsec"))
         # Resolved, so paths compare equal to the ones in /proc/self/mountinfo.
         self.cache_dir = Path(cache_dir or state_dir / "layers").resolve()
+        # Layers this mounter has seen mounted: they stay mounted until unmount_all(), so the
+        # sandbox create path need not parse /proc/self/mountinfo (long on a busy node) again.
+        self._known: set[Path] = set()
 
     def lowerdirs(self, image: Image) -> list[Path]:
-        """The image's layer directories top→bottom, ready for an overlay ``lowerdir=``."""
+        """The image's layer directories top→bottom, ready for an overlay ``lowerdir=``. Fast
+        once the image's layers are mounted; the first call per layer mounts it."""
+        targets = [self._target(layer) for layer in reversed(image.layers)]
+        if all(t in self._known for t in targets if t is not None):
+            return [t or layer.path for t, layer in zip(targets, reversed(image.layers))]
         mounted = mountpoints()
-        return [
+        dirs = [
             self._mount(layer, mounted) if layer.format == "erofs" else layer.path
             for layer in reversed(image.layers)
         ]
+        self._known.update(t for t in targets if t is not None)
+        return dirs
+
+    def _target(self, layer: Layer) -> Path | None:
+        return self.cache_dir / layer.digest.removeprefix("sha256:") if layer.format == "erofs" else None
 
     def unmount_all(self) -> list[Path]:
         """Unmount every layer mounted under ``cache_dir``; returns those still busy."""
         busy = []
+        self._known.clear()
         for target in sorted(p for p in mountpoints() if p.parent == self.cache_dir):
             try:
                 unmount(target)
@@ -128,7 +141,7 @@ class LayerMounter:
         return busy
 
     def _mount(self, layer: Layer, mounted: set[Path]) -> Path:
-        target = self.cache_dir / layer.digest.removeprefix("sha256:")
+        target = self.cache_dir / layer.digest.removeprefix("sha256:")  # == self._target(layer)
         if target in mounted:
             return target
         if not kernel_supports("erofs"):

@@ -22,6 +22,7 @@ class StartPlan:
     sandbox_id: str
     request: CreateRequest
     image: Image
+    warm: bool = False  # for the warm pool: start at idle priority, to be claimed later
 
 
 class Substrate(ABC):
@@ -38,9 +39,9 @@ class Substrate(ABC):
         """Start the sandbox and return once its agent answers. On failure, leave nothing."""
 
     @abstractmethod
-    async def resize(self, sandbox_id: str, runtime: dict[str, Any], request: CreateRequest) -> None:
-        """Apply the request's cpu, memory and pids limits to a running sandbox (used when a
-        warm-pool sandbox is claimed)."""
+    async def claim(self, sandbox_id: str, runtime: dict[str, Any], request: CreateRequest) -> None:
+        """Make a warm-pool sandbox the request's: apply its cpu, memory and pids limits and
+        give it normal priority."""
 
     @abstractmethod
     def agent(self, sandbox_id: str, runtime: dict[str, Any]) -> AgentClient: ...

@@ -59,7 +59,7 @@ class ContainerSubstrate(Substrate):
         return self.root / sandbox_id
 
     def _runtime_cmd(self, runtime: str) -> list[str]:
-        cmd = [spawn.resolve(runtime), "--root", str(self.runtime_root / runtime)]
+        cmd = [spawn.resolve(runtime), "--root", str(self.runtime_root / runtime)]  # NotSupported if absent
         if runtime == "runsc":
             cmd += ["--network=none", "--host-uds=create"]  # the agent binds its socket on the host
         return cmd
@@ -83,14 +83,15 @@ class ContainerSubstrate(Substrate):
         (upper / ".dsec" / "run").mkdir(parents=True)
         (upper / ".dsec" / "agent").touch()
         (upper / "work").mkdir()
-        lowers = await asyncio.to_thread(self.mounter.lowerdirs, plan.image)
+        lowers = self.mounter.lowerdirs(plan.image)  # mounts a layer the first time (ms, once)
         overlay_mount(lowers, upper, work, rootfs)
         assert self._agent_binary is not None, "prepare() runs before start()"
         config = container_config(plan.sandbox_id, plan.request, str(rootfs),
                                   str(self._agent_binary), str(run), self.cgroup_parent)
         (d / "config.json").write_text(json.dumps(config))
         crun = Spawned([*base, "run", "--detach", "--bundle", str(d), "--pid-file", str(d / "pid"),
-                        plan.sandbox_id], capture_stdout=True, stderr=d / "runtime.log")
+                        plan.sandbox_id], capture_stdout=True, stderr=d / "runtime.log",
+                       idle_priority=plan.warm)
         try:
             ready = await asyncio.wait_for(crun.first_byte(), START_TIMEOUT_S)
             code = await asyncio.wait_for(crun.wait(), START_TIMEOUT_S)
@@ -107,9 +108,10 @@ class ContainerSubstrate(Substrate):
         pid = int((d / "pid").read_text())
         return {"runtime": runtime, "pid": pid, "start_time": _start_time(pid)}
 
-    async def resize(self, sandbox_id: str, runtime: dict[str, Any], request: CreateRequest) -> None:
+    async def claim(self, sandbox_id: str, runtime: dict[str, Any], request: CreateRequest) -> None:
         cgroups.set_limits(self.cgroup_parent, sandbox_id, request.cpu, request.memory_mb << 20,
                            request.pids)
+        os.sched_setscheduler(runtime["pid"], os.SCHED_OTHER, os.sched_param(0))
 
     def agent(self, sandbox_id: str, runtime: dict[str, Any]) -> AgentClient:
         return AgentClient(self._dir(sandbox_id) / "run" / "agent.sock")
