@@ -64,13 +64,14 @@ class Sample:
 
 async def compare(base: Sample, base_fn: Callable[[], Awaitable[float]], ours: Sample,
                   ours_fn: Callable[[], Awaitable[float]], batch: int, rounds: int,
-                  concurrent: bool = False,
+                  concurrent: bool = False, settle_s: float = 0.0,
                   between: Callable[[], Awaitable[None]] | None = None) -> list[Sample]:
     """Alternate batches of the baseline and of dsec, so both meet the same machine: on a
     shared host, conditions drift more between minutes than between the two. A batch runs
     one call after another, or all at once (``concurrent``); ``between`` runs after each
-    round, untimed (clean-up of both sides). Each function returns the milliseconds that
-    count."""
+    round, untimed (clean-up of both sides); ``settle_s`` pauses after each batch, so the
+    kernel's deferred teardown of one side's containers (network namespaces above all) does
+    not land in the other's timings. Each function returns the milliseconds that count."""
     ours.baseline = base
     for _ in range(rounds):
         for sample, fn in ((base, base_fn), (ours, ours_fn)):
@@ -80,6 +81,7 @@ async def compare(base: Sample, base_fn: Callable[[], Awaitable[float]], ours: S
                 results = [await _attempt(fn) for _ in range(batch)]
             sample.values_ms += [r for r in results if isinstance(r, float)]
             sample.failures += sum(isinstance(r, BaseException) for r in results)
+            await asyncio.sleep(settle_s)
         if between:
             await between()
     return [base, ours]
@@ -99,7 +101,6 @@ class BareCrun:
         self.root = root
         self.lowerdirs = lowerdirs
         self.state = root / "crun-state"
-        self.finished: list[tuple[str, Path]] = []
         root.mkdir(parents=True)
         subprocess.run(["crun", "spec"], cwd=root, capture_output=True, check=True)
         self.template = json.loads((root / "config.json").read_text())
@@ -128,14 +129,11 @@ class BareCrun:
         first = await crun.first_byte()
         elapsed = (time.perf_counter() - t0) * 1000
         await crun.wait()
-        self.finished.append((cid, d))
+        await self._remove(cid, d)  # untimed; its mount must not linger into dsec's timings
         if first != b"h":
             raise RuntimeError("bare crun printed nothing")
         return elapsed
 
-    async def remove_finished(self) -> None:
-        while self.finished:
-            await self._remove(*self.finished.pop())
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[str]:
@@ -256,10 +254,10 @@ async def run_benchmark(console: Console, quick: bool = False) -> list[Sample]:
         async with bench_server(root / "cold", "--warm-pool", "0") as cold:
             await cold.first_output()  # warm-up: agent binary, layer mounts, page cache
             await bare.run_echo()
-            await asyncio.gather(cold.stop_all(), bare.remove_finished())
+            await cold.stop_all()
             async def clean_up() -> None:
                 memory.values_ms += idle_memory(cold)
-                await asyncio.gather(cold.stop_all(), bare.remove_finished())
+                await cold.stop_all()
 
             with phase(console, "create-to-first-output, one at a time"):
                 samples += await compare(Sample("bare crun run: first output", []), bare.run_echo,
@@ -269,7 +267,7 @@ async def run_benchmark(console: Console, quick: bool = False) -> list[Sample]:
                 samples += await compare(Sample(f"bare crun run: burst {n_burst}", []), bare.run_echo,
                                          Sample(f"dsec create (cold): burst {n_burst}", []),
                                          cold.first_output, n_burst, burst_rounds, concurrent=True,
-                                         between=clean_up)
+                                         settle_s=2.0, between=clean_up)
             with phase(console, "exec round trip of `true`"):
                 sb = await cold.client.create(image=IMAGE, ttl_s=300)
                 async with bare.running() as cid:
@@ -286,13 +284,14 @@ async def run_benchmark(console: Console, quick: bool = False) -> list[Sample]:
                                          bare.run_echo,
                                          Sample("dsec create (warm pool): first output", []),
                                          warm.first_output, 10, 1)
-                await asyncio.gather(warm.stop_all(), bare.remove_finished())
+                await warm.stop_all()
                 await warm.wait_warm(n_burst)
                 samples += await compare(Sample(f"bare crun run: burst {n_burst} (again)", []),
                                          bare.run_echo,
                                          Sample(f"dsec create (warm pool): burst {n_burst}", []),
-                                         warm.first_output, n_burst, 1, concurrent=True)
-                await asyncio.gather(warm.stop_all(), bare.remove_finished())
+                                         warm.first_output, n_burst, 1, concurrent=True,
+                                         settle_s=2.0)
+                await warm.stop_all()
         samples.append(memory)
     finally:
         shutil.rmtree(root, ignore_errors=True)

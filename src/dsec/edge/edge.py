@@ -76,6 +76,7 @@ class Edge:
         self.pools = {name: WarmPool(substrate, self.id, config.warm_pool)
                       for name, substrate in substrates.items()}
         self._live: dict[str, Live] = {}
+        self._tasks: set[asyncio.Future[None]] = set()
         self._starting = 0
         self._reaper: asyncio.Task[None] | None = None
 
@@ -117,7 +118,19 @@ class Edge:
     def _adopt(self, row: SandboxRow, substrate: Substrate) -> Live:
         live = Live(row, substrate, substrate.agent(row.id, row.runtime), row.request["env"])
         self._live[row.id] = live
+        substrate.watch(row.id, row.runtime, lambda: self._exited(row.id))
         return live
+
+    def _exited(self, sandbox_id: str) -> None:
+        live = self._live.get(sandbox_id)
+        if live is not None:
+            cause = live.substrate.death_cause(sandbox_id, live.row.runtime)
+            self._background(self.stop(sandbox_id, "died", cause))
+
+    def _background(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     # create / stop
     def load(self) -> int:
@@ -363,12 +376,11 @@ class Edge:
                 log.exception("reaper pass failed")
 
     async def reap(self) -> None:
+        """Stop expired sandboxes (deaths arrive through the substrate's watch)."""
         now = time.time()
         for sandbox_id, live in list(self._live.items()):
             if live.row.expires_at <= now:
                 await self.stop(sandbox_id, "expired", f"TTL of {live.row.request['ttl_s']}s expired")
-            elif not live.substrate.alive(sandbox_id, live.row.runtime):
-                await self.stop(sandbox_id, "died", live.substrate.death_cause(sandbox_id, live.row.runtime))
 
 
 def _result(event: Exit, stdout: bytes, stderr: bytes, oom: bool = False) -> ExecResult:

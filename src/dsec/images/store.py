@@ -174,6 +174,7 @@ class ImageStore:
         self._images.mkdir(parents=True, exist_ok=True)
         self.layers = LayerStore(self.root, layer_format or detect_layer_format())
         self._store_lock = self.root / "locks" / "store.lock"
+        self._loaded: dict[str, tuple[tuple[int, int], Image]] = {}
 
     def build(self, spec: ImageSpec, console: Console | None = None) -> Image:
         """Build (or find in the cache) every layer of ``spec`` and name the result ``spec.name``."""
@@ -228,9 +229,19 @@ class ImageStore:
             return image
 
     def _find(self, name: str) -> Image | None:
+        """The named image; a manifest is parsed once per version (it is replaced by rename,
+        so its inode and mtime name the version), as sandbox creates look images up often."""
         _check_name(name)
         path = self._images / f"{name}.json"
-        return self._load(path) if path.exists() else None
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return None
+        version = (st.st_ino, st.st_mtime_ns)
+        cached = self._loaded.get(name)
+        if cached is None or cached[0] != version:
+            cached = self._loaded[name] = (version, self._load(path))
+        return cached[1]
 
     def _save(self, name: str, layers: list[Layer], config: ImageConfig, source: dict[str, Any]) -> Image:
         digest = image_digest(layers)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from ..agent.client import AgentClient
 from ..client.models import CreateRequest
@@ -48,6 +48,11 @@ class Substrate(ABC):
 
     @abstractmethod
     def alive(self, sandbox_id: str, runtime: dict[str, Any]) -> bool: ...
+
+    @abstractmethod
+    def watch(self, sandbox_id: str, runtime: dict[str, Any], on_exit: Callable[[], None]) -> None:
+        """Call ``on_exit`` (on the event loop) when the sandbox's init ends, or at once if it
+        already has: deaths are noticed when they happen, not by polling."""
 
     @abstractmethod
     def death_cause(self, sandbox_id: str, runtime: dict[str, Any]) -> str:

@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import select
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..agent.build import agent_binary
 from ..agent.client import AgentClient
@@ -43,6 +44,7 @@ class ContainerSubstrate(Substrate):
         self.cgroup_parent = f"/dsec-{edge_id}"
         self.mounter = mounter or LayerMounter()
         self._agent_binary: Path | None = None
+        self._pidfds: dict[str, int] = {}
 
     async def prepare(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -106,7 +108,8 @@ class ContainerSubstrate(Substrate):
             raise SandboxError(f"{runtime} failed to start the sandbox (exit {code}): "
                                f"{log_text[-2000:] or 'no output'}")
         pid = int((d / "pid").read_text())
-        return {"runtime": runtime, "pid": pid, "start_time": _start_time(pid)}
+        self._pidfds[plan.sandbox_id] = os.pidfd_open(pid)  # it is ours: it just said R
+        return {"runtime": runtime, "pid": pid}
 
     async def claim(self, sandbox_id: str, runtime: dict[str, Any], request: CreateRequest) -> None:
         cgroups.set_limits(self.cgroup_parent, sandbox_id, request.cpu, request.memory_mb << 20,
@@ -116,9 +119,42 @@ class ContainerSubstrate(Substrate):
     def agent(self, sandbox_id: str, runtime: dict[str, Any]) -> AgentClient:
         return AgentClient(self._dir(sandbox_id) / "run" / "agent.sock")
 
+    def _pidfd(self, sandbox_id: str, runtime: dict[str, Any]) -> int | None:
+        """A pidfd on the sandbox's init, or None if it is gone. After an edge restart the
+        stored pid is checked to still be this sandbox's (its cgroup names it): pids are reused."""
+        fd = self._pidfds.get(sandbox_id)
+        if fd is None and runtime.get("pid") and self._owns(runtime["pid"], sandbox_id):
+            try:
+                fd = os.pidfd_open(runtime["pid"])
+            except ProcessLookupError:
+                return None
+            if not self._owns(runtime["pid"], sandbox_id):  # exited and reused in between
+                os.close(fd)
+                return None
+            self._pidfds[sandbox_id] = fd
+        return fd
+
+    def _owns(self, pid: int, sandbox_id: str) -> bool:
+        try:
+            return f"{self.cgroup_parent}/{sandbox_id}\n" in Path(f"/proc/{pid}/cgroup").read_text()
+        except OSError:
+            return False
+
     def alive(self, sandbox_id: str, runtime: dict[str, Any]) -> bool:
-        pid = runtime.get("pid")
-        return bool(pid) and _start_time(pid) == runtime.get("start_time")
+        fd = self._pidfd(sandbox_id, runtime)
+        return fd is not None and not select.select([fd], [], [], 0)[0]  # readable once exited
+
+    def watch(self, sandbox_id: str, runtime: dict[str, Any], on_exit: Callable[[], None]) -> None:
+        fd = self._pidfd(sandbox_id, runtime)
+        if fd is None:
+            on_exit()
+            return
+        loop = asyncio.get_running_loop()
+
+        def exited() -> None:
+            loop.remove_reader(fd)
+            on_exit()
+        loop.add_reader(fd, exited)
 
     def death_cause(self, sandbox_id: str, runtime: dict[str, Any]) -> str:
         if self.oom_kills(sandbox_id, runtime):
@@ -130,6 +166,10 @@ class ContainerSubstrate(Substrate):
 
     async def destroy(self, sandbox_id: str) -> None:
         d = self._dir(sandbox_id)
+        fd = self._pidfds.pop(sandbox_id, None)
+        if fd is not None:
+            asyncio.get_running_loop().remove_reader(fd)
+            os.close(fd)
         for runtime in RUNTIMES:
             if (self.runtime_root / runtime / sandbox_id).exists():
                 await spawn.run([*self._runtime_cmd(runtime), "delete", "--force", sandbox_id])
@@ -148,17 +188,6 @@ class ContainerSubstrate(Substrate):
         ids.update(cgroups.sandbox_cgroups(self.cgroup_parent))
         ids.update(m.relative_to(self.root).parts[0] for m in _mounts_under(self.root))
         return ids
-
-
-def _start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks, or None if it is gone or a zombie; together with
-    the pid this names one process, even after a pid is reused."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    fields = stat.rpartition(")")[2].split()
-    return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
 def _mounts_under(d: Path) -> list[Path]:
