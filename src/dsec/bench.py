@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Awaitable, Callable, Iterator
 
@@ -47,6 +47,7 @@ class Sample:
     values_ms: list[float]
     failures: int = 0
     baseline: Sample | None = None
+    errors: list[str] = field(default_factory=list)  # the first few failures, for the report
 
     def ratio(self) -> float | None:
         """p50 over the baseline's p50."""
@@ -80,7 +81,9 @@ async def compare(base: Sample, base_fn: Callable[[], Awaitable[float]], ours: S
             else:
                 results = [await _attempt(fn) for _ in range(batch)]
             sample.values_ms += [r for r in results if isinstance(r, float)]
-            sample.failures += sum(isinstance(r, BaseException) for r in results)
+            failed = [r for r in results if isinstance(r, BaseException)]
+            sample.failures += len(failed)
+            sample.errors += [f"{type(e).__name__}: {e}" for e in failed][:3 - len(sample.errors)]
             await asyncio.sleep(settle_s)
         if between:
             await between()
@@ -313,6 +316,9 @@ def report(console: Console, samples: list[Sample]) -> None:
         table.add_row(s.name, str(len(s.values_ms)), str(s.failures), f"{s.pct(50):.1f}",
                       f"{s.pct(95):.1f}", f"{s.pct(99):.1f}", f"{ratio:.2f}" if ratio else "")
     console.print(table)
+    for s in samples:
+        for error in s.errors:
+            console.print(f"[red]{s.name} failed:[/red] {error}")
 
 
 def main(quick: bool = False, json_out: Path | None = None) -> None:

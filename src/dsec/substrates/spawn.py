@@ -51,13 +51,7 @@ class Spawned:
 
     async def first_byte(self) -> bytes:
         """The first byte the child (or a process it left holding the pipe) writes; b"" at EOF."""
-        loop = asyncio.get_running_loop()
-        readable: asyncio.Future[None] = loop.create_future()
-        loop.add_reader(self._out_r, readable.set_result, None)
-        try:
-            await readable
-        finally:
-            loop.remove_reader(self._out_r)
+        await _readable(self._out_r)
         data = os.read(self._out_r, 1)
         os.close(self._out_r)
         self._out_r = -1
@@ -65,13 +59,7 @@ class Spawned:
 
     async def wait(self) -> int:
         if self.returncode is None:
-            loop = asyncio.get_running_loop()
-            exited: asyncio.Future[None] = loop.create_future()
-            loop.add_reader(self._pidfd, exited.set_result, None)
-            try:
-                await exited
-            finally:
-                loop.remove_reader(self._pidfd)
+            await _readable(self._pidfd)  # a pidfd turns readable when the process exits
             _, status = os.waitpid(self.pid, 0)
             self.returncode = os.waitstatus_to_exitcode(status)
             self.close()
@@ -86,6 +74,16 @@ class Spawned:
             if fd >= 0:
                 os.close(fd)
         self._out_r = self._pidfd = -1
+
+
+async def _readable(fd: int) -> None:
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+    loop.add_reader(fd, ready.set_result, None)
+    try:
+        await ready
+    finally:
+        loop.remove_reader(fd)
 
 
 async def run(argv: list[str]) -> int:
