@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -83,7 +84,8 @@ async def test_crash_mid_burst_leaks_nothing(fresh_server: Server) -> None:
     edge_id = _edge_id(fresh_server)
     async with fresh_server.client() as client:
         burst = asyncio.ensure_future(client.create_many(50, concurrency=25, ttl_s=300))
-        await asyncio.sleep(0.6)
+        while len(await client.list()) < 5:  # kill it once the burst is well under way
+            await asyncio.sleep(0.01)
         fresh_server.kill(signal.SIGKILL)
         outcomes = await burst
     assert any(isinstance(o, dsec.ServerUnavailable) for o in outcomes)  # the crash hit the burst
@@ -100,3 +102,31 @@ async def test_crash_mid_burst_leaks_nothing(fresh_server: Server) -> None:
         handles = [await client.get(s.id) for s in survivors]
         await asyncio.gather(*(h.stop() for h in handles))
     assert host_traces(fresh_server, edge_id) == {k: [] for k in traces}
+
+
+@pytest.fixture(scope="module")
+def oci_images(images) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    """Two imported OCI images: busybox as is, and one whose /proc is a file (unbootable)."""
+    from test_images import _busybox_layers, _layer_tar, make_oci_archive
+    with tempfile.TemporaryDirectory() as tmp:
+        good = images.import_oci(make_oci_archive(Path(tmp) / "good.tar"), "test-busybox")
+        layers = [*_busybox_layers(), _layer_tar([("proc", b"not a directory", 0o644)])]
+        bad = images.import_oci(make_oci_archive(Path(tmp) / "bad.tar", layers), "test-broken-proc")
+    return {"good": good.name, "bad": bad.name}
+
+
+async def test_imported_oci_image_runs_with_its_env(client: dsec.DSecClient,
+                                                     oci_images: dict[str, str]) -> None:
+    async with await client.create(image=oci_images["good"], ttl_s=60) as sb:
+        r = await sb.run("echo $GREETING; cat /etc/keep.txt; ls /etc")
+        assert r.stdout.split() == ["hi", "kept", "keep.txt"]  # the whiteout hides hidden.txt
+
+
+async def test_failed_create_leaks_nothing(fresh_server: Server, oci_images: dict[str, str]) -> None:
+    edge_id = _edge_id(fresh_server)
+    async with fresh_server.client() as client:
+        with pytest.raises(dsec.SandboxError, match="failed to start"):
+            await client.create(image=oci_images["bad"], ttl_s=60)
+        assert await client.list() == []
+    assert host_traces(fresh_server, edge_id) == {k: [] for k in
+                                                  ("mounts", "cgroups", "processes", "containers", "dirs")}
