@@ -68,6 +68,11 @@ def _hierarchies() -> list[Path]:
     return [CGROUP_ROOT] if is_cgroup2_only() else [p for p in CGROUP_ROOT.iterdir() if p.is_dir()]
 
 
+def sandbox_dirs(parent: str, sandbox_id: str) -> list[Path]:
+    """One sandbox's cgroup directories, in every hierarchy that has one."""
+    return [d for base in _hierarchies() if (d := base / parent.strip("/") / sandbox_id).is_dir()]
+
+
 def remove_cgroups(dirs: list[Path]) -> None:
     """Kill what is left in each cgroup, then remove it (deepest first)."""
     for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):

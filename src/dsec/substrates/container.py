@@ -14,6 +14,7 @@ import json
 import os
 import select
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -45,6 +46,9 @@ class ContainerSubstrate(Substrate):
         self.mounter = mounter or LayerMounter()
         self._agent_binary: Path | None = None
         self._pidfds: dict[str, int] = {}
+        # Bundle set-up and teardown wait on kernel locks (mounts, cgroups) under load: in
+        # threads, they never stall the event loop.
+        self._io = ThreadPoolExecutor(16, thread_name_prefix="dsec-fs")
 
     async def prepare(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -77,20 +81,8 @@ class ContainerSubstrate(Substrate):
             raise
 
     async def _start(self, plan: StartPlan, runtime: str, base: list[str], d: Path) -> dict[str, Any]:
-        upper, work, rootfs, run = d / "upper", d / "work", d / "rootfs", d / "run"
-        d.mkdir()
-        for p in (work, rootfs, run):
-            p.mkdir()
-        # Mount points and the default cwd exist in the writable layer before it is mounted.
-        (upper / ".dsec" / "run").mkdir(parents=True)
-        (upper / ".dsec" / "agent").touch()
-        (upper / "work").mkdir()
-        lowers = self.mounter.lowerdirs(plan.image)  # mounts a layer the first time (ms, once)
-        overlay_mount(lowers, upper, work, rootfs)
-        assert self._agent_binary is not None, "prepare() runs before start()"
-        config = container_config(plan.sandbox_id, plan.request, str(rootfs),
-                                  str(self._agent_binary), str(run), self.cgroup_parent)
-        (d / "config.json").write_text(json.dumps(config))
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._io, self._bundle, plan, d)
         crun = Spawned([*base, "run", "--detach", "--bundle", str(d), "--pid-file", str(d / "pid"),
                         plan.sandbox_id], capture_stdout=True, stderr=d / "runtime.log",
                        idle_priority=plan.warm)
@@ -115,6 +107,23 @@ class ContainerSubstrate(Substrate):
         cgroups.set_limits(self.cgroup_parent, sandbox_id, request.cpu, request.memory_mb << 20,
                            request.pids)
         os.sched_setscheduler(runtime["pid"], os.SCHED_OTHER, os.sched_param(0))
+
+    def _bundle(self, plan: StartPlan, d: Path) -> None:
+        """The OCI bundle: the overlay rootfs and config.json (in a worker thread)."""
+        upper, work, rootfs, run = d / "upper", d / "work", d / "rootfs", d / "run"
+        d.mkdir()
+        for p in (work, rootfs, run):
+            p.mkdir()
+        # Mount points and the default cwd exist in the writable layer before it is mounted.
+        (upper / ".dsec" / "run").mkdir(parents=True)
+        (upper / ".dsec" / "agent").touch()
+        (upper / "work").mkdir()
+        lowers = self.mounter.lowerdirs(plan.image)  # mounts a layer the first time (ms, once)
+        overlay_mount(lowers, upper, work, rootfs)
+        assert self._agent_binary is not None, "prepare() runs before start()"
+        config = container_config(plan.sandbox_id, plan.request, str(rootfs),
+                                  str(self._agent_binary), str(run), self.cgroup_parent)
+        (d / "config.json").write_text(json.dumps(config))
 
     def agent(self, sandbox_id: str, runtime: dict[str, Any]) -> AgentClient:
         return AgentClient(self._dir(sandbox_id) / "run" / "agent.sock")
@@ -173,11 +182,14 @@ class ContainerSubstrate(Substrate):
         for runtime in RUNTIMES:
             if (self.runtime_root / runtime / sandbox_id).exists():
                 await spawn.run([*self._runtime_cmd(runtime), "delete", "--force", sandbox_id])
-        leftover_cgroups = cgroups.sandbox_cgroups(self.cgroup_parent).get(sandbox_id, [])
-        await asyncio.to_thread(cgroups.remove_cgroups, leftover_cgroups)
+        await asyncio.get_running_loop().run_in_executor(self._io, self._teardown, sandbox_id, d)
+
+    def _teardown(self, sandbox_id: str, d: Path) -> None:
+        """What the runtime leaves or never made: cgroups, the overlay, the bundle dir."""
+        cgroups.remove_cgroups(cgroups.sandbox_dirs(self.cgroup_parent, sandbox_id))
         for mount in _mounts_under(d):
             unmount(mount)
-        await asyncio.to_thread(shutil.rmtree, d, True)
+        shutil.rmtree(d, ignore_errors=True)
 
     async def leftovers(self) -> set[str]:
         ids = {p.name for p in self.root.iterdir()} if self.root.exists() else set()
