@@ -251,7 +251,7 @@ async def test_other_runtimes(client: dsec.DSecClient, runtime: str) -> None:
 
 async def test_warm_pool_sandboxes_run_at_normal_priority(client: dsec.DSecClient) -> None:
     await (await client.create(ttl_s=60)).stop()  # asks for the image: its warm pool fills
-    while not (await client.health())["edges"][0]["warm"]["container"]:
+    while not (await client.health())["edges"][0]["warm"]["container"].get("debian-minbase"):
         await asyncio.sleep(0.05)
     async with await client.create(ttl_s=60, memory_mb=96, pids=40) as sb:
         # The pool starts sandboxes at idle CPU priority; a claimed one runs at normal priority

@@ -181,7 +181,7 @@ class Created:
     async def wait_warm(self, n: int, timeout_s: float = 120) -> None:
         """Until the server's warm pool holds ``n`` sandboxes."""
         deadline = time.monotonic() + timeout_s
-        while sum((await self.client.health())["edges"][0]["warm"].values()) < n:
+        while (await self.client.health())["edges"][0]["warm"]["container"].get(IMAGE, 0) < n:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the warm pool did not reach {n} within {timeout_s}s")
             await asyncio.sleep(0.2)

@@ -54,5 +54,5 @@ class Router:
     def describe(self) -> list[dict[str, Any]]:
         return [{"id": e.id, "load": e.load(), "capacity": e.config.capacity,
                  "substrates": sorted(e.substrates),
-                 "warm": {name: pool.count() for name, pool in e.pools.items()}}
+                 "warm": {name: pool.counts() for name, pool in e.pools.items()}}
                 for e in self.edges.values()]

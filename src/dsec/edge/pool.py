@@ -55,8 +55,13 @@ class WarmPool:
         self._refill(image)
         return found
 
-    def count(self) -> int:
-        return sum(len(q) for q in self._ready.values())
+    def counts(self) -> dict[str, int]:
+        """Ready sandboxes by image name."""
+        counts: dict[str, int] = {}
+        for ready in self._ready.values():
+            for pooled in ready:
+                counts[pooled.image.name] = counts.get(pooled.image.name, 0) + 1
+        return counts
 
     def _refill(self, image: Image) -> None:
         filler = self._fillers.get(image.digest)
