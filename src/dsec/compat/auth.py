@@ -1,0 +1,85 @@
+"""API keys for the compatibility front-ends, and the per-sandbox envd access tokens.
+
+The E2B and SandboxFusion clients authenticate in their own ways: E2B's SDK sends
+``X-API-Key`` to the control plane and a per-sandbox ``X-Access-Token`` (returned at create
+as ``envdAccessToken``) to the data plane; SandboxFusion clients send nothing but can put
+credentials in the endpoint URL (``http://user:KEY@host/...``), which ``requests`` and
+``aiohttp`` turn into HTTP Basic auth. Any dsec API key works in each of these places.
+
+Access tokens are the sandbox id with ``HMAC-SHA256(secret, sandbox id)``: verifiable
+without state, valid as long as the sandbox, and never the API key itself. The secret is kept root-only in the
+state directory, so tokens survive a server restart like the sandboxes do.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import os
+import secrets
+from pathlib import Path
+
+from ..store.sqlite import StateStore
+
+
+class Keys:
+    def __init__(self, store: StateStore, state_dir: Path) -> None:
+        self.store = store
+        self._known: set[str] = set()
+        self._secret = _load_secret(state_dir / "compat.secret")
+
+    def valid(self, secret: str | None) -> bool:
+        if not secret:
+            return False
+        if secret in self._known:
+            return True
+        if self.store.key_for_secret(secret) is None:
+            return False
+        self._known.add(secret)  # keys are never revoked yet
+        return True
+
+    def from_headers(self, headers: object) -> str | None:
+        """The key in ``X-API-Key``, ``Authorization: Bearer KEY`` or ``Authorization: Basic``
+        (the key as the password, or as the user name with an empty password)."""
+        get = headers.get  # type: ignore[attr-defined]
+        if key := get("x-api-key"):
+            return str(key)
+        scheme, _, value = str(get("authorization", "")).partition(" ")
+        if scheme.lower() == "bearer":
+            return value.strip() or None
+        if scheme.lower() == "basic":
+            try:
+                user, _, password = base64.b64decode(value.strip()).decode().partition(":")
+            except (ValueError, UnicodeDecodeError):
+                return None
+            return password or user or None
+        return None
+
+    def access_token(self, sandbox_id: str) -> str:
+        """``<sandbox id>.<MAC>``: the id in clear lets a request that names no sandbox
+        (older SDKs after ``Sandbox.connect`` send no ``E2b-Sandbox-Id``) still be routed."""
+        mac = hmac.new(self._secret, sandbox_id.encode(), hashlib.sha256).hexdigest()
+        return f"{sandbox_id}.{mac}"
+
+    def valid_access_token(self, sandbox_id: str, token: str | None) -> bool:
+        return bool(token) and hmac.compare_digest(self.access_token(sandbox_id), str(token))
+
+    @staticmethod
+    def sandbox_of_token(token: str | None) -> str | None:
+        sandbox_id, dot, _ = (token or "").rpartition(".")
+        return sandbox_id if dot else None
+
+
+def _load_secret(path: Path) -> bytes:
+    try:
+        return bytes.fromhex(path.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        pass
+    secret = secrets.token_bytes(32)
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret.hex() + "\n")
+    os.replace(tmp, path)
+    return secret

@@ -1,0 +1,334 @@
+"""E2B compatibility: the control plane (``e2b-dev/infra`` ``spec/openapi.yml``) and the
+sandboxes' data plane (envd, see ``envd.py``), served together under one prefix so that the
+E2B SDK's single-gateway configuration works unchanged::
+
+    E2B_API_URL=http://HOST:PORT/e2b  E2B_SANDBOX_URL=http://HOST:PORT/e2b  E2B_API_KEY=<dsec key>
+
+Control plane (``X-API-Key`` or ``Authorization: Bearer``, any dsec API key):
+
+- ``POST /sandboxes``, ``POST /v2/sandboxes``: create from a template (mapped to a dsec image)
+- ``GET /sandboxes``, ``GET /v2/sandboxes`` (metadata/state/template filters, pagination)
+- ``GET /sandboxes/{id}``, ``DELETE /sandboxes/{id}``, ``POST /sandboxes/{id}/timeout``
+- ``POST /sandboxes/{id}/connect``, ``POST /v2/sandboxes/{id}/connect``
+
+Everything else E2B's API has (pause/resume, snapshots, templates, metrics, logs, volumes,
+secrets, network updates) answers 501. A request carrying ``E2b-Sandbox-Id`` (or an envd
+``X-Access-Token``) is for the data plane (both planes have a ``/health``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import os
+import time
+import urllib.parse
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from ..api.routing import Router
+from ..client.errors import (CapacityExhausted, DSecError, ImageNotFound, InvalidRequest,
+                             NotSupported, SandboxDied, SandboxNotFound, Unauthorized)
+from ..client.models import CreateRequest, SandboxInfo
+from .auth import Keys
+from .connect import PlainHttpError
+from .envd import ENVD_VERSION, USERS, Envd, gone
+
+TEMPLATE_LABEL = "e2b.template"
+# E2B template name -> dsec image. A template that is not listed is taken as a dsec image name.
+DEFAULT_TEMPLATES = {"base": "python-3.11"}
+DEFAULT_CPU = 2  # E2B's default sandbox: 2 vCPUs, 512 MiB
+DEFAULT_MEMORY_MB = 512
+MAX_TIMEOUT_S = 7 * 86400
+
+
+def templates_from_env(value: str | None = None) -> dict[str, str]:
+    """``DSEC_E2B_TEMPLATES="base=python-3.11,mytpl=myimage"`` adds to (or overrides) the
+    default template mapping."""
+    mapping = dict(DEFAULT_TEMPLATES)
+    raw = os.environ.get("DSEC_E2B_TEMPLATES", "") if value is None else value
+    for item in filter(None, (part.strip() for part in raw.split(","))):
+        name, sep, image = item.partition("=")
+        if not sep or not name.strip() or not image.strip():
+            raise ValueError(f"DSEC_E2B_TEMPLATES: expected name=image, got {item!r}")
+        mapping[name.strip()] = image.strip()
+    return mapping
+
+
+def create_e2b_app(router: Router, keys: Keys, templates: dict[str, str] | None = None) -> FastAPI:
+    templates = templates_from_env() if templates is None else templates
+    envd = Envd(router, keys)
+    app = FastAPI(title="dsec: E2B compatibility", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(PlainHttpError)
+    async def plain(request: Request, exc: PlainHttpError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(DSecError)
+    async def dsec_error(request: Request, exc: DSecError) -> JSONResponse:
+        """A dsec error no route turned into E2B's terms (the routes map the expected ones)."""
+        if isinstance(exc, (SandboxNotFound, SandboxDied)):
+            sandbox_id = str(exc.details.get("sandbox_id", ""))
+            if "e2b-sandbox-id" in request.headers or "x-access-token" in request.headers:
+                return gone(sandbox_id).response()
+            return _error(404, exc.message)
+        return _dsec_error(exc)
+
+    def authenticate(request: Request) -> None:
+        if not keys.valid(keys.from_headers(request.headers)):
+            raise PlainHttpError(401, {"code": 401, "message": "Invalid API key: use a dsec API "
+                                       "key as E2B_API_KEY (dsec key create NAME)"})
+
+    def running(sandbox_id: str) -> SandboxInfo:
+        try:
+            edge = router.edge_for(sandbox_id)
+            info = edge.info(edge.get_row(sandbox_id))
+        except SandboxNotFound:
+            info = None
+        if info is None or info.state != "running":
+            raise PlainHttpError(404, {"code": 404, "message": f"sandbox \"{sandbox_id}\" doesn't "
+                                       "exist or you don't have access to it"})
+        return info
+
+    def created(info: SandboxInfo) -> dict[str, Any]:
+        template = info.labels.get(TEMPLATE_LABEL, info.image)
+        return {"templateID": template, "alias": template, "sandboxID": info.id, "clientID": "dsec",
+                "envdVersion": ENVD_VERSION, "envdAccessToken": keys.access_token(info.id),
+                "trafficAccessToken": None, "domain": None}
+
+    def listed(info: SandboxInfo) -> dict[str, Any]:
+        template = info.labels.get(TEMPLATE_LABEL, info.image)
+        try:
+            disk_mb = int(router.edge_for(info.id).get_row(info.id).request.get("disk_mb", 1024))
+        except DSecError:
+            disk_mb = 1024
+        return {"templateID": template, "alias": template, "sandboxID": info.id, "clientID": "dsec",
+                "startedAt": _rfc3339(info.created_at), "endAt": _rfc3339(info.expires_at),
+                "cpuCount": max(1, math.ceil(info.cpu)), "memoryMB": info.memory_mb,
+                "diskSizeMB": disk_mb, "metadata": _metadata(info), "state": "running",
+                "envdVersion": ENVD_VERSION}
+
+    # control plane
+    async def create(request: Request) -> JSONResponse:
+        authenticate(request)
+        body = await _json(request)
+        template = body.get("templateID")
+        if not isinstance(template, str) or not template:
+            return _error(400, "templateID is required")
+        refused = _unsupported_options(body)
+        if refused:
+            return _error(400, refused)
+        timeout = _int(body.get("timeout", 15), "timeout")
+        try:
+            req = CreateRequest(image=templates.get(template, template), cpu=DEFAULT_CPU,
+                                memory_mb=DEFAULT_MEMORY_MB, ttl_s=min(max(timeout, 1), MAX_TIMEOUT_S),
+                                env=_strings(body.get("envVars"), "envVars"),
+                                labels={**_strings(body.get("metadata"), "metadata"),
+                                        TEMPLATE_LABEL: template})
+        except ValidationError as exc:
+            return _error(400, f"invalid request: {exc.errors(include_url=False)}")
+        try:
+            info = await router.create(req)
+        except ImageNotFound:
+            return _error(404, f"template '{template}' not found: it names no dsec image (the "
+                               "mapping is in docs/COMPAT.md; DSEC_E2B_TEMPLATES adds to it)")
+        except DSecError as exc:
+            return _dsec_error(exc)
+        edge = router.edge_for(info.id)
+        try:  # envd's users have homes; the default one is the default working directory
+            for home in USERS.values():
+                await edge.mkdir(info.id, home, parents=True)
+        except DSecError as exc:
+            await edge.stop(info.id, "stopped", "E2B set-up failed")
+            return _dsec_error(exc)
+        envd.prune({live.id for live in router.list()})
+        return JSONResponse(created(info), status_code=201)
+
+    app.add_api_route("/sandboxes", create, methods=["POST"], status_code=201)
+    app.add_api_route("/v2/sandboxes", create, methods=["POST"], status_code=201)
+
+    async def list_v1(request: Request) -> JSONResponse:
+        authenticate(request)
+        infos = _filtered(router.list(), request.query_params)
+        return JSONResponse([listed(info) for info in infos])
+
+    @app.get("/v2/sandboxes")
+    async def list_v2(request: Request) -> JSONResponse:
+        authenticate(request)
+        params = request.query_params
+        infos = _filtered(router.list(), params)
+        states = {s for value in params.getlist("state") for s in value.split(",") if s}
+        if states and "running" not in states:
+            infos = []
+        infos.sort(key=lambda i: i.created_at, reverse=params.get("order", "desc") != "asc")
+        start = _int(params.get("nextToken") or 0, "nextToken")
+        limit = _int(params.get("limit") or 0, "limit") or len(infos)
+        page = infos[start:start + limit]
+        headers = {"X-Total-Running": str(len(router.list()))}
+        if start + limit < len(infos):
+            headers["X-Next-Token"] = str(start + limit)
+        return JSONResponse([listed(info) for info in page], headers=headers)
+
+    app.add_api_route("/sandboxes", list_v1, methods=["GET"])
+
+    @app.get("/sandboxes/{sandbox_id}")
+    async def get(sandbox_id: str, request: Request) -> JSONResponse:
+        authenticate(request)
+        info = running(sandbox_id)
+        return JSONResponse({**listed(info), "envdAccessToken": keys.access_token(info.id),
+                             "domain": None, "allowInternetAccess": False})
+
+    @app.delete("/sandboxes/{sandbox_id}")
+    async def kill(sandbox_id: str, request: Request) -> Response:
+        authenticate(request)
+        running(sandbox_id)
+        try:
+            await router.edge_for(sandbox_id).stop(sandbox_id, "stopped", "killed through the E2B API")
+        except (SandboxNotFound, SandboxDied):
+            return _error(404, f"sandbox \"{sandbox_id}\" not found")
+        envd.forget(sandbox_id)
+        return Response(status_code=204)
+
+    @app.post("/sandboxes/{sandbox_id}/timeout")
+    async def set_timeout(sandbox_id: str, request: Request) -> Response:
+        authenticate(request)
+        timeout = _int((await _json(request)).get("timeout"), "timeout")
+        running(sandbox_id)
+        try:
+            router.edge_for(sandbox_id).set_ttl(sandbox_id, min(max(timeout, 1), MAX_TIMEOUT_S))
+        except (SandboxNotFound, SandboxDied):
+            return _error(404, f"sandbox \"{sandbox_id}\" not found")
+        return Response(status_code=204)
+
+    async def connect(sandbox_id: str, request: Request) -> JSONResponse:
+        """Connect to a running sandbox; its timeout is only ever extended."""
+        authenticate(request)
+        timeout = _int((await _json(request)).get("timeout", 0), "timeout")
+        info = running(sandbox_id)
+        remaining = math.ceil(info.expires_at - time.time())
+        if timeout > remaining:
+            try:
+                info = router.edge_for(sandbox_id).set_ttl(sandbox_id, min(timeout, MAX_TIMEOUT_S))
+            except (SandboxNotFound, SandboxDied):
+                return _error(404, f"sandbox \"{sandbox_id}\" not found")
+        return JSONResponse(created(info), status_code=200)
+
+    app.add_api_route("/sandboxes/{sandbox_id}/connect", connect, methods=["POST"])
+    app.add_api_route("/v2/sandboxes/{sandbox_id}/connect", connect, methods=["POST"])
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        if "e2b-sandbox-id" in request.headers or "x-access-token" in request.headers:
+            return await envd.health(request)
+        return JSONResponse({"ok": True})
+
+    # data plane
+    app.add_api_route("/files", envd.download, methods=["GET"])
+    app.add_api_route("/files", envd.upload, methods=["POST"])
+
+    @app.post("/{service}/{method}")
+    async def rpc(service: str, method: str, request: Request) -> Response:
+        if "." not in service:
+            return _not_supported(request)
+        return await envd.service.handle(request, f"{service}/{method}")
+
+    @app.api_route("/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+    async def other(rest: str, request: Request) -> Response:
+        return _not_supported(request)
+
+    return app
+
+
+def _not_supported(request: Request) -> JSONResponse:
+    path = request.url.path
+    return _error(501, f"{request.method} {path} is not supported by dsec's E2B compatibility "
+                       "layer (see docs/COMPAT.md)")
+
+
+def _unsupported_options(body: dict[str, Any]) -> str | None:
+    """Options dsec cannot honour are refused rather than silently dropped."""
+    if body.get("autoPause") or body.get("autoResume"):
+        return "autoPause/autoResume are not supported by dsec (sandboxes cannot pause yet)"
+    if body.get("volumeMounts"):
+        return "volumeMounts are not supported by dsec"
+    if body.get("mcp"):
+        return "mcp is not supported by dsec"
+    # allow_internet_access is accepted: older SDKs send True by default. dsec sandboxes have
+    # loopback only (documented; get_info reports allowInternetAccess false). Explicit egress
+    # rules, though, ask for something specific and are refused.
+    network = body.get("network") or {}
+    if network.get("allowOut") or network.get("allowPublicTraffic") is True or network.get("rules"):
+        return "network rules are not supported: dsec sandboxes have no network yet"
+    return None
+
+
+def _filtered(infos: list[SandboxInfo], params: Any) -> list[SandboxInfo]:
+    wanted = urllib.parse.parse_qsl(params.get("metadata") or "", keep_blank_values=True)
+    template = params.get("template")
+    out = []
+    for info in infos:
+        metadata = _metadata(info)
+        if any(metadata.get(k) != v for k, v in wanted):
+            continue
+        if template and template not in (info.labels.get(TEMPLATE_LABEL), info.image):
+            continue
+        out.append(info)
+    return out
+
+
+def _metadata(info: SandboxInfo) -> dict[str, str]:
+    return {k: v for k, v in info.labels.items() if k != TEMPLATE_LABEL}
+
+
+async def _json(request: Request) -> dict[str, Any]:
+    body = await request.body()
+    if not body:
+        return {}
+    try:
+        data = await request.json()
+    except ValueError:
+        raise PlainHttpError(400, {"code": 400, "message": "the body is not valid JSON"}) from None
+    if not isinstance(data, dict):
+        raise PlainHttpError(400, {"code": 400, "message": "the body must be a JSON object"})
+    return data
+
+
+def _int(value: Any, name: str) -> int:
+    if isinstance(value, bool):
+        raise PlainHttpError(400, {"code": 400, "message": f"{name} must be an integer"})
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise PlainHttpError(400, {"code": 400, "message": f"{name} must be an integer"}) from None
+    if number < 0:
+        raise PlainHttpError(400, {"code": 400, "message": f"{name} must not be negative"})
+    return number
+
+
+def _strings(value: Any, name: str) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise PlainHttpError(400, {"code": 400, "message": f"{name} must map strings to strings"})
+    return {str(k): v for k, v in value.items()}
+
+
+def _rfc3339(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, dt.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"code": status, "message": message}, status_code=status)
+
+
+def _dsec_error(exc: DSecError) -> JSONResponse:
+    if isinstance(exc, Unauthorized):
+        return _error(401, exc.message)
+    if isinstance(exc, CapacityExhausted):
+        return _error(429, f"{exc.message}: too many sandboxes at once")
+    if isinstance(exc, (InvalidRequest, NotSupported)):
+        return _error(400, exc.message)
+    return _error(500, exc.message)

@@ -1,0 +1,245 @@
+"""E2B compatibility: the real ``e2b`` SDK, in every version of the matrix, drives a real dsec
+server end to end (sync and async clients, public API only), plus the Connect protocol on
+the wire (binary protobuf, keepalives) and the gateway's refusals.
+
+Each SDK version lives in its own virtualenv under ``$DSEC_COMPAT_VENVS``
+(``/var/cache/dsec/compat-venvs``), built on first use from PyPI and reused afterwards; it
+runs ``compat_e2b_driver.py``, which reports what each step observed as JSON.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from conftest import Server, make_server, stop_server
+
+# The compatibility matrix: the oldest SDK generation served (a vendored Connect client on
+# httpcore, protobuf's json_format) and the newest (connectrpc on pyqwest, protobuf-py).
+E2B_VERSIONS = ["2.20.0", "2.63.0"]
+VENVS = Path(os.environ.get("DSEC_COMPAT_VENVS", "/var/cache/dsec/compat-venvs"))
+DRIVER = Path(__file__).with_name("compat_e2b_driver.py")
+
+
+def compat_python(package: str, version: str) -> Path:
+    """The interpreter of a virtualenv with exactly ``package==version``, built once."""
+    root = VENVS / f"{package}-{version}"
+    python, done = root / "bin" / "python", root / ".complete"
+    VENVS.mkdir(parents=True, exist_ok=True)
+    with open(VENVS / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (done.exists() and python.exists()):
+            shutil.rmtree(root, ignore_errors=True)
+            subprocess.run([sys.executable, "-m", "venv", str(root)], check=True)
+            subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                            f"{package}=={version}"], check=True, timeout=900)
+            done.write_text(f"{package}=={version}\n")
+    return python
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def e2b_server(images: object) -> Iterator[Server]:
+    srv = make_server("--host", "127.0.0.1", "--port", str(free_port()), "--capacity", "32").start()
+    yield srv
+    stop_server(srv)
+
+
+def e2b_env(server: Server) -> dict[str, str]:
+    """What a user sets to point the SDK at dsec (docs/COMPAT.md)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
+    return {**env, "E2B_API_URL": f"{server.url}/e2b", "E2B_SANDBOX_URL": f"{server.url}/e2b",
+            "E2B_API_KEY": server.key, "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
+
+
+@pytest.fixture(scope="module")
+def observed(e2b_server: Server) -> dict[str, dict[str, Any]]:
+    """Every version's driver run, concurrently: version -> what it observed."""
+    pythons = {version: compat_python("e2b", version) for version in E2B_VERSIONS}
+    runs = {version: subprocess.Popen([str(python), str(DRIVER)], env=e2b_env(e2b_server),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            for version, python in pythons.items()}
+    out = {}
+    for version, proc in runs.items():
+        stdout, stderr = proc.communicate(timeout=180)
+        assert proc.returncode == 0, stderr.decode()[-3000:]
+        out[version] = json.loads(stdout)
+        assert out[version]["sdk"] == version
+        assert "crashed" not in out[version], out[version]["crashed"]
+    return out
+
+
+def raised(value: Any) -> str | None:
+    return value.get("raised") if isinstance(value, dict) else None
+
+
+def ok(stdout: str, stderr: str = "", exit_code: int = 0) -> dict[str, Any]:
+    return {"stdout": stdout, "stderr": stderr, "exit_code": exit_code}
+
+
+@pytest.mark.parametrize("version", E2B_VERSIONS)
+def test_commands(observed: dict[str, dict[str, Any]], version: str) -> None:
+    o = observed[version]
+    assert o["sync.id"].startswith("sb-")
+    assert o["sync.run"] == ok("hello\n", "err\n")
+    assert o["sync.cwd_env"] == ok("/home/user\ng bar\n")  # E2B's home; create-time and call env
+    assert o["sync.cwd_arg"] == ok("/tmp\n")
+    assert o["sync.stream"] == ok("1\n2\n3\n", "e1\ne2\ne3\n")
+    chunks = o["sync.stream_chunks"]
+    assert [text for _, text in chunks] == ["1\n", "2\n", "3\n"]
+    assert chunks[-1][0] - chunks[0][0] > 0.3  # callbacks came as the output did
+    assert o["sync.stream_errs"] == ["e1\n", "e2\n", "e3\n"]
+    assert raised(o["sync.exit"]) == "CommandExitException"
+    assert (o["sync.exit"]["exit_code"], o["sync.exit"]["stdout"]) == (3, "out\n")
+    assert "TimeoutException" in o["sync.timeout"]["mro"]
+    assert o["sync.python"] == ok("42\n")
+
+
+@pytest.mark.parametrize("version", E2B_VERSIONS)
+def test_background_connect_kill(observed: dict[str, dict[str, Any]], version: str) -> None:
+    o = observed[version]
+    assert o["sync.bg_pid"] in o["sync.bg_list"]
+    assert o["sync.bg_kill"] is True
+    assert raised(o["sync.bg_wait"]) == "CommandExitException"  # killed: exit code -1, like envd
+    assert (o["sync.bg_wait"]["exit_code"], o["sync.bg_wait"]["stdout"]) == (-1, "started\n")
+    assert o["sync.bg_kill_again"] is False
+    assert o["sync.bg_finished"] == ok("bg done\n")
+
+
+@pytest.mark.parametrize("version", E2B_VERSIONS)
+def test_files(observed: dict[str, dict[str, Any]], version: str) -> None:
+    o = observed[version]
+    assert o["sync.write_read"] == ["/home/user/a.txt", "hi there"]
+    assert o["sync.binary"] == ["/home/user/data/blob.bin", True]  # relative to home, 2 MiB, exact
+    assert o["sync.write_files"] == ["/home/user/m1.txt", "/tmp/x/m2.txt"]
+    assert o["sync.list"] == [["a.txt", "file"], ["data", "dir"], ["m1.txt", "file"]]
+    assert o["sync.make_dir"] == [True, False]
+    assert o["sync.exists"] == [True, False]
+    assert o["sync.remove"] is False
+    assert raised(o["sync.read_missing"]) == "FileNotFoundException"
+
+
+@pytest.mark.parametrize("version", E2B_VERSIONS)
+def test_lifecycle_and_errors(observed: dict[str, dict[str, Any]], version: str) -> None:
+    o = observed[version]
+    assert o["sync.set_timeout"] is True
+    assert o["sync.list_sandboxes"] is True
+    assert o["sync.list_metadata"] == [o["sync.id"]]
+    assert o["sync.connect"] == ok("again\n")
+    assert o["sync.is_running"] is True and o["sync.kill"] is True
+    # a killed or expired sandbox: the SDK's "sandbox is gone" exception (TimeoutException, or
+    # its subclass SandboxNotRunningException in newer SDKs), as behind E2B's own gateway
+    for step in ("sync.after_kill_run", "sync.expired_run"):
+        assert "TimeoutException" in o[step]["mro"], o[step]
+        assert "was not found" in o[step]["message"]
+    if version == E2B_VERSIONS[-1]:
+        assert raised(o["sync.after_kill_run"]) == "SandboxNotRunningException"
+    assert o["sync.after_kill_is_running"] is False
+    assert o["sync.kill_again"] is False
+    assert "NotFoundException" in o["sync.expired_info"]["mro"]
+    assert raised(o["sync.bad_key"]) == "AuthenticationException"
+    assert raised(o["sync.bad_template"]) == "SandboxException"
+    assert "no-such-template" in o["sync.bad_template"]["message"]
+
+
+@pytest.mark.parametrize("version", E2B_VERSIONS)
+def test_async_sdk(observed: dict[str, dict[str, Any]], version: str) -> None:
+    o = observed[version]
+    assert o["async.id"].startswith("sb-")
+    assert o["async.run"] == ok("hello\n", "err\n")
+    assert o["async.stream"] == ok("1\n2\n3\n") and o["async.stream_chunks"] == ["1\n", "2\n", "3\n"]
+    assert (raised(o["async.exit"]), o["async.exit"]["exit_code"]) == ("CommandExitException", 4)
+    assert "TimeoutException" in o["async.timeout"]["mro"]
+    assert len(o["async.bg_list"]) == 1
+    assert o["async.bg_kill"] is True and o["async.bg_wait"]["exit_code"] == -1
+    assert o["async.write_read"] == ["/home/user/b.txt", "file-like body"]
+    assert o["async.list"] == ["b.txt"]
+    assert o["async.make_dir"] is True and o["async.remove"] is False
+    assert raised(o["async.read_missing"]) == "FileNotFoundException"
+    assert o["async.set_timeout"] is None and o["async.list_sandboxes"] is True
+    assert o["async.kill"] is True
+    assert "TimeoutException" in o["async.after_kill_run"]["mro"]
+
+
+def test_binary_protobuf_codec(e2b_server: Server) -> None:
+    """Connect with application/proto, decoded by Google's protobuf runtime."""
+    python = compat_python("e2b", E2B_VERSIONS[0])  # ships protobuf and envd's generated classes
+    run = subprocess.run([str(python), str(DRIVER), "--proto"], env=e2b_env(e2b_server),
+                         capture_output=True, timeout=60)
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    o = json.loads(run.stdout)
+    assert o["proto.start_content_type"] == "application/connect+proto"
+    assert o["proto.start_events"] == ["start", "data", ["stdout", "out"], "data", ["stderr", "err"],
+                                       "end", [5, "exit status 5"]]
+    assert o["proto.end_stream"] == {}
+    assert o["proto.stat"] == [200, "application/proto", "user", 2, "/home/user", "drwxr-xr-x"]
+    assert o["proto.stat_missing"] == [404, "not_found"]
+
+
+def envelope(message: dict[str, Any]) -> bytes:
+    body = json.dumps(message).encode()
+    return struct.pack(">BI", 0, len(body)) + body
+
+
+def envelopes(data: bytes) -> list[tuple[int, Any]]:
+    out = []
+    while data:
+        flags, size = struct.unpack(">BI", data[:5])
+        out.append((flags, json.loads(data[5:5 + size])))
+        data = data[5 + size:]
+    return out
+
+
+def test_connect_wire_and_gateway(e2b_server: Server) -> None:
+    """Raw Connect JSON: keepalives while a command is silent, the gateway's answers for a bad
+    token, another port, a dead sandbox, and control-plane calls dsec does not serve."""
+    base = f"{e2b_server.url}/e2b"
+    with httpx.Client(base_url=base, timeout=30) as http:
+        sb = http.post("/sandboxes", json={"templateID": "base", "timeout": 60},
+                       headers={"X-API-Key": e2b_server.key}).json()
+        headers = {"E2b-Sandbox-Id": sb["sandboxID"], "X-Access-Token": sb["envdAccessToken"],
+                   "Content-Type": "application/connect+json", "Keepalive-Ping-Interval": "1"}
+        start = {"process": {"cmd": "/bin/sh", "args": ["-c", "sleep 2.3; echo late"]}}
+        answer = http.post("/process.Process/Start", content=envelope(start), headers=headers)
+        assert answer.status_code == 200
+        frames = envelopes(answer.content)
+        events = [next(iter(m["event"])) for flags, m in frames if not flags & 2]
+        assert events[0] == "start" and events[-2:] == ["data", "end"]
+        assert events.count("keepalive") >= 2
+        assert frames[-1] == (2, {})
+
+        unary = {**headers, "Content-Type": "application/json"}
+        assert http.post("/process.Process/List", content=b"{}", headers=unary).json() == {}
+        bad = http.post("/process.Process/List", content=b"{}",
+                        headers={**unary, "X-Access-Token": sb["sandboxID"] + ".forged"})
+        assert bad.status_code == 401
+        port = http.post("/process.Process/List", content=b"{}", headers={**unary, "E2b-Sandbox-Port": "8080"})
+        assert port.status_code == 502 and "port is not open" in port.json()["message"]
+        pty = http.post("/process.Process/Start", headers=headers, content=envelope(
+            {**start, "pty": {"size": {"cols": 80, "rows": 24}}}))
+        assert envelopes(pty.content)[-1][1]["error"]["code"] == "unimplemented"
+        watch = http.post("/filesystem.Filesystem/WatchDir", content=b"{}", headers=unary)
+        assert watch.status_code == 501 and watch.json()["code"] == "unimplemented"
+        assert http.post(f"/sandboxes/{sb['sandboxID']}/pause", json={},
+                         headers={"X-API-Key": e2b_server.key}).status_code == 501
+
+        assert http.delete(f"/sandboxes/{sb['sandboxID']}", headers={"X-API-Key": e2b_server.key}).status_code == 204
+        dead = http.post("/process.Process/Start", content=envelope(start), headers=headers)
+        assert dead.status_code == 502 and dead.json()["message"] == "The sandbox was not found"
+        assert http.get("/health", headers=headers).status_code == 502
