@@ -7,13 +7,16 @@
 from .client.aio import CommandResult, DSecClient, OutputChunk
 from .client.aio import OutputStream as AsyncOutputStream
 from .client.aio import Process as AsyncProcess
+from .client.aio import Replay as AsyncReplay
 from .client.aio import Sandbox as AsyncSandbox
 from .client.errors import (CapacityExhausted, CommandTimeout, DSecError, FileNotFound,
                             ImageBuildError, ImageNotFound, InvalidRequest, NotSupported,
                             ProcessNotFound, SandboxDied, SandboxError, SandboxNotFound,
-                            ServerUnavailable, Unauthorized)
-from .client.models import FileEntry, ProcessInfo, SandboxInfo
-from .client.sync import Client, OutputStream, Process, Sandbox
+                            ServerUnavailable, StepInterrupted, TrajectoryDiverged,
+                            TrajectoryExists, TrajectoryNotFound, Unauthorized)
+from .client.models import (FileEntry, ProcessInfo, SandboxInfo, StepDiff, StepRecord,
+                            TrajectoryInfo)
+from .client.sync import Client, OutputStream, Process, Replay, Sandbox
 
 __all__ = [
     "DSecClient", "AsyncSandbox", "AsyncProcess", "AsyncOutputStream", "OutputChunk",
@@ -21,5 +24,7 @@ __all__ = [
     "SandboxInfo", "DSecError", "CapacityExhausted", "CommandTimeout", "FileNotFound",
     "ImageBuildError", "ImageNotFound", "InvalidRequest", "NotSupported", "ProcessNotFound",
     "SandboxDied", "SandboxError", "SandboxNotFound", "ServerUnavailable", "Unauthorized",
+    "TrajectoryDiverged", "StepInterrupted", "TrajectoryExists", "TrajectoryNotFound",
+    "TrajectoryInfo", "StepRecord", "StepDiff", "Replay", "AsyncReplay",
 ]
 __version__ = "0.1.0"

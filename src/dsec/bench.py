@@ -4,7 +4,11 @@ Measured (latencies in ms, p50/p95/p99):
 - create-to-first-output, one at a time and in a burst of 100: dsec's ``create`` + ``stream``
   of ``echo hi`` until the first byte, against ``crun run`` of ``echo hi`` on an overlay of the
   same layers until its first byte;
-- exec round trip of ``true`` in a warm sandbox, against ``crun exec`` into a running container.
+- exec round trip of ``true`` in a warm sandbox, against ``crun exec`` into a running container;
+- the trajectory log, against executing ``true`` live in a sandbox with no trajectory: the
+  round trip of a logged ``true`` (log write overhead), and the time per step to fast-forward
+  the 1,000 (``--quick``: 200) steps so logged, answered from the SDK's prefetched log and
+  (``prefetch=False``) by the server.
 Ratios are dsec over the baseline. ``dsec bench`` runs it; docs/BENCHMARKS.md has the figures.
 """
 
@@ -246,10 +250,49 @@ def idle_memory(created: Created) -> list[float]:
     return values
 
 
-async def run_benchmark(console: Console, quick: bool = False) -> list[Sample]:
+async def trajectory_series(console: Console, client: DSecClient, steps: int) -> list[Sample]:
+    """Log overhead: ``true`` in a plain sandbox against ``true`` logged in a trajectory,
+    alternating batches. Fast-forward: the logged steps re-issued by a resumed handle (SDK
+    prefetch, then server only), alternating with ``true`` run live in the plain sandbox."""
+    plain = await client.create(image=IMAGE, ttl_s=900)
+    trajectory = f"bench/{secrets.token_hex(4)}"
+    logged = await client.create(image=IMAGE, ttl_s=900, trajectory=trajectory)
+    samples: list[Sample] = []
+    try:
+        with phase(console, f"trajectory: log write overhead over {steps} execs of `true`"):
+            samples += await compare(Sample("exec true (no trajectory)", []),
+                                     lambda: _run_true(plain),
+                                     Sample("exec true, logged in a trajectory", []),
+                                     lambda: _run_true(logged), 20, steps // 20)
+        for prefetch, where in ((True, "from the SDK's prefetched log"), (False, "by the server")):
+            with phase(console, f"trajectory: fast-forward of {steps} steps {where}"):
+                resumed = await client.resume(trajectory, prefetch=prefetch)
+                samples += await compare(Sample("exec true (no trajectory), again", []),
+                                         lambda: _run_true(plain),
+                                         Sample(f"fast-forward, answered {where}", []),
+                                         lambda: _run_true(resumed), 20, steps // 20)
+                if resumed.fast_forwarded != steps:
+                    raise RuntimeError(f"only {resumed.fast_forwarded} of {steps} steps were "
+                                       "fast-forwarded")
+    finally:
+        await asyncio.gather(plain.stop(), logged.stop())
+    return samples
+
+
+async def run_benchmark(console: Console, quick: bool = False,
+                        only_trajectory: bool = False) -> list[Sample]:
     n_seq, n_burst, burst_rounds, n_exec = (10, 20, 1, 50) if quick else (50, 100, 2, 200)
+    n_steps = 200 if quick else 1000
     image = ImageStore().ensure(IMAGE, console=console)
     root = BENCH_ROOT / secrets.token_hex(3)
+    if only_trajectory:
+        try:
+            async with bench_server(root / "trajectory", "--warm-pool", "0") as server:
+                await server.first_output()  # warm-up
+                await server.stop_all()
+                return await trajectory_series(console, server.client, n_steps)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
     bare = BareCrun(root / "bare", LayerMounter().lowerdirs(image))
     samples: list[Sample] = []
     memory = Sample("idle sandbox memory (MB, not ms)", [])
@@ -278,6 +321,7 @@ async def run_benchmark(console: Console, quick: bool = False) -> list[Sample]:
                                              lambda: bare.exec_true(cid), Sample("dsec exec true", []),
                                              lambda: _run_true(sb), 20, n_exec // 20)
                 await sb.stop()
+            samples += await trajectory_series(console, cold.client, n_steps)
         async with bench_server(root / "warm", "--warm-pool", str(n_burst)) as warm:
             with phase(console, f"create-to-first-output from a warm pool of {n_burst}"):
                 await warm.first_output()  # asks for the image: its pool fills
@@ -313,19 +357,23 @@ def report(console: Console, samples: list[Sample]) -> None:
     table = Table("measure", "n", "fail", "p50", "p95", "p99", "p50 / baseline", title="dsec bench (ms)")
     for s in samples:
         ratio = s.ratio()
-        table.add_row(s.name, str(len(s.values_ms)), str(s.failures), f"{s.pct(50):.1f}",
-                      f"{s.pct(95):.1f}", f"{s.pct(99):.1f}", f"{ratio:.2f}" if ratio else "")
+        table.add_row(s.name, str(len(s.values_ms)), str(s.failures), _ms(s.pct(50)),
+                      _ms(s.pct(95)), _ms(s.pct(99)), f"{ratio:.3f}" if ratio else "")
     console.print(table)
     for s in samples:
         for error in s.errors:
             console.print(f"[red]{s.name} failed:[/red] {error}")
 
 
-def main(quick: bool = False, json_out: Path | None = None) -> None:
+def _ms(value: float) -> str:
+    return f"{value:.1f}" if value >= 0.1 else f"{value:.3f}"  # fast-forwards take µs
+
+
+def main(quick: bool = False, json_out: Path | None = None, only_trajectory: bool = False) -> None:
     if os.geteuid() != 0:
         raise SystemExit("dsec bench runs containers and must run as root")
     console = Console()
-    samples = asyncio.run(run_benchmark(console, quick))
+    samples = asyncio.run(run_benchmark(console, quick, only_trajectory))
     report(console, samples)
     if json_out:
         json_out.write_text(json.dumps([s.row() for s in samples], indent=2))

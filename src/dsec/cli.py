@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import time
 from pathlib import Path
@@ -120,6 +121,130 @@ def stop(sandbox_ids: tuple[str, ...]) -> None:
 
 
 @main.group()
+def trajectory() -> None:
+    """Show, export and replay trajectory logs."""
+
+
+@trajectory.command("ls")
+@click.option("--limit", type=int, default=50)
+def trajectory_ls(limit: int) -> None:
+    """List the most recent trajectories."""
+    async def go() -> None:
+        async with DSecClient() as client:
+            table = Table("id", "generation", "steps", "sandbox", "state", "created")
+            for t in await client.trajectories(limit):
+                table.add_row(t.id, str(t.generation), str(t.steps), t.sandbox.id,
+                              t.sandbox.state, _when(t.created_at))
+            Console().print(table)
+    _run(go())
+
+
+@trajectory.command("show")
+@click.argument("trajectory_id")
+@click.option("--generation", type=int, default=None, help="default: the current one")
+def trajectory_show(trajectory_id: str, generation: int | None) -> None:
+    """Show a trajectory and its logged steps."""
+    async def go() -> None:
+        async with DSecClient() as client:
+            info = await client.trajectory(trajectory_id)
+            steps = await client.trajectory_steps(trajectory_id, generation)
+        out = Console()
+        out.print(f"[bold]{info.id}[/bold]  created {_when(info.created_at)} by "
+                  f"{info.created_by or '?'}; {info.steps} steps in generation {info.generation}")
+        for g in info.generations:
+            fork = f", forked at step {g.forked_at_step}" if g.forked_at_step else ""
+            differ = (f", replay differed at {g.replay_differences}" if g.replay_differences else "")
+            out.print(f"  generation {g.generation}: {g.sandbox_id} ({g.sandbox_state}"
+                      f"{': ' + g.sandbox_reason if g.sandbox_reason else ''}) "
+                      f"{g.image}@{g.image_digest[:19]}{fork}{differ}")
+        table = Table("step", "op", "request", "result", "ms", "at",
+                      title=f"generation {generation or info.generation}")
+        for s in steps:
+            took = f"{(s.ended_at - s.started_at) * 1000:.0f}" if s.ended_at else ""
+            table.add_row(str(s.step), s.op, _request_text(s.request), _result_text(s),
+                          took, _when(s.started_at))
+        out.print(table)
+    _run(go())
+
+
+@trajectory.command("export")
+@click.argument("trajectory_id")
+@click.option("--format", "fmt", type=click.Choice(["jsonl"]), default="jsonl")
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
+              help="write here instead of stdout")
+def trajectory_export(trajectory_id: str, fmt: str, output: Path | None) -> None:
+    """Export a trajectory for provenance: one JSON object per line (the trajectory, then
+    every step of every generation, with full requests and results)."""
+    async def go() -> None:
+        out = open(output, "w") if output else sys.stdout
+        try:
+            async with DSecClient() as client:
+                async for line in client.export_trajectory(trajectory_id):
+                    out.write(json.dumps(line) + "\n")
+        finally:
+            if output:
+                out.close()
+    _run(go())
+
+
+@trajectory.command("replay")
+@click.argument("trajectory_id")
+@click.option("--upto", type=int, default=None, help="last step to replay")
+@click.option("--keep", is_flag=True, help="keep the sandbox it replayed into")
+def trajectory_replay(trajectory_id: str, upto: int | None, keep: bool) -> None:
+    """Replay a trajectory into a new sandbox and show where results differ."""
+    async def go() -> int:
+        async with DSecClient() as client:
+            replay = await client.replay(trajectory_id, upto=upto)
+            if not keep:
+                await replay.sandbox.stop()
+        table = Table("step", "op", "differs in", "logged", "replayed",
+                      title=f"replay of {trajectory_id} into {replay.sandbox.id}")
+        for d in replay.differences:
+            table.add_row(str(d.step), d.op, ", ".join(d.fields), _brief(d.logged), _brief(d.replayed))
+        Console().print(table)
+        console.print(f"{len(replay.steps)} steps replayed, {len(replay.differences)} differ"
+                      + (f"; sandbox {replay.sandbox.id} kept" if keep else ""))
+        return 1 if replay.differences else 0
+    sys.exit(_run(go()))
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def _request_text(request: dict[str, Any]) -> str:
+    params = request.get("params", {})
+    text = params.get("command", params.get("path", params.get("process", "")))
+    if isinstance(text, list):
+        text = " ".join(text)
+    extra = f" ({request['payload']['size']} B)" if request.get("payload") else ""
+    text = str(text).replace("\n", "; ")
+    return (text[:60] + "…" if len(text) > 60 else text) + extra
+
+
+def _result_text(step: Any) -> str:
+    if step.status in ("running", "interrupted"):
+        return step.status
+    outcome = step.outcome or {}
+    if "error" in outcome:
+        return f"[red]{outcome['error']['code']}[/red]"
+    value = outcome.get("value")
+    if isinstance(value, dict) and "exit_code" in value:
+        size = sum(ref["size"] for ref in outcome.get("bytes", {}).values())
+        flags = "".join(f" {k}" for k in ("timed_out", "oom_killed") if value.get(k))
+        return f"exit {value['exit_code']}, {size} B{flags}"
+    if "data" in outcome.get("bytes", {}):
+        return f"{outcome['bytes']['data']['size']} B"
+    return "ok"
+
+
+def _brief(values: dict[str, Any]) -> str:
+    return "; ".join(f"{k}={v.get('text', v)!r}"[:80] if isinstance(v, dict) else f"{k}={v!r}"[:80]
+                     for k, v in values.items())
+
+
+@main.group()
 def image() -> None:
     """Build, list and import images."""
 
@@ -182,7 +307,9 @@ def key_create(name: str, state_dir: Path | None) -> None:
 @click.option("--quick", is_flag=True, help="smaller counts, for a smoke run")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None,
               help="also write the figures as JSON here")
-def bench(quick: bool, json_out: Path | None) -> None:
+@click.option("--only-trajectory", is_flag=True,
+              help="only the trajectory series (log overhead, fast-forward)")
+def bench(quick: bool, json_out: Path | None, only_trajectory: bool) -> None:
     """Run the benchmark against bare crun and print the figures (see docs/BENCHMARKS.md)."""
     from .bench import main as bench_main
-    bench_main(quick=quick, json_out=json_out)
+    bench_main(quick=quick, json_out=json_out, only_trajectory=only_trajectory)

@@ -4,7 +4,9 @@ Every route authenticates with an API key (``Authorization: Bearer dsk_...``), f
 owning edge from the sandbox id, and maps ``DSecError`` to ``{"error": {...}}`` with the
 error's status. Streams (exec output, process attach) are NDJSON: one JSON event per line,
 ``{"type": "stdout"|"stderr", "data": <base64>}``, then ``{"type": "result", "result": ...}``
-or ``{"type": "error", "error": ...}``.
+or ``{"type": "error", "error": ...}``. Calls on a sandbox attached to a trajectory carry
+their step (``X-DSec-Step``) and are logged and fast-forwarded by ``dsec.trajectory.recorder``,
+which ``Router.edge_for`` puts in front of the edge.
 """
 
 from __future__ import annotations
@@ -16,15 +18,19 @@ from typing import Any, AsyncIterator
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..agent.client import Output
 from ..client.errors import DSecError, InvalidRequest, Unauthorized
 from ..client.models import (CreateRequest, ExecRequest, ExecResult, FileEntry, ProcessInfo,
                              SandboxInfo, SignalRequest, TtlRequest, b64)
 from ..store.sqlite import StateStore
+from ..trajectory.recorder import Call
 from .routing import Router
+from .trajectories import trajectory_routes
 
 NDJSON = "application/x-ndjson"
+CALL_SCOPE_KEY = "dsec.call"
 
 
 def create_app(router: Router, store: StateStore) -> FastAPI:
@@ -67,13 +73,29 @@ def create_app(router: Router, store: StateStore) -> FastAPI:
 
     auth = [Depends(authenticated)]
 
+    async def call_of(request: Request, caller: str = Depends(authenticated)) -> Call:
+        """Who calls, and at which step of the sandbox's trajectory (``X-DSec-Step``, with
+        ``X-DSec-On-Divergence: raise|fork``). Kept in the scope for the response headers."""
+        call = Call(caller=caller)
+        step = request.headers.get("x-dsec-step")
+        if step is not None:
+            if not step.isdigit() or int(step) < 1:
+                raise InvalidRequest("X-DSec-Step must be a positive integer", step=step)
+            call.step = int(step)
+        mode = request.headers.get("x-dsec-on-divergence", "raise")
+        if mode not in ("raise", "fork"):
+            raise InvalidRequest("X-DSec-On-Divergence must be 'raise' or 'fork'", value=mode)
+        call.on_divergence = mode  # type: ignore[assignment]
+        request.scope[CALL_SCOPE_KEY] = call
+        return call
+
     @app.get("/v1/health")
     async def health() -> dict[str, Any]:
         return {"ok": True, "edges": router.describe()}
 
     @app.post("/v1/sandboxes", dependencies=auth, status_code=201)
-    async def create(req: CreateRequest) -> SandboxInfo:
-        return await router.create(req)
+    async def create(req: CreateRequest, caller: str = Depends(authenticated)) -> SandboxInfo:
+        return await router.create(req, caller)
 
     @app.get("/v1/sandboxes", dependencies=auth)
     async def list_sandboxes() -> list[SandboxInfo]:
@@ -81,89 +103,122 @@ def create_app(router: Router, store: StateStore) -> FastAPI:
 
     @app.get("/v1/sandboxes/{sandbox_id}", dependencies=auth)
     async def get(sandbox_id: str) -> SandboxInfo:
-        edge = router.edge_for(sandbox_id)
+        edge = router.owner(sandbox_id)
         return edge.info(edge.get_row(sandbox_id))
 
     @app.delete("/v1/sandboxes/{sandbox_id}", dependencies=auth, status_code=204)
     async def stop(sandbox_id: str) -> Response:
-        await router.edge_for(sandbox_id).stop(sandbox_id)
+        await router.owner(sandbox_id).stop(sandbox_id)
         return Response(status_code=204)
 
     @app.put("/v1/sandboxes/{sandbox_id}/ttl", dependencies=auth)
     async def set_ttl(sandbox_id: str, req: TtlRequest) -> SandboxInfo:
-        return router.edge_for(sandbox_id).set_ttl(sandbox_id, req.ttl_s)
+        return router.owner(sandbox_id).set_ttl(sandbox_id, req.ttl_s)
 
     @app.post("/v1/sandboxes/{sandbox_id}/exec", dependencies=auth)
-    async def run(sandbox_id: str, req: ExecRequest) -> ExecResult:
-        return await router.edge_for(sandbox_id).run(sandbox_id, req)
+    async def run(sandbox_id: str, req: ExecRequest, call: Call = Depends(call_of)) -> ExecResult:
+        return await router.edge_for(sandbox_id, call).run(sandbox_id, req)
 
     @app.post("/v1/sandboxes/{sandbox_id}/exec/stream", dependencies=auth,
               response_class=StreamingResponse)
-    async def stream(sandbox_id: str, req: ExecRequest) -> StreamingResponse:
-        return await _ndjson(router.edge_for(sandbox_id).stream(sandbox_id, req))
+    async def stream(sandbox_id: str, req: ExecRequest,
+                     call: Call = Depends(call_of)) -> StreamingResponse:
+        return await _ndjson(router.edge_for(sandbox_id, call).stream(sandbox_id, req))
 
     @app.post("/v1/sandboxes/{sandbox_id}/processes", dependencies=auth, status_code=201)
-    async def start_process(sandbox_id: str, req: ExecRequest) -> ProcessInfo:
-        return await router.edge_for(sandbox_id).start_process(sandbox_id, req)
+    async def start_process(sandbox_id: str, req: ExecRequest,
+                            call: Call = Depends(call_of)) -> ProcessInfo:
+        return await router.edge_for(sandbox_id, call).start_process(sandbox_id, req)
 
     @app.get("/v1/sandboxes/{sandbox_id}/processes", dependencies=auth)
-    async def processes(sandbox_id: str) -> list[ProcessInfo]:
-        return await router.edge_for(sandbox_id).processes(sandbox_id)
+    async def processes(sandbox_id: str, call: Call = Depends(call_of)) -> list[ProcessInfo]:
+        return await router.edge_for(sandbox_id, call).processes(sandbox_id)
 
     @app.get("/v1/sandboxes/{sandbox_id}/processes/{proc_id}/output", dependencies=auth,
              response_class=StreamingResponse)
-    async def attach(sandbox_id: str, proc_id: str) -> StreamingResponse:
-        return await _ndjson(router.edge_for(sandbox_id).attach(sandbox_id, proc_id))
+    async def attach(sandbox_id: str, proc_id: str,
+                     call: Call = Depends(call_of)) -> StreamingResponse:
+        return await _ndjson(router.edge_for(sandbox_id, call).attach(sandbox_id, proc_id))
 
     @app.post("/v1/sandboxes/{sandbox_id}/processes/{proc_id}/signal", dependencies=auth,
               status_code=204)
-    async def signal(sandbox_id: str, proc_id: str, req: SignalRequest) -> Response:
-        await router.edge_for(sandbox_id).signal(sandbox_id, proc_id, req.signal)
+    async def signal(sandbox_id: str, proc_id: str, req: SignalRequest,
+                     call: Call = Depends(call_of)) -> Response:
+        await router.edge_for(sandbox_id, call).signal(sandbox_id, proc_id, req.signal)
         return Response(status_code=204)
 
     @app.get("/v1/sandboxes/{sandbox_id}/files", dependencies=auth,
              response_class=Response, responses={200: {"content": {"application/octet-stream": {}}}})
-    async def read_file(sandbox_id: str, path: str) -> Response:
-        data = await router.edge_for(sandbox_id).read_file(sandbox_id, path)
+    async def read_file(sandbox_id: str, path: str, call: Call = Depends(call_of)) -> Response:
+        data = await router.edge_for(sandbox_id, call).read_file(sandbox_id, path)
         return Response(data, media_type="application/octet-stream")
 
     @app.put("/v1/sandboxes/{sandbox_id}/files", dependencies=auth, status_code=204)
     async def write_file(sandbox_id: str, path: str, request: Request,
-                         mode: int = Query(0o644, ge=0, le=0o7777), append: bool = False) -> Response:
+                         mode: int = Query(0o644, ge=0, le=0o7777), append: bool = False,
+                         call: Call = Depends(call_of)) -> Response:
         data = await request.body()
-        await router.edge_for(sandbox_id).write_file(sandbox_id, path, data, mode, append)
+        await router.edge_for(sandbox_id, call).write_file(sandbox_id, path, data, mode, append)
         return Response(status_code=204)
 
     @app.delete("/v1/sandboxes/{sandbox_id}/files", dependencies=auth, status_code=204)
-    async def remove(sandbox_id: str, path: str, recursive: bool = False) -> Response:
-        await router.edge_for(sandbox_id).remove(sandbox_id, path, recursive)
+    async def remove(sandbox_id: str, path: str, recursive: bool = False,
+                     call: Call = Depends(call_of)) -> Response:
+        await router.edge_for(sandbox_id, call).remove(sandbox_id, path, recursive)
         return Response(status_code=204)
 
     @app.get("/v1/sandboxes/{sandbox_id}/dirs", dependencies=auth)
-    async def list_dir(sandbox_id: str, path: str) -> list[FileEntry]:
-        return await router.edge_for(sandbox_id).list_dir(sandbox_id, path)
+    async def list_dir(sandbox_id: str, path: str,
+                       call: Call = Depends(call_of)) -> list[FileEntry]:
+        return await router.edge_for(sandbox_id, call).list_dir(sandbox_id, path)
 
     @app.post("/v1/sandboxes/{sandbox_id}/dirs", dependencies=auth, status_code=204)
-    async def mkdir(sandbox_id: str, path: str, parents: bool = False) -> Response:
-        await router.edge_for(sandbox_id).mkdir(sandbox_id, path, parents)
+    async def mkdir(sandbox_id: str, path: str, parents: bool = False,
+                    call: Call = Depends(call_of)) -> Response:
+        await router.edge_for(sandbox_id, call).mkdir(sandbox_id, path, parents)
         return Response(status_code=204)
 
     @app.get("/v1/sandboxes/{sandbox_id}/stat", dependencies=auth)
-    async def stat(sandbox_id: str, path: str) -> FileEntry:
-        return await router.edge_for(sandbox_id).stat(sandbox_id, path)
+    async def stat(sandbox_id: str, path: str, call: Call = Depends(call_of)) -> FileEntry:
+        return await router.edge_for(sandbox_id, call).stat(sandbox_id, path)
 
     @app.get("/v1/sandboxes/{sandbox_id}/archive", dependencies=auth, response_class=Response,
              responses={200: {"content": {"application/x-tar": {}}}})
-    async def download(sandbox_id: str, path: str) -> Response:
-        data = await router.edge_for(sandbox_id).download_tar(sandbox_id, path)
+    async def download(sandbox_id: str, path: str, call: Call = Depends(call_of)) -> Response:
+        data = await router.edge_for(sandbox_id, call).download_tar(sandbox_id, path)
         return Response(data, media_type="application/x-tar")
 
     @app.put("/v1/sandboxes/{sandbox_id}/archive", dependencies=auth, status_code=204)
-    async def upload(sandbox_id: str, path: str, request: Request) -> Response:
-        await router.edge_for(sandbox_id).upload_tar(sandbox_id, path, await request.body())
+    async def upload(sandbox_id: str, path: str, request: Request,
+                     call: Call = Depends(call_of)) -> Response:
+        await router.edge_for(sandbox_id, call).upload_tar(sandbox_id, path, await request.body())
         return Response(status_code=204)
 
+    app.include_router(trajectory_routes(router, store), dependencies=auth)
+    app.add_middleware(CallHeaders)
     return app
+
+
+class CallHeaders:
+    """Adds what the trajectory recorder said about a call (``X-DSec-Trajectory``) to its
+    response, whatever the route returned."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                call = scope.get(CALL_SCOPE_KEY)
+                if call is not None and call.source is not None:
+                    message["headers"] = [*message.get("headers", []), call.response_header()]
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
 
 
 async def _ndjson(events: AsyncIterator[Output | ExecResult]) -> StreamingResponse:

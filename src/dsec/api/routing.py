@@ -1,16 +1,19 @@
 """Which edge owns a sandbox, and where a new one goes.
 
 A sandbox id is ``sb-<edge id>-<random>``, so any API replica routes any call without shared
-state. Placement tries edges least-loaded first and moves on when one refuses.
+state. Placement tries edges least-loaded first and moves on when one refuses. Calls on a
+sandbox attached to a trajectory go through the trajectory recorder (``edge_for``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..client.errors import CapacityExhausted, SandboxNotFound
+from ..client.errors import CapacityExhausted, NotSupported, SandboxNotFound
 from ..client.models import CreateRequest, SandboxInfo
 from ..edge.edge import Edge
+from ..trajectory.log import TrajectoryLog
+from ..trajectory.recorder import Call, RecordedEdge, Recorder
 
 
 def edge_of(sandbox_id: str) -> str:
@@ -22,8 +25,9 @@ def edge_of(sandbox_id: str) -> str:
 
 
 class Router:
-    def __init__(self, edges: list[Edge]) -> None:
+    def __init__(self, edges: list[Edge], trajectories: TrajectoryLog | None = None) -> None:
         self.edges = {edge.id: edge for edge in edges}
+        self.recorder = Recorder(trajectories, self) if trajectories is not None else None
 
     async def start(self) -> None:
         for edge in self.edges.values():
@@ -32,14 +36,34 @@ class Router:
     async def close(self) -> None:
         for edge in self.edges.values():
             await edge.close()
+        if self.recorder is not None:
+            self.recorder.log.close()
 
-    def edge_for(self, sandbox_id: str) -> Edge:
+    def owner(self, sandbox_id: str) -> Edge:
+        """The edge that owns a sandbox, itself."""
         edge = self.edges.get(edge_of(sandbox_id))
         if edge is None:
             raise SandboxNotFound(f"no edge owns {sandbox_id!r}", sandbox_id=sandbox_id)
         return edge
 
-    async def create(self, req: CreateRequest) -> SandboxInfo:
+    def edge_for(self, sandbox_id: str, call: Call | None = None) -> Edge | RecordedEdge:
+        """The edge to make a call on: for a sandbox attached to a trajectory, the edge as
+        the trajectory recorder serves it (calls logged and fast-forwarded)."""
+        edge = self.owner(sandbox_id)
+        return edge if self.recorder is None else self.recorder.wrap(edge, sandbox_id, call)
+
+    def trajectories(self) -> Recorder:
+        if self.recorder is None:
+            raise NotSupported("this server keeps no trajectory log")
+        return self.recorder
+
+    async def create(self, req: CreateRequest, caller: str | None = None) -> SandboxInfo:
+        if req.trajectory is not None:
+            return await self.trajectories().create(req, caller)
+        return await self.place(req)
+
+    async def place(self, req: CreateRequest) -> SandboxInfo:
+        """Start a sandbox on the least-loaded edge that takes it."""
         refusals = []
         for edge in sorted(self.edges.values(), key=Edge.load):
             try:

@@ -4,16 +4,20 @@ its substrates, the router and the HTTP app, served by uvicorn on a Unix socket 
 from __future__ import annotations
 
 import os
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI
 
+from ..compat import mount_compat
 from ..edge.edge import Edge, EdgeConfig
 from ..images.store import ImageStore
+from ..store.blobs import BlobStore
 from ..store.sqlite import StateStore
 from ..substrates.container import ContainerSubstrate
+from ..trajectory.log import TrajectoryLog
 from .app import create_app
 from .routing import Router
 
@@ -62,7 +66,10 @@ def build_app(config: ServerConfig) -> FastAPI:
     substrates = {"container": ContainerSubstrate(config.state_dir, edge_config.edge_id,
                                                   runtime=config.runtime)}
     edge = Edge(edge_config, store, ImageStore(config.image_store), substrates)
-    return create_app(Router([edge]), store)
+    trajectories = TrajectoryLog(store.path, BlobStore(config.state_dir / "blobs"),
+                                 owner=secrets.token_hex(8))
+    router = Router([edge], trajectories)
+    return mount_compat(create_app(router, store), router, store, config.state_dir)
 
 
 def serve(config: ServerConfig, host: str | None = None, port: int | None = None) -> None:

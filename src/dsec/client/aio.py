@@ -13,15 +13,21 @@ import asyncio
 import base64
 import io
 import tarfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Literal, TypeVar
+from typing import Any, AsyncIterator, Callable, Literal, TypeVar
 
+import httpx
 from pydantic import BaseModel, ValidationError
 
-from .errors import CommandTimeout, DSecError, FileNotFound, InvalidRequest
+from ..trajectory.digest import StepRequest, call_request, exec_request
+from ..trajectory.outcome import decode, output_chunks
+from .errors import CommandTimeout, DSecError, FileNotFound, InvalidRequest, ServerUnavailable
 from .models import (CreateRequest, ExecRequest, ExecResult, FileEntry, ProcessInfo,
-                     SandboxInfo, b64)
+                     ReplayReport, ReplayRequest, SandboxInfo, StepDiff, StepPage, StepRecord,
+                     TrajectoryInfo, b64)
+from .trajectory import Attachment, OnDivergence, check_on_divergence
 from .transport import Transport
 
 
@@ -72,6 +78,7 @@ class OutputChunk:
 
 
 M = TypeVar("M", bound=BaseModel)
+V = TypeVar("V")
 
 
 def _validated(model: type[M], **fields: Any) -> M:
@@ -132,15 +139,15 @@ class Process:
 
     def stream(self) -> OutputStream:
         """Everything the process printed from its start, then live output until it ends."""
-        return OutputStream(self.sandbox._t.ndjson(
-            "GET", f"{self.sandbox._path}/processes/{self.id}/output"), None)
+        return OutputStream(self.sandbox._events(lambda: call_request("output", process=self.id), "GET",
+                                                 f"/processes/{self.id}/output"), None)
 
     async def wait(self) -> CommandResult:
         return await self.stream().wait()
 
     async def signal(self, sig: int) -> None:
-        await self.sandbox._t.request("POST", f"{self.sandbox._path}/processes/{self.id}/signal",
-                                      json={"signal": sig})
+        await self.sandbox._call(lambda: call_request("signal", process=self.id, signal=sig), "POST",
+                                 f"/processes/{self.id}/signal", _none, json={"signal": sig})
 
     async def kill(self) -> None:
         await self.signal(9)
@@ -161,11 +168,17 @@ class Session:
 
 
 class Sandbox:
-    def __init__(self, transport: Transport, info: SandboxInfo) -> None:
+    """A sandbox. Attached to a trajectory (``create(trajectory=...)``, ``resume``), each call
+    is numbered (``next_step``), logged by the server, and answered from the log when it
+    repeats the logged call at its step (``fast_forwarded`` counts those)."""
+
+    def __init__(self, transport: Transport, info: SandboxInfo,
+                 attachment: Attachment | None = None) -> None:
         self._t = transport
         self.info = info
         self.id = info.id
         self._path = f"/v1/sandboxes/{info.id}"
+        self._attachment = attachment
 
     def __repr__(self) -> str:
         return f"<Sandbox {self.id} {self.info.substrate}:{self.info.image} {self.info.state}>"
@@ -176,16 +189,107 @@ class Sandbox:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
+    # trajectory
+    @property
+    def trajectory(self) -> str | None:
+        return self._attachment.trajectory if self._attachment else None
+
+    @property
+    def next_step(self) -> int | None:
+        """The step number the next call gets (None when not attached)."""
+        return self._attachment.next_step if self._attachment else None
+
+    @property
+    def fast_forwarded(self) -> int:
+        """Calls of this handle answered from the trajectory log instead of executed."""
+        return self._attachment.fast_forwarded if self._attachment else 0
+
+    @property
+    def generation(self) -> int | None:
+        return self._attachment.generation if self._attachment else None
+
+    async def _call(self, request: Callable[[], StepRequest], method: str, suffix: str,
+                    parse: Callable[[httpx.Response], V], **kwargs: Any) -> V:
+        """One call: plain, or numbered and fast-forwarded for an attached sandbox.
+        ``request`` makes the call's StepRequest, when it is needed to match the log."""
+        attachment = self._attachment
+        if attachment is None:
+            return parse(await self._t.request(method, self._path + suffix, **kwargs))
+        step = attachment.take_step()
+        if attachment.may_be_logged(step):
+            logged = await attachment.logged_outcome(step, request, self._page)
+            if logged is not None:
+                return decode(logged.op, logged.outcome, _no_blobs)
+        headers = attachment.headers(step)
+        response = await attachment.retrying(
+            lambda: self._t.request(method, self._path + suffix, headers=headers, **kwargs))
+        self._observe(response)
+        return parse(response)
+
+    def _events(self, request: Callable[[], StepRequest], method: str, suffix: str,
+                **kwargs: Any) -> AsyncIterator[dict[str, Any]]:
+        """NDJSON events of a stream; for an attached sandbox the step is taken now, at the
+        call, not when iteration starts."""
+        attachment = self._attachment
+        if attachment is None:
+            return self._t.ndjson(method, self._path + suffix, **kwargs)
+        return self._attached_events(attachment, attachment.take_step(), request, method,
+                                     suffix, kwargs)
+
+    async def _attached_events(self, attachment: Attachment, step: int,
+                               request: Callable[[], StepRequest],
+                               method: str, suffix: str,
+                               kwargs: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        logged = await attachment.logged_outcome(step, request, self._page)
+        if logged is not None:
+            result: ExecResult = decode(logged.op, logged.outcome, _no_blobs)
+            for fd, data in output_chunks(result, logged.outcome.get("chunks")):
+                yield {"type": "stdout" if fd == 1 else "stderr", "data": b64(data)}
+            bare = result.model_copy(update={"stdout_b64": "", "stderr_b64": ""})
+            yield {"type": "result", "result": bare.model_dump()}
+            return
+        headers = attachment.headers(step)
+        started = time.monotonic()
+        delay = 0.05
+        while True:  # retried with the same step while nothing has been received
+            received = False
+            try:
+                async for event in self._t.ndjson(method, self._path + suffix, headers=headers,
+                                                  on_response=self._observe, **kwargs):
+                    received = True
+                    yield event
+                return
+            except ServerUnavailable:
+                if received or time.monotonic() - started + delay > attachment.retry_s:
+                    raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    async def _page(self, after: int, limit: int) -> StepPage:
+        attachment = self._attachment
+        assert attachment is not None
+        return StepPage.model_validate(await attachment.retrying(lambda: self._t.json(
+            "GET", f"/v1/trajectories/{attachment.trajectory}/-/steps",
+            params={"after": after, "limit": limit, "generation": attachment.generation})))
+
+    def _observe(self, response: httpx.Response) -> None:
+        assert self._attachment is not None
+        sandbox_id = self._attachment.observe(response.headers)
+        if sandbox_id and sandbox_id != self.id:  # the trajectory forked into a new sandbox
+            self.id = sandbox_id
+            self._path = f"/v1/sandboxes/{sandbox_id}"
+            self.info = self.info.model_copy(update={"id": sandbox_id, "state": "running",
+                                                     "reason": None})
+
     # commands
-    def _exec_body(self, command: str | list[str], env: dict[str, str] | None,
-                   cwd: str | None, stdin: bytes | str | None, timeout_s: float | None,
-                   max_output_bytes: int | None, session: str | None) -> dict[str, Any]:
-        req = _validated(ExecRequest, command=command, env=env or {}, cwd=cwd, timeout_s=timeout_s,
-                          session=session,
+    def _exec_request(self, command: str | list[str], env: dict[str, str] | None,
+                      cwd: str | None, stdin: bytes | str | None, timeout_s: float | None,
+                      max_output_bytes: int | None, session: str | None) -> ExecRequest:
+        return _validated(ExecRequest, command=command, env=env or {}, cwd=cwd,
+                          timeout_s=timeout_s, session=session,
                           stdin_b64=None if stdin is None else
                           b64(stdin.encode() if isinstance(stdin, str) else stdin),
                           **({} if max_output_bytes is None else {"max_output_bytes": max_output_bytes}))
-        return req.model_dump(exclude_unset=True)
 
     async def run(self, command: str | list[str], *, env: dict[str, str] | None = None,
                   cwd: str | None = None, stdin: bytes | str | None = None,
@@ -193,8 +297,9 @@ class Sandbox:
                   session: str | None = None) -> CommandResult:
         """Run a command to completion. A string runs under ``/bin/sh -c``; a list is an argv.
         Raises ``CommandTimeout`` (with ``.result`` holding partial output) on timeout."""
-        body = self._exec_body(command, env, cwd, stdin, timeout_s, max_output_bytes, session)
-        wire = ExecResult.model_validate(await self._t.json("POST", f"{self._path}/exec", json=body))
+        req = self._exec_request(command, env, cwd, stdin, timeout_s, max_output_bytes, session)
+        wire = await self._call(lambda: exec_request("exec", req), "POST", "/exec", _exec_result,
+                                json=req.model_dump(exclude_unset=True))
         result = CommandResult.from_wire(wire)
         if wire.timed_out:
             raise _timeout_error(result, timeout_s)
@@ -205,41 +310,45 @@ class Sandbox:
                timeout_s: float | None = 60.0, max_output_bytes: int | None = None,
                session: str | None = None) -> OutputStream:
         """Run a command and iterate over its output as it arrives."""
-        body = self._exec_body(command, env, cwd, stdin, timeout_s, max_output_bytes, session)
-        return OutputStream(self._t.ndjson("POST", f"{self._path}/exec/stream", json=body), timeout_s)
+        req = self._exec_request(command, env, cwd, stdin, timeout_s, max_output_bytes, session)
+        return OutputStream(self._events(lambda: exec_request("exec", req), "POST", "/exec/stream",
+                                         json=req.model_dump(exclude_unset=True)), timeout_s)
 
     async def start(self, command: str | list[str], *, env: dict[str, str] | None = None,
                     cwd: str | None = None, stdin: bytes | str | None = None,
                     timeout_s: float | None = None, max_output_bytes: int | None = None) -> Process:
         """Start a command in the background and return at once."""
-        body = self._exec_body(command, env, cwd, stdin, timeout_s, max_output_bytes, None)
-        info = await self._t.json("POST", f"{self._path}/processes", json=body)
-        return Process(self, ProcessInfo.model_validate(info))
+        req = self._exec_request(command, env, cwd, stdin, timeout_s, max_output_bytes, None)
+        info = await self._call(lambda: exec_request("start", req), "POST", "/processes",
+                                _model(ProcessInfo), json=req.model_dump(exclude_unset=True))
+        return Process(self, info)
 
     async def processes(self) -> list[ProcessInfo]:
-        return [ProcessInfo.model_validate(p)
-                for p in await self._t.json("GET", f"{self._path}/processes")]
+        return await self._call(lambda: call_request("processes"), "GET", "/processes",
+                                _models(ProcessInfo))
 
     def session(self, name: str) -> Session:
         return Session(self, name)
 
     # files
     async def read_file(self, path: str) -> bytes:
-        return (await self._t.request("GET", f"{self._path}/files", params={"path": path})).content
+        return await self._call(lambda: call_request("read", path=path), "GET", "/files", _content,
+                                params={"path": path})
 
     async def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644,
                          append: bool = False) -> None:
         content = data.encode() if isinstance(data, str) else data
-        await self._t.request("PUT", f"{self._path}/files", content=content,
-                              params={"path": path, "mode": mode, "append": append})
+        await self._call(lambda: call_request("write", content, path=path, mode=mode, append=append),
+                         "PUT", "/files", _none, content=content,
+                         params={"path": path, "mode": mode, "append": append})
 
     async def list_files(self, path: str = "/work") -> list[FileEntry]:
-        return [FileEntry.model_validate(e)
-                for e in await self._t.json("GET", f"{self._path}/dirs", params={"path": path})]
+        return await self._call(lambda: call_request("list", path=path), "GET", "/dirs",
+                                _models(FileEntry), params={"path": path})
 
     async def stat(self, path: str) -> FileEntry:
-        return FileEntry.model_validate(
-            await self._t.json("GET", f"{self._path}/stat", params={"path": path}))
+        return await self._call(lambda: call_request("stat", path=path), "GET", "/stat",
+                                _model(FileEntry), params={"path": path})
 
     async def exists(self, path: str) -> bool:
         try:
@@ -249,11 +358,12 @@ class Sandbox:
         return True
 
     async def remove(self, path: str, *, recursive: bool = False) -> None:
-        await self._t.request("DELETE", f"{self._path}/files",
-                              params={"path": path, "recursive": recursive})
+        await self._call(lambda: call_request("remove", path=path, recursive=recursive), "DELETE",
+                         "/files", _none, params={"path": path, "recursive": recursive})
 
     async def mkdir(self, path: str, *, parents: bool = True) -> None:
-        await self._t.request("POST", f"{self._path}/dirs", params={"path": path, "parents": parents})
+        await self._call(lambda: call_request("mkdir", path=path, parents=parents), "POST", "/dirs",
+                         _none, params={"path": path, "parents": parents})
 
     async def upload(self, local: str | Path, remote_dir: str) -> None:
         """Copy a local file or directory into ``remote_dir`` (created if missing) as one tar."""
@@ -266,13 +376,13 @@ class Sandbox:
             else:
                 tar.add(local, arcname=local.name)
         await self.mkdir(remote_dir, parents=True)
-        await self._t.request("PUT", f"{self._path}/archive", content=buf.getvalue(),
-                              params={"path": remote_dir})
+        await self._call(lambda: call_request("upload", buf.getvalue(), path=remote_dir), "PUT",
+                         "/archive", _none, content=buf.getvalue(), params={"path": remote_dir})
 
     async def download(self, remote_dir: str, local_dir: str | Path) -> None:
         """Copy the contents of ``remote_dir`` into ``local_dir``."""
-        data = (await self._t.request("GET", f"{self._path}/archive",
-                                      params={"path": remote_dir})).content
+        data = await self._call(lambda: call_request("download", path=remote_dir), "GET", "/archive",
+                                _content, params={"path": remote_dir})
         with tarfile.open(fileobj=io.BytesIO(data)) as tar:
             tar.extractall(local_dir, filter="data")
 
@@ -290,12 +400,59 @@ class Sandbox:
         await self._t.request("DELETE", self._path)
 
 
+def _exec_result(response: httpx.Response) -> ExecResult:
+    return ExecResult.model_validate_json(response.content)
+
+
+def _model(model: type[M]) -> Callable[[httpx.Response], M]:
+    return lambda response: model.model_validate_json(response.content)
+
+
+def _models(model: type[M]) -> Callable[[httpx.Response], list[M]]:
+    return lambda response: [model.model_validate(e) for e in response.json()]
+
+
+def _content(response: httpx.Response) -> bytes:
+    return response.content
+
+
+def _none(response: httpx.Response) -> None:
+    return None
+
+
+def _no_blobs(sha256: str) -> bytes:
+    raise AssertionError("prefetched outcomes are inline")  # Attachment keeps only those
+
+
+@dataclass
+class Replay:
+    """What a replay found: one ``StepDiff`` per replayed step, and the sandbox it ran in
+    (yours to stop; attached to the trajectory when ``attach`` was asked)."""
+
+    trajectory: str
+    generation: int
+    sandbox: Sandbox
+    steps: list[StepDiff]
+    attached_generation: int | None = None
+
+    @property
+    def differences(self) -> list[StepDiff]:
+        return [s for s in self.steps if not s.same]
+
+    @property
+    def first_difference(self) -> StepDiff | None:
+        return next((s for s in self.steps if not s.same), None)
+
+
 class DSecClient:
     """The entry point. With no arguments it uses this host's local dsec server."""
 
     def __init__(self, url: str | None = None, api_key: str | None = None, *,
-                 timeout_s: float = 600.0, autostart: bool = True) -> None:
+                 timeout_s: float = 600.0, autostart: bool = True, retry_s: float = 30.0) -> None:
+        """``retry_s``: how long a call of an attached sandbox is retried (same step) while
+        the server cannot be reached."""
         self._t = Transport(url, api_key, timeout_s, autostart)
+        self._retry_s = retry_s
 
     async def __aenter__(self) -> DSecClient:
         return self
@@ -306,12 +463,83 @@ class DSecClient:
     async def aclose(self) -> None:
         await self._t.aclose()
 
-    async def create(self, substrate: str = "container", image: str = "debian-minbase",
+    async def create(self, substrate: str = "container", image: str = "debian-minbase", *,
+                     trajectory: str | None = None, on_divergence: OnDivergence = "raise",
                      **options: Any) -> Sandbox:
-        """Start a sandbox. Options: cpu, memory_mb, pids, ttl_s, network, env, runtime, labels."""
-        req = _validated(CreateRequest, substrate=substrate, image=image, **options)
-        info = await self._t.json("POST", "/v1/sandboxes", json=req.model_dump(exclude_unset=True))
-        return Sandbox(self._t, SandboxInfo.model_validate(info))
+        """Start a sandbox. Options: cpu, memory_mb, pids, ttl_s, network, env, runtime, labels.
+        With ``trajectory``, every call of the sandbox is logged under that new trajectory id
+        (``TrajectoryExists`` if it is taken), to be resumed after a preemption."""
+        check_on_divergence(on_divergence)
+        req = _validated(CreateRequest, substrate=substrate, image=image, trajectory=trajectory,
+                         **options)
+        info = SandboxInfo.model_validate(await self._t.json(
+            "POST", "/v1/sandboxes", json=req.model_dump(exclude_unset=True)))
+        attachment = None if trajectory is None else Attachment(
+            trajectory, on_divergence, generation=1, retry_s=self._retry_s)
+        return Sandbox(self._t, info, attachment)
+
+    async def resume(self, trajectory: str, *, on_divergence: OnDivergence = "raise",
+                     prefetch: bool = True) -> Sandbox:
+        """The sandbox of a trajectory, attached from step 1: re-issue the calls from the
+        start and the logged ones are answered from the log (fast-forward), the first new one
+        runs. ``SandboxDied`` (details: ``last_step``) if the sandbox died: see ``replay``.
+        ``on_divergence="fork"`` turns a call that differs from the log into a fork: the log
+        up to that call is replayed into a fresh sandbox, which carries on."""
+        check_on_divergence(on_divergence)
+        info = TrajectoryInfo.model_validate(
+            await self._t.json("POST", f"/v1/trajectories/{trajectory}/-/resume"))
+        attachment = Attachment(trajectory, on_divergence, generation=info.generation,
+                                logged=info.last_step, prefetch=prefetch, retry_s=self._retry_s)
+        return Sandbox(self._t, info.sandbox, attachment)
+
+    async def replay(self, trajectory: str, into: str = "new", *, upto: int | None = None,
+                     generation: int | None = None, attach: bool = False,
+                     on_divergence: OnDivergence = "raise") -> Replay:
+        """Re-execute a trajectory's logged calls (of ``generation``, up to ``upto``) into a
+        fresh sandbox, and report step by step where the results differ from the log. With
+        ``attach``, the new sandbox becomes the trajectory's and the returned handle is
+        attached from step 1, like ``resume``: the way on after the sandbox died."""
+        req = _validated(ReplayRequest, into=into, upto=upto, generation=generation, attach=attach)
+        check_on_divergence(on_divergence)
+        report = ReplayReport.model_validate(await self._t.json(
+            "POST", f"/v1/trajectories/{trajectory}/-/replay", json=req.model_dump()))
+        attachment = None
+        if report.attached_generation is not None:
+            attachment = Attachment(trajectory, on_divergence, generation=report.attached_generation,
+                                    logged=max([s.step for s in report.steps], default=0),
+                                    prefetch=True, retry_s=self._retry_s)
+        return Replay(trajectory, report.generation, Sandbox(self._t, report.sandbox, attachment),
+                      report.steps, report.attached_generation)
+
+    async def trajectory(self, trajectory: str) -> TrajectoryInfo:
+        return TrajectoryInfo.model_validate(
+            await self._t.json("GET", f"/v1/trajectories/{trajectory}"))
+
+    async def trajectories(self, limit: int = 100) -> list[TrajectoryInfo]:
+        """The most recently created trajectories."""
+        return [TrajectoryInfo.model_validate(t) for t in
+                await self._t.json("GET", "/v1/trajectories", params={"limit": limit})]
+
+    async def trajectory_steps(self, trajectory: str,
+                               generation: int | None = None) -> list[StepRecord]:
+        """Every logged step of a generation (default: the current one), in order."""
+        steps: list[StepRecord] = []
+        after: int | None = 0
+        while after is not None:
+            params: dict[str, Any] = {"after": after, "limit": 1000}
+            if generation is not None:
+                params["generation"] = generation
+            page = StepPage.model_validate(await self._t.json(
+                "GET", f"/v1/trajectories/{trajectory}/-/steps", params=params))
+            steps += page.steps
+            after = page.next_after
+        return steps
+
+    async def export_trajectory(self, trajectory: str) -> AsyncIterator[dict[str, Any]]:
+        """The provenance export, one JSON object per line: the trajectory, then its steps."""
+        async for line in self._t.ndjson("GET", f"/v1/trajectories/{trajectory}/-/export",
+                                         params={"format": "jsonl"}):
+            yield line
 
     async def create_many(self, n: int, *, concurrency: int = 32,
                           **options: Any) -> list[Sandbox | DSecError]:

@@ -83,6 +83,31 @@ class SandboxError(DSecError):
     code, status = "sandbox_error", 500
 
 
+class TrajectoryNotFound(DSecError):
+    code, status = "trajectory_not_found", 404
+
+
+class TrajectoryExists(DSecError):
+    """``create(trajectory=...)`` names a trajectory that already exists: resume it instead."""
+
+    code, status = "trajectory_exists", 409
+
+
+class TrajectoryDiverged(DSecError):
+    """A call differs from the one logged at the same step of the trajectory. ``details``
+    hold ``trajectory``, ``step``, ``logged`` and ``issued`` (each ``{"op", "params",
+    "payload"}``). Resume with ``on_divergence="fork"`` to continue in a fresh sandbox."""
+
+    code, status = "trajectory_diverged", 409
+
+
+class StepInterrupted(TrajectoryDiverged):
+    """The logged step was still running when the server that ran it stopped, so whether (and
+    how far) it changed the sandbox is unknown. Fork (``on_divergence="fork"``) or replay."""
+
+    code, status = "step_interrupted", 409
+
+
 ERRORS: dict[str, type[DSecError]] = {
     cls.code: cls
     for cls in (
@@ -100,6 +125,10 @@ ERRORS: dict[str, type[DSecError]] = {
         NotSupported,
         ServerUnavailable,
         SandboxError,
+        TrajectoryNotFound,
+        TrajectoryExists,
+        TrajectoryDiverged,
+        StepInterrupted,
     )
 }
 

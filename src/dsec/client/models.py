@@ -7,7 +7,7 @@ round-trips exactly; the SDK turns them back into ``bytes`` and offers text help
 from __future__ import annotations
 
 import base64
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -16,6 +16,9 @@ Runtime = Literal["crun", "runc", "runsc"]
 SandboxState = Literal["starting", "running", "stopped", "expired", "died"]
 
 DEFAULT_MAX_OUTPUT = 16 << 20
+# A trajectory id: path-like segments ("run-7/ep-123"), each starting with a letter, digit or
+# underscore, so no segment is "-", "." or "..": "/-/" separates an id from a sub-resource.
+TRAJECTORY_ID = r"^[A-Za-z0-9_][A-Za-z0-9_.@+=-]*(/[A-Za-z0-9_][A-Za-z0-9_.@+=-]*)*$"
 
 
 class _Model(BaseModel):
@@ -34,6 +37,9 @@ class CreateRequest(_Model):
     env: dict[str, str] = Field(default_factory=dict)
     runtime: Runtime | None = Field(None, description="container runtime; the edge default if unset")
     labels: dict[str, str] = Field(default_factory=dict)
+    trajectory: str | None = Field(None, max_length=256, pattern=TRAJECTORY_ID,
+                                   description="log every call of the sandbox under this new "
+                                               "trajectory id (see Trajectories)")
 
 
 class SandboxInfo(_Model):
@@ -49,6 +55,7 @@ class SandboxInfo(_Model):
     memory_mb: int
     labels: dict[str, str] = Field(default_factory=dict)
     reason: str | None = Field(None, description="why the sandbox is no longer running")
+    trajectory: str | None = None
 
 
 class TtlRequest(_Model):
@@ -115,6 +122,94 @@ class KeyInfo(_Model):
 
 class KeyCreated(KeyInfo):
     key: str = Field(description="the secret; shown once")
+
+
+StepStatus = Literal["running", "interrupted", "ok", "error"]
+
+
+class GenerationInfo(_Model):
+    """One sandbox's stretch of a trajectory: generation 1 is the first sandbox; a fork (or a
+    replay with ``attach``) starts the next, with the log's first steps copied into it."""
+
+    generation: int
+    sandbox_id: str
+    image: str
+    image_digest: str
+    started_at: float
+    forked_at_step: int | None = None
+    reason: str | None = None
+    replay_differences: list[int] = Field(default_factory=list,
+                                          description="copied steps whose replay differed")
+    sandbox_state: SandboxState | None = None
+    sandbox_reason: str | None = None
+
+
+class TrajectoryInfo(_Model):
+    id: str
+    generation: int
+    sandbox: SandboxInfo
+    created_at: float
+    created_by: str | None = Field(None, description="API key id")
+    steps: int = Field(description="logged steps of the current generation")
+    last_step: int = Field(description="highest logged step of the current generation (0: none)")
+    generations: list[GenerationInfo] = Field(default_factory=list)
+
+
+class StepRecord(_Model):
+    """One logged call. ``request`` is ``{"op", "params", "payload"}`` (the payload as
+    ``{"size", "sha256"}``), the canonical text of which ``digest`` is the SHA-256.
+    ``outcome`` is ``{"value", "bytes", "chunks"}`` or ``{"error": {...}}``, byte fields as
+    ``{"size", "b64"}`` (inline) or ``{"size", "sha256"}`` (in the blob area); None while
+    the step runs (or if it was interrupted)."""
+
+    trajectory: str
+    generation: int
+    step: int
+    op: str
+    digest: str
+    request: dict[str, Any]
+    status: StepStatus
+    outcome: dict[str, Any] | None = None
+    sandbox_id: str
+    caller: str | None = None
+    started_at: float
+    ended_at: float | None = None
+
+
+class StepPage(_Model):
+    trajectory: str
+    generation: int
+    steps: list[StepRecord]
+    next_after: int | None = Field(None, description="pass as ``after`` for the next page")
+
+
+class ReplayRequest(_Model):
+    into: Literal["new"] = Field("new", description="a fresh sandbox of the trajectory's image")
+    generation: int | None = Field(None, description="generation to replay; default: current")
+    upto: int | None = Field(None, ge=0, description="last step to replay; default: all")
+    attach: bool = Field(False, description="make the new sandbox the trajectory's (a new "
+                                            "generation): continue the trajectory there")
+
+
+class StepDiff(_Model):
+    step: int
+    op: str
+    same: bool
+    fields: list[str] = Field(default_factory=list, description="what differs")
+    logged: dict[str, Any] = Field(default_factory=dict)
+    replayed: dict[str, Any] = Field(default_factory=dict)
+
+
+class ReplayReport(_Model):
+    trajectory: str
+    generation: int = Field(description="generation that was replayed")
+    sandbox: SandboxInfo
+    attached_generation: int | None = Field(None, description="set when ``attach`` was asked")
+    steps: list[StepDiff]
+
+    @property
+    def differences(self) -> list[StepDiff]:
+        return [s for s in self.steps if not s.same]
 
 
 def b64(data: bytes) -> str:

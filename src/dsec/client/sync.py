@@ -5,13 +5,15 @@ everything made from it."""
 from __future__ import annotations
 
 import asyncio
+import builtins
 import threading
-from typing import Any, Callable, Coroutine, Iterator, TypeVar
+from dataclasses import dataclass
+from typing import Any, AsyncIterable, Callable, Coroutine, Iterator, TypeVar
 
 from . import aio
 from .aio import CommandResult, OutputChunk
 from .errors import DSecError
-from .models import FileEntry, ProcessInfo, SandboxInfo
+from .models import FileEntry, ProcessInfo, SandboxInfo, StepDiff, StepRecord
 
 T = TypeVar("T")
 
@@ -25,7 +27,7 @@ class _Loop:
     def call(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
-    def iterate(self, stream: aio.OutputStream) -> Iterator[OutputChunk]:
+    def iterate(self, stream: AsyncIterable[T]) -> Iterator[T]:
         chunks = aiter(stream)
         while True:
             try:
@@ -79,11 +81,30 @@ class Process:
 class Sandbox:
     def __init__(self, loop: _Loop, sandbox: aio.Sandbox) -> None:
         self._loop, self._async = loop, sandbox
-        self.id = sandbox.id
+
+    @property
+    def id(self) -> str:  # changes when its trajectory forks into a new sandbox
+        return self._async.id
 
     @property
     def info(self) -> SandboxInfo:
         return self._async.info
+
+    @property
+    def trajectory(self) -> str | None:
+        return self._async.trajectory
+
+    @property
+    def next_step(self) -> int | None:
+        return self._async.next_step
+
+    @property
+    def fast_forwarded(self) -> int:
+        return self._async.fast_forwarded
+
+    @property
+    def generation(self) -> int | None:
+        return self._async.generation
 
     def __repr__(self) -> str:
         return repr(self._async)
@@ -144,8 +165,44 @@ class Client:
     def get(self, sandbox_id: str) -> Sandbox:
         return Sandbox(self._loop, self._loop.call(self._async.get(sandbox_id)))
 
+    def resume(self, trajectory: str, **kwargs: Any) -> Sandbox:
+        return Sandbox(self._loop, self._loop.call(self._async.resume(trajectory, **kwargs)))
+
+    def replay(self, trajectory: str, into: str = "new", **kwargs: Any) -> Replay:
+        done = self._loop.call(self._async.replay(trajectory, into, **kwargs))
+        return Replay(done.trajectory, done.generation, Sandbox(self._loop, done.sandbox),
+                      done.steps, done.attached_generation)
+
+    def trajectory_steps(self, trajectory: str,
+                         generation: int | None = None) -> builtins.list[StepRecord]:
+        return self._loop.call(self._async.trajectory_steps(trajectory, generation))
+
+    def export_trajectory(self, trajectory: str) -> Iterator[dict[str, Any]]:
+        return self._loop.iterate(self._async.export_trajectory(trajectory))
+
     list = _blocking("list")
     health = _blocking("health")
+    trajectory = _blocking("trajectory")
+    trajectories = _blocking("trajectories")
+
+
+@dataclass
+class Replay:
+    """Blocking twin of ``dsec.AsyncReplay``: ``steps``, ``differences``, ``sandbox``."""
+
+    trajectory: str
+    generation: int
+    sandbox: Sandbox
+    steps: builtins.list[StepDiff]
+    attached_generation: int | None = None
+
+    @property
+    def differences(self) -> builtins.list[StepDiff]:
+        return [s for s in self.steps if not s.same]
+
+    @property
+    def first_difference(self) -> StepDiff | None:
+        return next((s for s in self.steps if not s.same), None)
 
 
 async def _make_client(url: str | None, api_key: str | None, kwargs: dict[str, Any]) -> aio.DSecClient:
@@ -153,5 +210,5 @@ async def _make_client(url: str | None, api_key: str | None, kwargs: dict[str, A
     return aio.DSecClient(url, api_key, **kwargs)
 
 
-__all__ = ["Client", "Sandbox", "Process", "OutputStream", "CommandResult", "FileEntry",
-           "ProcessInfo", "SandboxInfo"]
+__all__ = ["Client", "Sandbox", "Process", "OutputStream", "Replay", "CommandResult",
+           "FileEntry", "ProcessInfo", "SandboxInfo"]

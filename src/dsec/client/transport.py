@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import httpx
 
@@ -102,12 +102,17 @@ class Transport:
     async def json(self, method: str, path: str, **kwargs: Any) -> Any:
         return (await self.request(method, path, **kwargs)).json()
 
-    async def ndjson(self, method: str, path: str, **kwargs: Any) -> AsyncIterator[dict[str, Any]]:
+    async def ndjson(self, method: str, path: str,
+                     on_response: Callable[[httpx.Response], None] | None = None,
+                     **kwargs: Any) -> AsyncIterator[dict[str, Any]]:
+        """NDJSON events; ``on_response`` sees the response (headers) before the first."""
         await self._ensure_ready()
         try:
             async with self.http.stream(method, path, **kwargs) as response:
                 if response.status_code >= 400:
                     raise _error(response.status_code, await response.aread())
+                if on_response is not None:
+                    on_response(response)
                 async for line in response.aiter_lines():
                     if line:
                         event = json.loads(line)

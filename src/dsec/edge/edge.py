@@ -157,6 +157,8 @@ class Edge:
             row = await (self._claim(substrate, req, pooled) if pooled
                          else self._start(substrate, req, image))
             self._adopt(row, substrate)
+            if pool:
+                pool.refill(image)
         finally:
             self._starting -= 1
         self.store.event("created", row.id, image=req.image, warm=pooled is not None)
@@ -216,7 +218,7 @@ class Edge:
                            image_digest=row.image_digest, state=row.state, edge=row.edge,  # type: ignore[arg-type]
                            created_at=row.created_at, expires_at=row.expires_at, cpu=req["cpu"],
                            memory_mb=req["memory_mb"], labels=req.get("labels", {}),
-                           reason=row.reason)
+                           reason=row.reason, trajectory=req.get("trajectory"))
 
     def get_row(self, sandbox_id: str) -> SandboxRow:
         row = self.store.get_sandbox(sandbox_id)
@@ -226,6 +228,19 @@ class Edge:
 
     def list(self) -> list[SandboxInfo]:
         return [self.info(live.row) for live in self._live.values()]
+
+    def trajectory_of(self, sandbox_id: str) -> str | None:
+        """The trajectory a sandbox of this edge is attached to (an in-memory lookup for a
+        live sandbox; a row read for an ended one)."""
+        live = self._live.get(sandbox_id)
+        if live is not None:
+            return live.row.request.get("trajectory")
+        row = self.store.get_sandbox(sandbox_id)
+        return row.request.get("trajectory") if row is not None and row.edge == self.id else None
+
+    def require_live(self, sandbox_id: str) -> None:
+        """Raise the typed error of a sandbox that cannot take calls (ended or unknown)."""
+        self._get(sandbox_id)
 
     def _get(self, sandbox_id: str) -> Live:
         live = self._live.get(sandbox_id)

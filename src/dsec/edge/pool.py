@@ -2,7 +2,7 @@
 
 A pooled sandbox is an ordinary sandbox of an image, started with default limits and not yet
 recorded in the state store: a claim applies the request's limits, records it, and the pool
-refills in the background. Only images that were asked for get a pool. After a crash, pooled
+refills in the background. Only images that started once get a pool. After a crash, pooled
 sandboxes are leftovers like any other and the restarted edge removes them.
 """
 
@@ -42,18 +42,14 @@ class WarmPool:
                 and req.runtime in (None, default_runtime))
 
     def take(self, image: Image) -> Pooled | None:
-        """A live pooled sandbox of exactly this image (same digest), if one is ready; starts
-        refilling either way."""
+        """A live pooled sandbox of exactly this image (same digest), if one is ready."""
         ready = self._ready.setdefault(image.digest, deque())
-        found = None
-        while ready and found is None:
+        while ready:
             candidate = ready.popleft()
             if self.substrate.alive(candidate.sandbox_id, candidate.runtime):
-                found = candidate
-            else:
-                asyncio.ensure_future(self.substrate.destroy(candidate.sandbox_id))
-        self._refill(image)
-        return found
+                return candidate
+            asyncio.ensure_future(self.substrate.destroy(candidate.sandbox_id))
+        return None
 
     def counts(self) -> dict[str, int]:
         """Ready sandboxes by image name."""
@@ -63,7 +59,11 @@ class WarmPool:
                 counts[pooled.image.name] = counts.get(pooled.image.name, 0) + 1
         return counts
 
-    def _refill(self, image: Image) -> None:
+    def refill(self, image: Image) -> None:
+        """Top the image's pool up in the background; the edge calls it after a create of the
+        image succeeded, so an image that cannot start never gets a pool."""
+        if self.size <= 0:
+            return
         filler = self._fillers.get(image.digest)
         if filler is None or filler.done():
             self._fillers[image.digest] = asyncio.create_task(self._fill(image),
@@ -71,7 +71,7 @@ class WarmPool:
 
     async def _fill(self, image: Image) -> None:
         """One start at a time and at idle CPU priority, so refilling never slows live work."""
-        ready = self._ready[image.digest]
+        ready = self._ready.setdefault(image.digest, deque())
         while len(ready) < self.size:
             sandbox_id = f"sb-{self.edge_id}-{secrets.token_hex(6)}"
             request = CreateRequest(substrate=self.substrate.name, image=image.name)  # type: ignore[arg-type]

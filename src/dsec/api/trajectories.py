@@ -1,0 +1,89 @@
+"""HTTP routes of trajectories (``/v1/trajectories``).
+
+A trajectory id is path-like (``run-7/ep-123``), so it is the rest of the path up to ``/-/``,
+which starts a sub-resource (as in GitLab's URLs); no id segment may be ``-``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Path, Query
+from fastapi.responses import StreamingResponse
+
+from ..client.errors import InvalidRequest
+from ..client.models import (TRAJECTORY_ID, ReplayReport, ReplayRequest, StepPage, StepRecord,
+                             TrajectoryInfo)
+from ..store.sqlite import StateStore
+from ..trajectory.export import export_lines
+from ..trajectory.log import StepRow
+from .routing import Router
+
+NDJSON = "application/x-ndjson"
+MAX_PAGE = 5000
+
+
+def trajectory_routes(router: Router, store: StateStore) -> APIRouter:
+    api = APIRouter(prefix="/v1/trajectories")
+    TrajectoryId = Path(pattern=TRAJECTORY_ID, max_length=256)
+
+    @api.get("")
+    async def list_trajectories(limit: int = Query(100, ge=1, le=1000)) -> list[TrajectoryInfo]:
+        recorder = router.trajectories()
+        return [recorder.info(row.id) for row in recorder.log.list(limit)]
+
+    @api.get("/{trajectory:path}/-/steps")
+    async def steps(trajectory: str = TrajectoryId, generation: int | None = None,
+                    after: int = Query(0, ge=0),
+                    limit: int = Query(1000, ge=1, le=MAX_PAGE)) -> StepPage:
+        """Logged steps after ``after``, in order, with their outcomes (bytes above 4 KiB as
+        blob references). The SDK prefetches these to fast-forward without a round trip."""
+        log = router.trajectories().log
+        generation = generation or log.get(trajectory).generation
+        rows = log.steps(trajectory, generation, after=after, limit=limit + 1)
+        more = len(rows) > limit
+        rows = rows[:limit]
+        return StepPage(trajectory=trajectory, generation=generation,
+                        steps=[_record(r) for r in rows],
+                        next_after=rows[-1].step if more else None)
+
+    @api.get("/{trajectory:path}/-/export", response_class=StreamingResponse)
+    async def export(trajectory: str = TrajectoryId,
+                     format: str = Query("jsonl")) -> StreamingResponse:
+        if format != "jsonl":
+            raise InvalidRequest("the only export format is jsonl", format=format)
+        lines = export_lines(router.trajectories().log, store, trajectory)
+        first = next(lines)  # an unknown trajectory is an ordinary HTTP error
+
+        async def body() -> AsyncIterator[bytes]:
+            yield json.dumps(first).encode() + b"\n"
+            for n, line in enumerate(lines):
+                yield json.dumps(line).encode() + b"\n"
+                if n % 100 == 99:
+                    await asyncio.sleep(0)  # let other requests in during a long export
+
+        return StreamingResponse(body(), media_type=NDJSON)
+
+    @api.post("/{trajectory:path}/-/resume")
+    async def resume(trajectory: str = TrajectoryId) -> TrajectoryInfo:
+        """The trajectory and its live sandbox; ``sandbox_died`` (or ``sandbox_not_found``
+        for a stopped one) with ``last_step`` in the details otherwise."""
+        return router.trajectories().resume(trajectory)
+
+    @api.post("/{trajectory:path}/-/replay")
+    async def replay(req: ReplayRequest, trajectory: str = TrajectoryId) -> ReplayReport:
+        return await router.trajectories().replay(trajectory, req)
+
+    @api.get("/{trajectory:path}")
+    async def get(trajectory: str = TrajectoryId) -> TrajectoryInfo:
+        return router.trajectories().info(trajectory)
+
+    return api
+
+
+def _record(row: StepRow) -> StepRecord:
+    fields = vars(row).copy()
+    del fields["payload"]  # the request names it by size and SHA-256
+    return StepRecord(**fields)

@@ -1,0 +1,301 @@
+"""The durable trajectory log: tables in the state store's SQLite database, bytes above
+``INLINE_MAX`` in its blob area.
+
+- ``trajectories``: one row per trajectory: its current generation and sandbox, and the
+  create request as the client sent it (a fork starts the same sandbox again).
+- ``trajectory_generations``: one row per sandbox the trajectory ran in.
+- ``trajectory_steps``: one row per call, keyed by (trajectory, generation, step). A live
+  call first *claims* its step by inserting the row as ``running`` (the primary key makes the
+  claim atomic: one call per position, whoever asks), then the outcome is written and
+  committed before the result goes back to the client. ``request`` is the canonical text
+  whose SHA-256 is ``digest`` (a payload enters it as size and SHA-256); the payload bytes
+  are in ``payload`` up to ``INLINE_MAX``, in the blob area above.
+
+A ``running`` row whose owner is not this server process is ``interrupted``: the server that
+ran it stopped before the outcome was written, so nobody knows what it did to the sandbox.
+
+Every statement commits on its own (autocommit) in WAL mode with ``synchronous=NORMAL``: a
+committed row survives a crash of the client, the API server or the edge (the database and
+its WAL are files; the kernel keeps what was written). The log has its own connection to the
+state store's database file.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..client.errors import TrajectoryDiverged, TrajectoryExists, TrajectoryNotFound
+from ..store.blobs import BlobStore
+from .digest import StepRequest
+from .outcome import Outcome
+
+INLINE_MAX = 4096  # bytes fields above this go to the blob area
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS trajectories (
+    id TEXT PRIMARY KEY,
+    generation INTEGER NOT NULL,
+    sandbox_id TEXT NOT NULL,
+    request TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    created_by TEXT
+);
+CREATE TABLE IF NOT EXISTS trajectory_generations (
+    trajectory TEXT NOT NULL,
+    generation INTEGER NOT NULL,
+    sandbox_id TEXT NOT NULL,
+    image TEXT NOT NULL,
+    image_digest TEXT NOT NULL,
+    started_at REAL NOT NULL,
+    forked_at_step INTEGER,
+    reason TEXT,
+    replay_differences TEXT NOT NULL DEFAULT '[]',
+    PRIMARY KEY (trajectory, generation)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS trajectory_steps (
+    trajectory TEXT NOT NULL,
+    generation INTEGER NOT NULL,
+    step INTEGER NOT NULL,
+    op TEXT NOT NULL,
+    digest TEXT NOT NULL,
+    request TEXT NOT NULL,
+    payload BLOB,
+    status TEXT NOT NULL,
+    outcome TEXT,
+    sandbox_id TEXT NOT NULL,
+    caller TEXT,
+    owner TEXT NOT NULL,
+    started_at REAL NOT NULL,
+    ended_at REAL,
+    PRIMARY KEY (trajectory, generation, step)
+) WITHOUT ROWID;
+"""
+
+
+@dataclass
+class TrajectoryRow:
+    id: str
+    generation: int
+    sandbox_id: str
+    request: dict[str, Any]
+    created_at: float
+    created_by: str | None
+
+
+@dataclass
+class GenerationRow:
+    trajectory: str
+    generation: int
+    sandbox_id: str
+    image: str
+    image_digest: str
+    started_at: float
+    forked_at_step: int | None
+    reason: str | None
+    replay_differences: list[int]
+
+
+@dataclass
+class StepRow:
+    trajectory: str
+    generation: int
+    step: int
+    op: str
+    digest: str
+    request: dict[str, Any]  # {"op", "params", "payload": {"size", "sha256"} | None}
+    status: str  # running | interrupted | ok | error
+    outcome: dict[str, Any] | None
+    sandbox_id: str
+    caller: str | None
+    started_at: float
+    ended_at: float | None
+    payload: bytes | None = None  # inline payload bytes (see ``request_of``)
+
+
+class TrajectoryLog:
+    def __init__(self, db_path: Path, blobs: BlobStore, owner: str) -> None:
+        """``owner`` names this server process: rows it leaves ``running`` are its own."""
+        self.blobs = blobs
+        self.owner = owner
+        self._db = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA busy_timeout=5000")
+        self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    # bytes
+    def ref(self, data: bytes) -> dict[str, Any]:
+        if len(data) <= INLINE_MAX:
+            return {"size": len(data), "b64": base64.b64encode(data).decode()}
+        return {"size": len(data), "sha256": self.blobs.put(data)}
+
+    def load(self, sha256: str) -> bytes:
+        return self.blobs.get(sha256)
+
+    def stored_outcome(self, outcome: Outcome) -> dict[str, Any]:
+        """The outcome as a row holds it; large bytes are written to the blob area first."""
+        if outcome.error is not None:
+            return {"error": outcome.error}
+        stored: dict[str, Any] = {"value": outcome.value,
+                                  "bytes": {k: self.ref(v) for k, v in outcome.data.items()}}
+        if outcome.chunks is not None:
+            stored["chunks"] = outcome.chunks
+        return stored
+
+    def request_of(self, row: StepRow) -> StepRequest:
+        """The logged call, payload included."""
+        ref = row.request.get("payload")
+        payload = None
+        if ref is not None:
+            payload = row.payload if row.payload is not None else self.blobs.get(ref["sha256"])
+        return StepRequest(row.op, row.request["params"], payload)
+
+    # trajectories
+    def create(self, trajectory: str, sandbox_id: str, request: dict[str, Any], image: str,
+               image_digest: str, caller: str | None) -> None:
+        now = time.time()
+        try:
+            with self._transaction():
+                self._db.execute("INSERT INTO trajectories VALUES (?,?,?,?,?,?)",
+                                 (trajectory, 1, sandbox_id, json.dumps(request), now, caller))
+                self._db.execute(
+                    "INSERT INTO trajectory_generations (trajectory, generation, sandbox_id, "
+                    "image, image_digest, started_at, reason) VALUES (?,?,?,?,?,?,?)",
+                    (trajectory, 1, sandbox_id, image, image_digest, now, "created"))
+        except sqlite3.IntegrityError:
+            raise TrajectoryExists(f"trajectory {trajectory!r} exists; resume it, or pick a new id",
+                                   trajectory=trajectory) from None
+
+    def exists(self, trajectory: str) -> bool:
+        row = self._db.execute("SELECT 1 FROM trajectories WHERE id=?", (trajectory,)).fetchone()
+        return row is not None
+
+    def get(self, trajectory: str) -> TrajectoryRow:
+        r = self._db.execute("SELECT * FROM trajectories WHERE id=?", (trajectory,)).fetchone()
+        if r is None:
+            raise TrajectoryNotFound(f"no trajectory {trajectory!r}", trajectory=trajectory)
+        d = dict(r)
+        d["request"] = json.loads(d["request"])
+        return TrajectoryRow(**d)
+
+    def list(self, limit: int = 100) -> list[TrajectoryRow]:
+        rows = self._db.execute("SELECT id FROM trajectories ORDER BY created_at DESC LIMIT ?",
+                                (limit,)).fetchall()
+        return [self.get(r["id"]) for r in rows]
+
+    def generations(self, trajectory: str) -> list[GenerationRow]:
+        rows = self._db.execute("SELECT * FROM trajectory_generations WHERE trajectory=? "
+                                "ORDER BY generation", (trajectory,))
+        out = []
+        for r in rows:
+            d = dict(r)
+            d["replay_differences"] = json.loads(d["replay_differences"])
+            out.append(GenerationRow(**d))
+        return out
+
+    # steps
+    def step(self, trajectory: str, generation: int, step: int) -> StepRow | None:
+        r = self._db.execute("SELECT * FROM trajectory_steps WHERE trajectory=? AND generation=? "
+                             "AND step=?", (trajectory, generation, step)).fetchone()
+        return self._step_row(r) if r else None
+
+    def claim(self, trajectory: str, generation: int, step: int, request: StepRequest,
+              sandbox_id: str, caller: str | None) -> bool:
+        """Insert the step as running; False if the position is taken (by anyone)."""
+        payload = request.payload
+        if payload is not None and len(payload) > INLINE_MAX:
+            self.blobs.put(payload)
+            payload = None
+        cur = self._db.execute(
+            "INSERT OR IGNORE INTO trajectory_steps (trajectory, generation, step, op, digest, "
+            "request, payload, status, sandbox_id, caller, owner, started_at) "
+            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            (trajectory, generation, step, request.op, request.digest, request.canonical,
+             payload, "running", sandbox_id, caller, self.owner, time.time()))
+        return cur.rowcount == 1
+
+    def finish(self, trajectory: str, generation: int, step: int, stored: dict[str, Any]) -> None:
+        """Write a claimed step's outcome (committed when this returns)."""
+        self._db.execute(
+            "UPDATE trajectory_steps SET status=?, outcome=?, ended_at=? WHERE trajectory=? "
+            "AND generation=? AND step=? AND status='running'",
+            ("error" if "error" in stored else "ok", json.dumps(stored, separators=(",", ":")),
+             time.time(), trajectory, generation, step))
+
+    def last_step(self, trajectory: str, generation: int) -> tuple[int, int]:
+        """(number of logged steps, highest step) of a generation."""
+        r = self._db.execute("SELECT COUNT(*), COALESCE(MAX(step), 0) FROM trajectory_steps "
+                             "WHERE trajectory=? AND generation=?", (trajectory, generation)).fetchone()
+        return r[0], r[1]
+
+    def steps(self, trajectory: str, generation: int, after: int = 0, upto: int | None = None,
+              limit: int | None = None) -> list[StepRow]:
+        sql = "SELECT * FROM trajectory_steps WHERE trajectory=? AND generation=? AND step>?"
+        args: list[Any] = [trajectory, generation, after]
+        if upto is not None:
+            sql += " AND step<=?"
+            args.append(upto)
+        sql += " ORDER BY step"
+        if limit is not None:
+            sql += " LIMIT ?"
+            args.append(limit)
+        return [self._step_row(r) for r in self._db.execute(sql, args)]
+
+    def _step_row(self, r: sqlite3.Row) -> StepRow:
+        status = r["status"]
+        if status == "running" and r["owner"] != self.owner:
+            status = "interrupted"
+        return StepRow(trajectory=r["trajectory"], generation=r["generation"], step=r["step"],
+                       op=r["op"], digest=r["digest"], request=json.loads(r["request"]),
+                       status=status, outcome=json.loads(r["outcome"]) if r["outcome"] else None,
+                       sandbox_id=r["sandbox_id"], caller=r["caller"], started_at=r["started_at"],
+                       ended_at=r["ended_at"], payload=r["payload"])
+
+    # forks
+    def fork(self, trajectory: str, from_generation: int, at_step: int, sandbox_id: str,
+             image: str, image_digest: str, reason: str, differences: list[int]) -> int:
+        """Start the next generation in ``sandbox_id``, holding a copy of the steps before
+        ``at_step`` (their results as the client saw them). Returns the new generation."""
+        generation = from_generation + 1
+        with self._transaction():
+            current = self._db.execute("SELECT generation FROM trajectories WHERE id=?",
+                                       (trajectory,)).fetchone()
+            if current is None or current[0] != from_generation:
+                raise TrajectoryDiverged(f"trajectory {trajectory!r} was forked by another call "
+                                         "meanwhile", trajectory=trajectory)
+            self._db.execute(
+                "INSERT INTO trajectory_generations VALUES (?,?,?,?,?,?,?,?,?)",
+                (trajectory, generation, sandbox_id, image, image_digest, time.time(), at_step,
+                 reason, json.dumps(differences)))
+            self._db.execute(
+                "INSERT INTO trajectory_steps SELECT trajectory, ?, step, op, digest, request, "
+                "payload, status, outcome, sandbox_id, caller, owner, started_at, ended_at "
+                "FROM trajectory_steps WHERE trajectory=? AND generation=? AND step<?",
+                (generation, trajectory, from_generation, at_step))
+            self._db.execute("UPDATE trajectories SET generation=?, sandbox_id=? WHERE id=?",
+                             (generation, sandbox_id, trajectory))
+        return generation
+
+    def _transaction(self) -> _Transaction:
+        return _Transaction(self._db)
+
+
+class _Transaction:
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def __enter__(self) -> None:
+        self.db.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        self.db.execute("ROLLBACK" if exc_type else "COMMIT")

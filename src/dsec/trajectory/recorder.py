@@ -1,0 +1,502 @@
+"""Fast-forward and recording at the edge boundary.
+
+The router hands out a ``RecordedEdge`` instead of the ``Edge`` for a sandbox that is attached
+to a trajectory (``Recorder.wrap``); it has the edge's call methods, so routes do not know the
+difference, and a sandbox with no trajectory gets the bare edge (one dict lookup).
+
+A call carries its position (``Call.step``, numbered by the SDK from 1 per attached handle).
+For the trajectory's current generation, at that step:
+
+- logged, same request digest: the logged result is returned; nothing runs (fast-forward);
+- logged, different digest: ``TrajectoryDiverged``, or with ``on_divergence="fork"`` a fork;
+- being run by this server, same digest: the call joins it and gets its result (a client that
+  was killed mid-call and re-issues it gets the one execution, not a second one);
+- logged as running by a server that is gone: ``StepInterrupted`` (or a fork);
+- not logged: the step is claimed (a ``running`` row), run, and its outcome committed before
+  the result is returned. A client that disconnects does not stop the run, and its outcome
+  is logged all the same: a stream runs in a task of its own (a streaming response is
+  cancelled when its client goes), any other call in its request's task (which the server
+  never cancels for a disconnect: uvicorn and Starlette cancel only streaming responses).
+
+Calls on one trajectory may run concurrently; each is logged at its own position, so the
+log's order is the client's issue order. Gaps are allowed (a later step may finish first); a
+re-issued missing step simply runs then. Replays and forks run steps one at a time in order.
+A call without a step (a compat API, an SDK handle from ``client.get``) is appended after
+the last step and never fast-forwarded.
+
+A fork (divergence at step k with ``on_divergence="fork"``, or ``replay(attach=True)``)
+starts a fresh sandbox from the trajectory's create request, replays the logged steps before k
+into it, starts the next generation with those steps copied (results as the client saw them;
+steps whose replay differed are noted on the generation), stops the old sandbox, and goes on
+there. Calls addressed to an older generation's sandbox are served by the current one; the
+response header names it, and the SDK follows. A fork waits for the calls still running before
+its step; one still running after it finishes in the old generation (and sandbox, which the
+fork stops). A call that differs from one still running at its step always raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, AsyncIterator, Coroutine, Literal
+
+from ..agent.client import Output
+from ..client.errors import (DSecError, InvalidRequest, SandboxDied,
+                             SandboxNotFound, StepInterrupted, TrajectoryDiverged,
+                             TrajectoryExists)
+from ..client.models import (CreateRequest, ExecRequest, ExecResult, FileEntry,
+                             GenerationInfo, ProcessInfo, ReplayReport, ReplayRequest,
+                             SandboxInfo, StepDiff, TrajectoryInfo)
+from . import ops
+from .digest import STREAM_OPS, StepRequest, call_request, exec_request
+from .log import StepRow, TrajectoryLog
+from .outcome import Outcome, decode, encode, encode_error, output_chunks
+from .replay import replay_rows
+
+if TYPE_CHECKING:
+    from ..api.routing import Router
+    from ..edge.edge import Edge
+
+log = logging.getLogger("dsec.trajectory")
+
+OFFLOAD_BYTES = 256 << 10  # outcomes larger than this are written to the blob area off-loop
+MAX_STATES = 10_000  # trajectories kept in memory (idle ones beyond this are reloaded on use)
+
+
+@dataclass
+class Call:
+    """Who makes a call, and at which position of the sandbox's trajectory (request headers
+    ``X-DSec-Step`` and ``X-DSec-On-Divergence``). The recorder fills in where the answer
+    came from, for the response header."""
+
+    caller: str | None = None
+    step: int | None = None
+    on_divergence: Literal["raise", "fork"] = "raise"
+    source: Literal["log", "live", "joined"] | None = None
+    sandbox_id: str | None = None
+    generation: int | None = None
+
+    def response_header(self) -> tuple[bytes, bytes]:
+        """``X-DSec-Trajectory: SOURCE GENERATION SANDBOX``: where the answer came from
+        (``log``, ``live``, ``joined``), and the generation and sandbox that serve the
+        trajectory now (they change when it forks)."""
+        return (b"x-dsec-trajectory", f"{self.source} {self.generation} {self.sandbox_id}".encode())
+
+
+class Flight:
+    """A live call being run: its output events so far, and its end."""
+
+    def __init__(self, step: int, request: StepRequest) -> None:
+        self.step = step
+        self.request = request
+        self.events: list[Output | ExecResult] = []
+        self.done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.run: Coroutine[Any, Any, None] | None = None  # for its caller to run, if not a task
+        self._waiters: list[asyncio.Future[None]] = []
+
+    def push(self, event: Output | ExecResult) -> None:
+        self.events.append(event)
+        self._wake()
+
+    def end(self, value: Any = None, error: BaseException | None = None) -> None:
+        if error is not None:
+            self.done.set_exception(error)
+            self.done.exception()  # retrieved: whoever awaits it gets it, nobody else must
+        else:
+            self.done.set_result(value)
+        self._wake()
+
+    def _wake(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def follow(self) -> AsyncIterator[Output | ExecResult]:
+        """Every event from the start, then live ones, until the end; raises its error."""
+        seen = 0
+        while True:
+            while seen < len(self.events):
+                seen += 1
+                yield self.events[seen - 1]
+            if self.done.done():
+                self.done.result()  # raises the call's error
+                return
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            await waiter
+
+
+@dataclass
+class TrajectoryState:
+    id: str
+    generation: int
+    sandbox_id: str
+    request: dict[str, Any]
+    head: int = 0  # no step above this is logged in the current generation
+    flights: dict[tuple[int, int], Flight] = field(default_factory=dict)
+    fork_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class Recorder:
+    def __init__(self, log_: TrajectoryLog, router: Router) -> None:
+        self.log = log_
+        self.router = router
+        self._states: dict[str, TrajectoryState] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def wrap(self, edge: Edge, sandbox_id: str, call: Call | None) -> Edge | RecordedEdge:
+        trajectory = edge.trajectory_of(sandbox_id)
+        if trajectory is None:
+            return edge
+        return RecordedEdge(self, edge, trajectory, call or Call())
+
+    def state(self, trajectory: str) -> TrajectoryState:
+        """The in-memory state of a trajectory, loaded from the log on first use; idle ones
+        are dropped (and reloaded when needed) beyond ``MAX_STATES``."""
+        state = self._states.get(trajectory)
+        if state is None:
+            row = self.log.get(trajectory)
+            state = TrajectoryState(row.id, row.generation, row.sandbox_id, row.request,
+                                    head=self.log.last_step(row.id, row.generation)[1])
+            self._states[trajectory] = state
+            if len(self._states) > MAX_STATES:
+                self._forget_idle()
+        return state
+
+    def _forget_idle(self) -> None:
+        for trajectory, state in list(self._states.items()):  # oldest first
+            if len(self._states) <= MAX_STATES // 2:
+                return
+            if not state.flights and not state.fork_lock.locked():
+                del self._states[trajectory]
+
+    # attaching
+    async def create(self, req: CreateRequest, caller: str | None) -> SandboxInfo:
+        """A new sandbox with a new trajectory."""
+        assert req.trajectory is not None
+        if self.log.exists(req.trajectory):
+            raise TrajectoryExists(f"trajectory {req.trajectory!r} exists; resume it, or pick "
+                                   "a new id", trajectory=req.trajectory)
+        info = await self.router.place(req)
+        try:
+            self.log.create(req.trajectory, info.id, req.model_dump(), info.image,
+                            info.image_digest, caller)
+        except BaseException:
+            await self.router.owner(info.id).stop(info.id,
+                                                  reason="its trajectory could not be created")
+            raise
+        return info
+
+    def info(self, trajectory: str) -> TrajectoryInfo:
+        row = self.log.get(trajectory)
+        edge = self.router.owner(row.sandbox_id)
+        count, last = self.log.last_step(trajectory, row.generation)
+        generations = []
+        for g in self.log.generations(trajectory):
+            sandbox = self.router.owner(g.sandbox_id).store.get_sandbox(g.sandbox_id)
+            generations.append(GenerationInfo(
+                generation=g.generation, sandbox_id=g.sandbox_id, image=g.image,
+                image_digest=g.image_digest, started_at=g.started_at,
+                forked_at_step=g.forked_at_step, reason=g.reason,
+                replay_differences=g.replay_differences,
+                sandbox_state=sandbox.state if sandbox else None,  # type: ignore[arg-type]
+                sandbox_reason=sandbox.reason if sandbox else None))
+        return TrajectoryInfo(id=row.id, generation=row.generation,
+                              sandbox=edge.info(edge.get_row(row.sandbox_id)),
+                              created_at=row.created_at, created_by=row.created_by, steps=count,
+                              last_step=last, generations=generations)
+
+    def resume(self, trajectory: str) -> TrajectoryInfo:
+        """The trajectory, if its sandbox still runs; else the typed error, with the last step."""
+        info = self.info(trajectory)
+        sandbox = info.sandbox
+        details = dict(trajectory=trajectory, sandbox_id=sandbox.id, reason=sandbox.reason,
+                       last_step=info.last_step, generation=info.generation)
+        if sandbox.state in ("died", "expired"):
+            raise SandboxDied(f"the sandbox of trajectory {trajectory} {sandbox.state} "
+                              f"({sandbox.reason}) after step {info.last_step}; replay the "
+                              "trajectory into a new sandbox", **details)
+        if sandbox.state == "stopped":
+            raise SandboxNotFound(f"the sandbox of trajectory {trajectory} was stopped after "
+                                  f"step {info.last_step}; replay the trajectory into a new "
+                                  "sandbox", **details)
+        return info
+
+    # replay
+    async def replay(self, trajectory: str, req: ReplayRequest) -> ReplayReport:
+        state = self.state(trajectory)
+        if req.attach:
+            if req.generation not in (None, state.generation) or req.upto is not None:
+                raise InvalidRequest("attach replays the whole current generation: leave "
+                                     "generation and upto unset")
+            replayed = state.generation
+            last = self.log.last_step(trajectory, replayed)[1]
+            info, diffs = await self._fork(state, last + 1, f"replayed into a new sandbox "
+                                                            f"after step {last}")
+            return ReplayReport(trajectory=trajectory, generation=replayed, sandbox=info,
+                                attached_generation=state.generation, steps=diffs)
+        generation = req.generation or state.generation
+        rows = self.log.steps(trajectory, generation, upto=req.upto)
+        create = CreateRequest(**{**state.request, "trajectory": None})
+        info = await self.router.place(create)
+        edge = self.router.owner(info.id)
+        try:
+            diffs = await replay_rows(self.log, edge, info.id, rows)
+        except BaseException:
+            await edge.stop(info.id, reason=f"replay of trajectory {trajectory} failed")
+            raise
+        return ReplayReport(trajectory=trajectory, generation=generation, sandbox=info,
+                            steps=diffs)
+
+    # calls
+    async def call(self, trajectory: str, call: Call, request: StepRequest) -> Any:
+        """A call's value (for ``exec``/``output``: the ExecResult with all its output)."""
+        state = self.state(trajectory)
+        found = await self._resolve(state, call, request, streaming=False)
+        if isinstance(found, StepRow):
+            assert found.outcome is not None
+            return decode(found.op, found.outcome, self.log.load)
+        run, found.run = found.run, None  # the caller that started it runs it; joiners wait
+        if run is not None:
+            await run
+        return await asyncio.shield(found.done)
+
+    async def stream(self, trajectory: str, call: Call,
+                     request: StepRequest) -> AsyncIterator[Output | ExecResult]:
+        """Output events then the ExecResult without output, as ``Edge.stream`` yields them."""
+        found = await self._resolve(self.state(trajectory), call, request, streaming=True)
+        if isinstance(found, Flight):
+            async for event in found.follow():
+                yield event
+            return
+        assert found.outcome is not None
+        result: ExecResult = decode(found.op, found.outcome, self.log.load)
+        for fd, data in output_chunks(result, found.outcome.get("chunks")):
+            yield Output(fd, data)
+        yield result.model_copy(update={"stdout_b64": "", "stderr_b64": ""})
+
+    async def _resolve(self, state: TrajectoryState, call: Call, request: StepRequest,
+                       streaming: bool) -> Flight | StepRow:
+        """The logged step to answer from, or the flight (live or joined) to follow. A live
+        flight of a ``streaming`` caller runs in a task; else the caller runs ``flight.run``."""
+        while True:
+            if state.fork_lock.locked():  # a fork is under way: go on in its new generation
+                async with state.fork_lock:
+                    pass
+            generation = state.generation
+            call.sandbox_id, call.generation = state.sandbox_id, generation
+            step = call.step
+            if step is None:
+                return self._append(state, call, request, streaming)
+            flight = state.flights.get((generation, step))
+            if flight is not None:
+                if flight.request.digest == request.digest:
+                    call.source = "joined"
+                    return flight
+                self._diverged(state, step, flight.request.describe(), request, False, fork=False)
+            # Above the head nothing is logged: claim at once (the claim is the check).
+            row = self.log.step(state.id, generation, step) if step <= state.head else None
+            if row is None:
+                flight = self._start(state, generation, step, request, call, streaming)
+                if flight is not None:
+                    return flight
+                continue  # someone claimed it meanwhile: look again
+            interrupted = row.status in ("running", "interrupted")
+            if row.digest != request.digest or interrupted:
+                logged = self.log.request_of(row).describe()
+                fork = call.on_divergence == "fork"
+                self._diverged(state, step, logged, request, interrupted, fork)
+                await self._fork(state, step, f"diverged at step {step}" if not interrupted
+                                 else f"step {step} was interrupted")
+                continue
+            call.source = "log"
+            return row
+
+    def _diverged(self, state: TrajectoryState, step: int, logged: dict[str, Any],
+                  issued: StepRequest, interrupted: bool, fork: bool) -> None:
+        """Raise the divergence, unless the caller asked to fork."""
+        if fork:
+            return
+        details = dict(trajectory=state.id, generation=state.generation, step=step,
+                       logged=logged, issued=issued.describe())
+        if interrupted:
+            raise StepInterrupted(
+                f"step {step} of trajectory {state.id} was interrupted (its server stopped "
+                "while running it): its effect on the sandbox is unknown; fork or replay", **details)
+        raise TrajectoryDiverged(
+            f"step {step} of trajectory {state.id} differs from the logged call: logged "
+            f"{_brief(logged)}, issued {_brief(issued.describe())}", **details)
+
+    def _append(self, state: TrajectoryState, call: Call, request: StepRequest,
+                streaming: bool) -> Flight:
+        generation = state.generation
+        step = max(state.head, self.log.last_step(state.id, generation)[1]) + 1
+        while (flight := self._start(state, generation, step, request, call, streaming)) is None:
+            step += 1
+        return flight
+
+    def _start(self, state: TrajectoryState, generation: int, step: int, request: StepRequest,
+               call: Call, streaming: bool) -> Flight | None:
+        """Claim the step and set it up to run: in a task of its own for a ``streaming``
+        caller, else as ``flight.run`` for the caller to await. None if the step was taken."""
+        sandbox_id = state.sandbox_id
+        edge = self.router.owner(sandbox_id)
+        edge.require_live(sandbox_id)  # a dead sandbox: the error, and nothing is logged
+        if not self.log.claim(state.id, generation, step, request, sandbox_id, call.caller):
+            state.head = max(state.head, step)  # taken by another server: look it up
+            return None
+        state.head = max(state.head, step)
+        flight = Flight(step, request)
+        state.flights[(generation, step)] = flight
+        run = self._run(state, generation, edge, sandbox_id, flight)
+        if streaming:
+            task = asyncio.create_task(run, name=f"dsec-step-{state.id}-{step}")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        else:
+            flight.run = run
+        call.source = "live"
+        return flight
+
+    async def _run(self, state: TrajectoryState, generation: int, edge: Edge, sandbox_id: str,
+                   flight: Flight) -> None:
+        request = flight.request
+        value: Any = None
+        error: DSecError | None = None
+        try:
+            try:
+                if request.op in STREAM_OPS:
+                    value, chunks = await ops.collect(ops.events(edge, sandbox_id, request),
+                                                      on_event=flight.push)
+                    outcome = encode(request.op, value, chunks)
+                else:
+                    value, _ = await ops.call(edge, sandbox_id, request)
+                    outcome = encode(request.op, value)
+            except DSecError as exc:
+                error, outcome = exc, encode_error(exc)
+            except Exception as exc:  # a bug: log it as the step's outcome all the same
+                log.exception("step %s of %s failed", flight.step, state.id)
+                error = DSecError(f"internal error: {exc!r}")
+                outcome = encode_error(error)
+            stored = await self._stored(outcome)
+            self.log.finish(state.id, generation, flight.step, stored)
+        except asyncio.CancelledError:  # the server is stopping: the step stays 'running'
+            flight.end(error=DSecError("the server stopped while running this step"))
+            raise
+        except Exception as exc:
+            log.exception("could not log step %s of %s", flight.step, state.id)
+            flight.end(error=DSecError(f"could not log step {flight.step}: {exc!r}"))
+        else:
+            flight.end(value, error)
+        finally:
+            state.flights.pop((generation, flight.step), None)
+
+    async def _stored(self, outcome: Outcome) -> dict[str, Any]:
+        if sum(map(len, outcome.data.values())) > OFFLOAD_BYTES:
+            return await asyncio.to_thread(self.log.stored_outcome, outcome)
+        return self.log.stored_outcome(outcome)
+
+    # forks
+    async def _fork(self, state: TrajectoryState, at_step: int,
+                    reason: str) -> tuple[SandboxInfo, list[StepDiff]]:
+        """Continue the trajectory in a fresh sandbox holding the replayed steps before
+        ``at_step``; the old sandbox is stopped."""
+        before = state.generation
+        async with state.fork_lock:
+            if state.generation != before:  # another call forked meanwhile
+                edge = self.router.owner(state.sandbox_id)
+                return edge.info(edge.get_row(state.sandbox_id)), []
+            pending = [f.done for (g, s), f in state.flights.items() if g == before and s < at_step]
+            await asyncio.gather(*map(asyncio.shield, pending), return_exceptions=True)
+            rows = self.log.steps(state.id, before, upto=at_step - 1)
+            info = await self.router.place(CreateRequest(**state.request))
+            new_edge = self.router.owner(info.id)
+            try:
+                diffs = await replay_rows(self.log, new_edge, info.id, rows)
+                state.generation = self.log.fork(
+                    state.id, before, at_step, info.id, info.image, info.image_digest, reason,
+                    [d.step for d in diffs if not d.same])
+            except BaseException:
+                await new_edge.stop(info.id, reason=f"fork of trajectory {state.id} failed")
+                raise
+            state.head = at_step - 1
+            old, state.sandbox_id = state.sandbox_id, info.id
+            log.info("trajectory %s forked at step %d: %s -> %s", state.id, at_step, old, info.id)
+            try:
+                await self.router.owner(old).stop(
+                    old, reason=f"trajectory {state.id} forked at step {at_step} into {info.id}")
+            except (SandboxDied, SandboxNotFound):
+                pass  # it had already ended
+            return info, diffs
+
+
+class RecordedEdge:
+    """An edge as seen by a call on an attached sandbox: the same call methods, answered by
+    the recorder in the trajectory's current sandbox. Anything else (info, stop, ttl) is the
+    edge's own."""
+
+    def __init__(self, recorder: Recorder, edge: Edge, trajectory: str, call: Call) -> None:
+        self._recorder = recorder
+        self._edge = edge
+        self.trajectory = trajectory
+        self.call = call
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._edge, name)
+
+    async def _value(self, request: StepRequest) -> Any:
+        return await self._recorder.call(self.trajectory, self.call, request)
+
+    # exec
+    async def run(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
+        return await self._value(exec_request("exec", req))
+
+    def stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[Output | ExecResult]:
+        return self._recorder.stream(self.trajectory, self.call, exec_request("exec", req))
+
+    async def start_process(self, sandbox_id: str, req: ExecRequest) -> ProcessInfo:
+        return await self._value(exec_request("start", req))
+
+    async def processes(self, sandbox_id: str) -> list[ProcessInfo]:
+        return await self._value(call_request("processes"))
+
+    def attach(self, sandbox_id: str, proc_id: str) -> AsyncIterator[Output | ExecResult]:
+        return self._recorder.stream(self.trajectory, self.call,
+                                     call_request("output", process=proc_id))
+
+    async def signal(self, sandbox_id: str, proc_id: str, sig: int) -> None:
+        await self._value(call_request("signal", process=proc_id, signal=sig))
+
+    # files
+    async def read_file(self, sandbox_id: str, path: str) -> bytes:
+        return await self._value(call_request("read", path=path))
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644,
+                         append: bool = False) -> None:
+        await self._value(call_request("write", data, path=path, mode=mode, append=append))
+
+    async def list_dir(self, sandbox_id: str, path: str) -> list[FileEntry]:
+        return await self._value(call_request("list", path=path))
+
+    async def stat(self, sandbox_id: str, path: str) -> FileEntry:
+        return await self._value(call_request("stat", path=path))
+
+    async def remove(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
+        await self._value(call_request("remove", path=path, recursive=recursive))
+
+    async def mkdir(self, sandbox_id: str, path: str, parents: bool = False) -> None:
+        await self._value(call_request("mkdir", path=path, parents=parents))
+
+    async def upload_tar(self, sandbox_id: str, path: str, tar: bytes) -> None:
+        await self._value(call_request("upload", tar, path=path))
+
+    async def download_tar(self, sandbox_id: str, path: str) -> bytes:
+        return await self._value(call_request("download", path=path))
+
+
+def _brief(request: dict[str, Any]) -> str:
+    params = request["params"]
+    what = params.get("command", params.get("path", params.get("process", "")))
+    return f"{request['op']} {str(what)[:80]!r}"
