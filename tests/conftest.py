@@ -114,21 +114,22 @@ async def client(server: Server) -> AsyncIterator[dsec.DSecClient]:
         yield c
 
 
-@pytest.fixture
-async def sandbox(client: dsec.DSecClient) -> AsyncIterator[dsec.AsyncSandbox]:
-    sb = await client.create(image="debian-minbase", memory_mb=256, ttl_s=300)
+async def _sandbox(client: dsec.DSecClient, image: str, memory_mb: int) -> AsyncIterator[dsec.AsyncSandbox]:
+    sb = await client.create(image=image, memory_mb=memory_mb, ttl_s=300)
     yield sb
     try:
         await sb.stop()
-    except dsec.DSecError:
+    except dsec.DSecError:  # the test stopped it, or it died on purpose
         pass
+
+
+@pytest.fixture
+async def sandbox(client: dsec.DSecClient) -> AsyncIterator[dsec.AsyncSandbox]:
+    async for sb in _sandbox(client, "debian-minbase", 256):
+        yield sb
 
 
 @pytest.fixture
 async def py_sandbox(client: dsec.DSecClient) -> AsyncIterator[dsec.AsyncSandbox]:
-    sb = await client.create(image="python-3.11", memory_mb=512, ttl_s=300)
-    yield sb
-    try:
-        await sb.stop()
-    except dsec.DSecError:
-        pass
+    async for sb in _sandbox(client, "python-3.11", 512):
+        yield sb

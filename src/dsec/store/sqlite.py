@@ -72,16 +72,23 @@ def _row(r: sqlite3.Row) -> SandboxRow:
     return SandboxRow(**d)
 
 
+def connect(path: Path, schema: str) -> sqlite3.Connection:
+    """A connection to the state database in autocommit mode, WAL journal, with ``schema``
+    applied: commits survive a crash of the process; readers in other processes never block."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    db.row_factory = sqlite3.Row
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=NORMAL")
+    db.execute("PRAGMA busy_timeout=5000")
+    db.executescript(schema)
+    return db
+
+
 class StateStore:
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA busy_timeout=5000")
-        self._db.executescript(SCHEMA)
+        self._db = connect(path, SCHEMA)
 
     def close(self) -> None:
         self._db.close()

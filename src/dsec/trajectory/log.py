@@ -32,6 +32,7 @@ from typing import Any
 
 from ..client.errors import TrajectoryDiverged, TrajectoryExists, TrajectoryNotFound
 from ..store.blobs import BlobStore
+from ..store.sqlite import connect
 from .digest import StepRequest
 from .outcome import Outcome
 
@@ -123,12 +124,7 @@ class TrajectoryLog:
         """``owner`` names this server process: rows it leaves ``running`` are its own."""
         self.blobs = blobs
         self.owner = owner
-        self._db = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA busy_timeout=5000")
-        self._db.executescript(SCHEMA)
+        self._db = connect(db_path, SCHEMA)
 
     def close(self) -> None:
         self._db.close()
