@@ -15,7 +15,7 @@ import logging
 import secrets
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
@@ -62,7 +62,7 @@ class Live:
     row: SandboxRow
     substrate: Substrate
     agent: AgentClient
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str]  # the base environment of every command: image, then request
 
 
 class Edge:
@@ -115,11 +115,10 @@ class Edge:
                 await substrate.destroy(sandbox_id)
                 self.store.event("cleanup", sandbox_id, reason="leftover after restart")
 
-    def _adopt(self, row: SandboxRow, substrate: Substrate) -> Live:
-        live = Live(row, substrate, substrate.agent(row.id, row.runtime), row.request["env"])
-        self._live[row.id] = live
+    def _adopt(self, row: SandboxRow, substrate: Substrate) -> None:
+        self._live[row.id] = Live(row, substrate, substrate.agent(row.id, row.runtime),
+                                  row.request["env"])
         substrate.watch(row.id, row.runtime, lambda: self._exited(row.id))
-        return live
 
     def _exited(self, sandbox_id: str) -> None:
         live = self._live.get(sandbox_id)
