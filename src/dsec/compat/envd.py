@@ -509,7 +509,7 @@ class Envd:
                 command=["/bin/sh", "-c", script, "sh", *paths], timeout_s=30))
         except DSecError as exc:
             raise rpc_error(exc, target) from None
-        values = result.stdout_bytes.decode(errors="replace").split("\0")
+        values = result.stdout_bytes.decode(errors="replace").split("\0")  # one more: the last NUL
         return {p: v for p, v in zip(paths, values) if v}
 
     async def stat(self, msg: Message, call: Call) -> Message:

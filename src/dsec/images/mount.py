@@ -113,7 +113,7 @@ class LayerMounter:
         once the image's layers are mounted; the first call per layer mounts it."""
         targets = [self._target(layer) for layer in reversed(image.layers)]
         if all(t in self._known for t in targets if t is not None):
-            return [t or layer.path for t, layer in zip(targets, reversed(image.layers))]
+            return [t or layer.path for t, layer in zip(targets, reversed(image.layers), strict=True)]
         mounted = mountpoints()
         dirs = [
             self._mount(layer, mounted) if layer.format == "erofs" else layer.path

@@ -92,7 +92,7 @@ class ContainerSubstrate(Substrate):
         except asyncio.TimeoutError:
             crun.kill()
             await crun.wait()
-            raise SandboxError(f"{runtime} did not start the sandbox within {START_TIMEOUT_S:.0f}s")
+            raise SandboxError(f"{runtime} did not start the sandbox within {START_TIMEOUT_S:.0f}s") from None
         finally:
             crun.close()
         if ready != b"R" or code != 0:
