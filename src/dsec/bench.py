@@ -212,8 +212,10 @@ async def bench_server(state: Path, *args: str) -> AsyncIterator[Created]:
             created = Created(client)
             try:
                 yield created
-            finally:
+            finally:  # everything the server still runs, also what a failed series left
                 await created.stop_all()
+                left = [await client.get(info.id) for info in await client.list()]
+                await asyncio.gather(*(sb.stop() for sb in left))
     finally:
         proc.terminate()
         proc.wait()
