@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..agent.client import Output
@@ -33,7 +34,7 @@ NDJSON = "application/x-ndjson"
 CALL_SCOPE_KEY = "dsec.call"
 
 
-def create_app(router: Router, store: StateStore) -> FastAPI:
+def create_app(router: Router, store: StateStore, registry: CollectorRegistry) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await router.start()
@@ -88,6 +89,11 @@ def create_app(router: Router, store: StateStore) -> FastAPI:
         call.on_divergence = mode  # type: ignore[assignment]
         request.scope[CALL_SCOPE_KEY] = call
         return call
+
+    @app.get("/metrics", dependencies=auth, response_class=Response)
+    async def metrics() -> Response:
+        """Prometheus exposition (scrape with ``authorization: Bearer <key>``)."""
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/health")
     async def health() -> dict[str, Any]:

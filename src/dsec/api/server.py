@@ -10,9 +10,11 @@ from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
 
 from ..compat import mount_compat
 from ..edge.edge import Edge, EdgeConfig
+from ..edge.metrics import EdgeMetrics
 from ..images.store import ImageStore
 from ..store.blobs import BlobStore
 from ..store.sqlite import StateStore
@@ -65,11 +67,13 @@ def build_app(config: ServerConfig) -> FastAPI:
                              capacity=config.capacity, warm_pool=config.warm_pool)
     substrates = {"container": ContainerSubstrate(config.state_dir, edge_config.edge_id,
                                                   runtime=config.runtime)}
-    edge = Edge(edge_config, store, ImageStore(config.image_store), substrates)
+    registry = CollectorRegistry()
+    edge = Edge(edge_config, store, ImageStore(config.image_store), substrates,
+                EdgeMetrics(registry))
     trajectories = TrajectoryLog(store.path, BlobStore(config.state_dir / "blobs"),
                                  owner=secrets.token_hex(8))
     router = Router([edge], trajectories)
-    return mount_compat(create_app(router, store), router, store, config.state_dir)
+    return mount_compat(create_app(router, store, registry), router, store, config.state_dir)
 
 
 def serve(config: ServerConfig, host: str | None = None, port: int | None = None) -> None:

@@ -29,6 +29,7 @@ from ..images.store import Image, ImageStore
 from ..store.sqlite import SandboxRow, StateStore
 from ..substrates.base import StartPlan, Substrate
 from .commands import check_env, exec_argv, sandbox_path
+from .metrics import EdgeMetrics
 from .pool import Pooled, WarmPool
 
 log = logging.getLogger("dsec.edge")
@@ -67,12 +68,14 @@ class Live:
 
 class Edge:
     def __init__(self, config: EdgeConfig, store: StateStore, images: ImageStore,
-                 substrates: dict[str, Substrate]) -> None:
+                 substrates: dict[str, Substrate], metrics: EdgeMetrics) -> None:
         self.config = config
         self.id = config.edge_id
         self.store = store
         self.images = images
         self.substrates = substrates
+        self.metrics = metrics
+        metrics.watch(self)
         self.pools = {name: WarmPool(substrate, self.id, config.warm_pool)
                       for name, substrate in substrates.items()}
         self._live: dict[str, Live] = {}
@@ -136,6 +139,18 @@ class Edge:
         return len(self._live) + self._starting
 
     async def create(self, req: CreateRequest) -> SandboxInfo:
+        started = time.perf_counter()
+        try:
+            info, warm = await self._create(req)
+        except DSecError as exc:
+            self.metrics.create_failures.labels(req.substrate, exc.code).inc()
+            raise
+        self.metrics.create_seconds.labels(req.substrate, "warm" if warm else "cold").observe(
+            time.perf_counter() - started)
+        return info
+
+    async def _create(self, req: CreateRequest) -> tuple[SandboxInfo, bool]:
+        """The sandbox, and whether it came from the warm pool."""
         substrate = self.substrates.get(req.substrate)
         if substrate is None:
             raise NotSupported(f"substrate {req.substrate!r} is not served by edge {self.id}",
@@ -161,7 +176,7 @@ class Edge:
         finally:
             self._starting -= 1
         self.store.event("created", row.id, image=req.image, warm=pooled is not None)
-        return self.info(row)
+        return self.info(row), pooled is not None
 
     def _row(self, sandbox_id: str, req: CreateRequest, image_digest: str, state: str) -> SandboxRow:
         now = time.time()
@@ -201,6 +216,7 @@ class Edge:
             self.get_row(sandbox_id)  # raises the right error for an unknown or ended sandbox
             return
         self.store.mark_ended(sandbox_id, state, reason)
+        self.metrics.ended.labels(live.row.substrate, state).inc()
         await live.substrate.destroy(sandbox_id)
         self.store.event(state, sandbox_id, reason=reason)
 
@@ -286,6 +302,7 @@ class Edge:
         """Output chunks as they come, then one ExecResult (with empty stdout/stderr)."""
         live = self._get(sandbox_id)
         args = self._exec_args(live, req)
+        self.metrics.execs.labels(live.row.substrate).inc()
         oom_before = live.substrate.oom_kills(sandbox_id, live.row.runtime)
         try:
             async for event in live.agent.exec(**args):
@@ -310,7 +327,9 @@ class Edge:
             raise on_error(exc) from None
 
     async def start_process(self, sandbox_id: str, req: ExecRequest) -> ProcessInfo:
-        args = self._exec_args(self._get(sandbox_id), req)
+        live = self._get(sandbox_id)
+        args = self._exec_args(live, req)
+        self.metrics.execs.labels(live.row.substrate).inc()
         proc_id, pid = await self._call(sandbox_id, lambda a: a.start(**args),
                                         _path_error(args["cwd"]))
         return ProcessInfo(id=proc_id, pid=pid, command=" ".join(args["argv"]), running=True)

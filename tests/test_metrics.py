@@ -1,0 +1,51 @@
+"""Prometheus metrics as an operator's scraper sees them, from a real server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import dsec
+from conftest import make_server, stop_server
+
+
+def scrape(server) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    with server.http(authenticated=True) as http:
+        response = http.get("/metrics")
+    assert response.status_code == 200
+    samples = {}
+    for family in text_string_to_metric_families(response.text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "edge")
+            samples[f"{s.name}{{{labels}}}"] = s.value
+    return samples
+
+
+async def test_metrics_count_what_happened(images) -> None:  # type: ignore[no-untyped-def]
+    srv = make_server("--capacity", "2", "--warm-pool", "0").start()
+    try:
+        with srv.http() as http:
+            assert http.get("/metrics").status_code == 401  # scraping needs a key too
+        async with srv.client() as client:
+            sb = await client.create(ttl_s=1)
+            await sb.run("true")
+            await sb.start("true")
+            other = await client.create(ttl_s=60)
+            with pytest.raises(dsec.CapacityExhausted):
+                await client.create()
+            m = scrape(srv)
+            assert m["dsec_sandboxes{substrate=container}"] == 2
+            assert m["dsec_capacity{}"] == 2
+            assert m["dsec_create_seconds_count{source=cold,substrate=container}"] == 2
+            assert m["dsec_execs_total{substrate=container}"] == 2
+            assert m["dsec_create_failures_total{code=capacity_exhausted,substrate=container}"] == 1
+            await asyncio.sleep(2)  # the reaper expires the first one
+            await other.stop()
+            m = scrape(srv)
+            assert m["dsec_sandboxes{substrate=container}"] == 0
+            assert m["dsec_sandboxes_ended_total{state=expired,substrate=container}"] == 1
+            assert m["dsec_sandboxes_ended_total{state=stopped,substrate=container}"] == 1
+    finally:
+        stop_server(srv)
