@@ -6,6 +6,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -81,6 +82,17 @@ class Server:
 
     def client(self, **kwargs: object) -> dsec.DSecClient:
         return dsec.DSecClient(self.url, self.key, autostart=False, **kwargs)  # type: ignore[arg-type]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_tcp_server(*args: str) -> Server:
+    """A server on a free loopback port, the way a remote client reaches one."""
+    return make_server("--host", "127.0.0.1", "--port", str(free_port()), *args)
 
 
 def make_server(*args: str) -> Server:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -11,7 +10,7 @@ import httpx
 import pytest
 
 import dsec
-from conftest import Server, make_server, stop_server
+from conftest import Server, make_tcp_server, stop_server
 
 
 def dsec_cli(server: Server, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -46,21 +45,13 @@ def test_image_ls_shows_built_images(server: Server) -> None:
     assert "debian-minbase" in listing and "python-3.11" in listing
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def test_tcp_server_requires_a_created_key(images) -> None:  # type: ignore[no-untyped-def]
-    port = _free_port()
-    srv = make_server("--host", "127.0.0.1", "--port", str(port))
+    srv = make_tcp_server()
     key = subprocess.run([sys.executable, "-m", "dsec", "key", "create", "trainer",
                           "--state-dir", str(srv.state_dir)], capture_output=True, text=True,
                          check=True).stdout.strip()
     srv.start()
     try:
-        assert srv.url == f"http://127.0.0.1:{port}"
         async with dsec.DSecClient(srv.url, key, autostart=False) as client:
             async with await client.create(ttl_s=60) as sb:
                 assert (await sb.run("echo over tcp")).stdout == "over tcp\n"

@@ -13,7 +13,6 @@ import fcntl
 import json
 import os
 import shutil
-import socket
 import struct
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from conftest import Server, make_server, stop_server
+from conftest import Server, make_tcp_server, stop_server
 
 # The compatibility matrix: the oldest SDK generation served (a vendored Connect client on
 # httpcore, protobuf's json_format) and the newest (connectrpc on pyqwest, protobuf-py).
@@ -48,15 +47,9 @@ def compat_python(package: str, version: str) -> Path:
     return python
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def e2b_server(images: object) -> Iterator[Server]:
-    srv = make_server("--host", "127.0.0.1", "--port", str(free_port()), "--capacity", "32").start()
+    srv = make_tcp_server("--capacity", "32").start()
     yield srv
     stop_server(srv)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import json
-import socket
 from typing import Iterator
 
 import httpx
@@ -15,18 +14,12 @@ import sandbox_fusion
 from sandbox_fusion import (CommandRunStatus, RunCodeRequest, RunStatus, run_code, run_code_async,
                             run_concurrent)
 
-from conftest import Server, make_server, stop_server
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from conftest import Server, make_tcp_server, stop_server
 
 
 @pytest.fixture(scope="module")
 def sf_server(images: object) -> Iterator[Server]:
-    srv = make_server("--host", "127.0.0.1", "--port", str(free_port()), "--capacity", "32").start()
+    srv = make_tcp_server("--capacity", "32").start()
     yield srv
     stop_server(srv)
 
