@@ -94,10 +94,13 @@ class Transport:
         try:
             response = await self.http.request(method, path, **kwargs)
         except httpx.TransportError as exc:
-            raise ServerUnavailable(f"dsec server at {self.http.base_url}: {exc!r}") from exc
+            raise self._unavailable(exc) from exc
         if response.status_code >= 400:
             raise _error(response.status_code, response.content)
         return response
+
+    def _unavailable(self, exc: httpx.TransportError) -> ServerUnavailable:
+        return ServerUnavailable(f"dsec server at {self.http.base_url}: {exc!r}")
 
     async def json(self, method: str, path: str, **kwargs: Any) -> Any:
         return (await self.request(method, path, **kwargs)).json()
@@ -120,7 +123,7 @@ class Transport:
                             raise error_from_json(event)
                         yield event
         except httpx.TransportError as exc:
-            raise ServerUnavailable(f"dsec server at {self.http.base_url}: {exc!r}") from exc
+            raise self._unavailable(exc) from exc
 
 
 def _error(status: int, body: bytes) -> DSecError:
