@@ -26,6 +26,7 @@ from dsec.agent import (
 from dsec.agent.protocol import decode, encode
 
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LC_ALL": "C"}
+TOKEN = "t" * 64
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +36,7 @@ def agent(tmp_path_factory: pytest.TempPathFactory):
     assert proc.stdout is not None
     with proc.stdout:
         assert proc.stdout.read(1) == b"R"
+    asyncio.run(AgentClient(sock, TOKEN).claim())
     yield proc, sock
     proc.terminate()
     try:
@@ -46,7 +48,7 @@ def agent(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture
 def client(agent) -> AgentClient:
-    return AgentClient(agent[1])
+    return AgentClient(agent[1], TOKEN, peer_pid=agent[0].pid)
 
 
 async def wait_until(predicate, timeout: float = 3.0) -> None:
@@ -101,6 +103,43 @@ def test_build_failure_is_explained(tmp_path, monkeypatch):
 async def test_startup_socket_mode(agent, client):
     assert os.stat(agent[1]).st_mode & 0o777 == 0o600
     await client.ping()
+
+
+async def test_second_claim_is_refused(agent, client):
+    with pytest.raises(AgentError) as refused:
+        await AgentClient(agent[1], "x" * 64).claim()
+    assert refused.value.errno == "EPERM"
+    await client.ping()  # the first claim still holds
+
+
+@pytest.mark.parametrize("token", [None, "x" * 64, "t" * 63, "t" * 65])
+async def test_request_without_the_token_is_refused(agent, token, tmp_path):
+    marker = tmp_path / "ran"
+    with pytest.raises(AgentError) as refused:
+        await AgentClient(agent[1], token).run(["touch", str(marker)], env=ENV)
+    assert refused.value.errno == "EACCES"
+    assert not marker.exists()
+
+
+async def test_unclaimed_agent_runs_nothing(tmp_path):
+    sock = tmp_path / "agent.sock"
+    proc = subprocess.Popen([agent_binary(), "--listen", sock], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdout.read(1) == b"R"
+        with pytest.raises(AgentError, match="not claimed"):
+            await AgentClient(sock).ping()
+        with pytest.raises(AgentError, match="16 to 256"):
+            await AgentClient(sock, "short").claim()
+        await AgentClient(sock, TOKEN).claim()
+        await AgentClient(sock, TOKEN).ping()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+async def test_wrong_peer_pid_is_refused(agent):
+    with pytest.raises(AgentUnavailable, match="served by pid"):
+        await AgentClient(agent[1], TOKEN, peer_pid=agent[0].pid + 1).ping()
 
 
 async def test_unreachable_socket(tmp_path):

@@ -809,10 +809,53 @@ static void do_file(struct conn *c, const struct req *r)
         reply_errno(o, e, path);
 }
 
+/* ---------- authentication ---------- */
+
+/* The agent starts unclaimed; the first `C` request sets the token every later request must
+ * carry. Processes in the sandbox can reach the socket, so without it they could run, watch
+ * or kill anything through the agent (and impersonate the edge's view of results). */
+#define TOKEN_MIN 16
+#define TOKEN_MAX 256
+static char token[TOKEN_MAX];
+static size_t token_len; /* 0: unclaimed */
+
+static void __attribute__((constructor)) not_dumpable(void)
+{
+    prctl(PR_SET_DUMPABLE, 0); /* no ptrace, no /proc/1/mem for sandbox processes */
+}
+
+static void do_claim(struct conn *c, const struct req *r)
+{
+    struct field *f = get(r, "token");
+    if (token_len)
+        return reply_err(&c->out, EPERM, "agent already claimed");
+    if (!f || f->n < TOKEN_MIN || f->n > TOKEN_MAX)
+        return reply_err(&c->out, EINVAL, "claim needs a token of 16 to 256 bytes");
+    memcpy(token, f->v, f->n);
+    token_len = f->n;
+    reply_ok(&c->out);
+}
+
+/* Constant time in the token's bytes: a wrong guess says nothing about how close it was. */
+static int authorized(const struct req *r)
+{
+    struct field *f = get(r, "token");
+    unsigned char diff = 0;
+    if (!token_len || !f || f->n != token_len)
+        return 0;
+    for (size_t i = 0; i < token_len; i++)
+        diff |= (unsigned char)(token[i] ^ f->v[i]);
+    return !diff;
+}
+
 /* ---------- connections ---------- */
 
 static void dispatch(struct conn *c, const struct req *r)
 {
+    if (r->type == 'C')
+        return do_claim(c, r);
+    if (!authorized(r))
+        return reply_err(&c->out, EACCES, token_len ? "bad token" : "agent not claimed");
     switch (r->type) {
     case 'H': return reply_ok(&c->out);
     case 'E': return do_exec(c, r);

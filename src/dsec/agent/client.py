@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import builtins
 import os
+import socket
+import struct
 from collections.abc import AsyncGenerator, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from .protocol import Frame, Value, encode, read_frame
 
 _READ_LIMIT = 4 << 20  # StreamReader buffer; frames carry up to 1 MiB of data
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 class AgentError(Exception):
@@ -114,18 +117,45 @@ def _exec_fields(
 
 
 class AgentClient:
-    def __init__(self, socket_path: str | os.PathLike[str]) -> None:
-        self.socket_path = os.fspath(socket_path)
+    """``token`` is sent with every request (see ``claim``). ``peer_pid``, when given, must be
+    the pid that listens on the socket (SO_PEERCRED): a process in the sandbox that replaced
+    the socket file with its own cannot receive the token or answer in the agent's name."""
 
-    async def _frames(self, kind: str, fields: Iterable[tuple[str, Value]], until: str) -> AsyncGenerator[Frame, None]:
+    def __init__(self, socket_path: str | os.PathLike[str], token: str | None = None,
+                 peer_pid: int | None = None) -> None:
+        self.socket_path = os.fspath(socket_path)
+        self.token = token
+        self.peer_pid = peer_pid
+
+    async def claim(self) -> None:
+        """Make the agent ours: it accepts one claim, then only requests with this token."""
+        if not self.token:
+            raise ValueError("claim needs a token")
+        await self._call("C", [("token", self.token)], authenticated=False)
+
+    def _check_peer(self, writer: asyncio.StreamWriter) -> None:
+        if self.peer_pid is None:
+            return
+        sock = writer.get_extra_info("socket")
+        pid, _, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                     _PEERCRED.size))
+        if pid != self.peer_pid:
+            raise AgentUnavailable(f"agent socket {self.socket_path} is served by pid {pid}, "
+                                   f"not the agent's {self.peer_pid}")
+
+    async def _frames(self, kind: str, fields: Iterable[tuple[str, Value]], until: str,
+                      authenticated: bool = True) -> AsyncGenerator[Frame, None]:
         """Send one request and yield reply frames up to and including one whose type is in
         ``until``; an ``X`` reply raises AgentError. The connection is closed on exit."""
+        if authenticated and self.token:
+            fields = [("token", self.token), *fields]
         request = encode(kind, fields)
         try:
             reader, writer = await asyncio.open_unix_connection(self.socket_path, limit=_READ_LIMIT)
         except OSError as e:
             raise AgentUnavailable(f"agent socket {self.socket_path}: {e}") from e
         try:
+            self._check_peer(writer)
             writer.write(request)
             await writer.drain()
             while True:
@@ -144,8 +174,9 @@ class AgentClient:
             except OSError:
                 pass
 
-    async def _call(self, kind: str, fields: Iterable[tuple[str, Value]] = (), until: str = "O") -> list[Frame]:
-        async with aclosing(self._frames(kind, fields, until)) as frames:
+    async def _call(self, kind: str, fields: Iterable[tuple[str, Value]] = (), until: str = "O",
+                    authenticated: bool = True) -> list[Frame]:
+        async with aclosing(self._frames(kind, fields, until, authenticated)) as frames:
             return [f async for f in frames]
 
     async def _stream(self, kind: str, fields: Iterable[tuple[str, Value]]) -> AsyncGenerator[Output | Exit, None]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import select
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -101,7 +102,10 @@ class ContainerSubstrate(Substrate):
                                f"{log_text[-2000:] or 'no output'}")
         pid = int((d / "pid").read_text())
         self._pidfds[plan.sandbox_id] = os.pidfd_open(pid)  # it is ours: it just said R
-        return {"runtime": runtime, "pid": pid}
+        facts = {"runtime": runtime, "pid": pid, "token": secrets.token_hex(32)}
+        # Claimed before start() returns: no user command can have run yet to claim it first.
+        await self.agent(plan.sandbox_id, facts).claim()
+        return facts
 
     async def claim(self, sandbox_id: str, runtime: dict[str, Any], request: CreateRequest) -> None:
         cgroups.set_limits(self.cgroup_parent, sandbox_id, request.cpu, request.memory_mb << 20,
@@ -126,7 +130,9 @@ class ContainerSubstrate(Substrate):
         (d / "config.json").write_text(json.dumps(config))
 
     def agent(self, sandbox_id: str, runtime: dict[str, Any]) -> AgentClient:
-        return AgentClient(self._dir(sandbox_id) / "run" / "agent.sock")
+        # gVisor's sentry, not the agent, holds the host end of the socket: no pid to check.
+        peer = None if runtime["runtime"] == "runsc" else runtime["pid"]
+        return AgentClient(self._dir(sandbox_id) / "run" / "agent.sock", runtime["token"], peer)
 
     def _pidfd(self, sandbox_id: str, runtime: dict[str, Any]) -> int | None:
         """A pidfd on the sandbox's init, or None if it is gone. After an edge restart the
