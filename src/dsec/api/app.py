@@ -19,6 +19,7 @@ from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..agent.client import Output
@@ -27,6 +28,7 @@ from ..client.models import (CreateRequest, ExecRequest, ExecResult, FileEntry, 
                              SandboxInfo, SignalRequest, TtlRequest, b64)
 from ..store.sqlite import StateStore
 from ..trajectory.recorder import Call
+from .limits import BodyLimit, typed_http_error
 from .routing import Router
 from .trajectories import trajectory_routes
 
@@ -58,6 +60,8 @@ def create_app(router: Router, store: StateStore, registry: CollectorRegistry) -
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         err = InvalidRequest("invalid request", errors=json.loads(json.dumps(exc.errors(), default=str)))
         return JSONResponse(err.to_json(), status_code=err.status)
+
+    app.add_exception_handler(StarletteHTTPException, typed_http_error)
 
     known_keys: dict[str, str] = {}  # secret -> key id; keys are never revoked yet
 
@@ -202,6 +206,7 @@ def create_app(router: Router, store: StateStore, registry: CollectorRegistry) -
 
     app.include_router(trajectory_routes(router, store), dependencies=auth)
     app.add_middleware(CallHeaders)
+    app.add_middleware(BodyLimit)
     return app
 
 

@@ -53,6 +53,22 @@ class ProcessNotFound(DSecError):
     code, status = "process_not_found", 404
 
 
+class RouteNotFound(DSecError):
+    """No API route has this path (a typo, or a route of a newer server)."""
+
+    code, status = "route_not_found", 404
+
+
+class MethodNotAllowed(DSecError):
+    code, status = "method_not_allowed", 405
+
+
+class PayloadTooLarge(DSecError):
+    """The request body exceeds the server's limit (``details["limit"]`` bytes)."""
+
+    code, status = "payload_too_large", 413
+
+
 class SandboxDied(DSecError):
     """The sandbox stopped underneath a call (crashed, OOM-killed its agent, TTL expired)."""
 
@@ -119,6 +135,9 @@ ERRORS: dict[str, type[DSecError]] = {
         ImageBuildError,
         FileNotFound,
         ProcessNotFound,
+        RouteNotFound,
+        MethodNotAllowed,
+        PayloadTooLarge,
         SandboxDied,
         CommandTimeout,
         CapacityExhausted,

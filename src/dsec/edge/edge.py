@@ -167,7 +167,7 @@ class Edge:
             image_env = dict(kv.partition("=")[::2] for kv in image.config.env)
             req = req.model_copy(update={"env": {**BASE_ENV, **image_env, **req.env}})
             pool = self.pools.get(req.substrate)
-            pooled = pool.take(image) if pool and req.runtime is None else None
+            pooled = pool.take(image) if pool and pool.fits(req) else None
             row = await (self._claim(substrate, req, pooled) if pooled
                          else self._start(substrate, req, image))
             self._adopt(row, substrate)

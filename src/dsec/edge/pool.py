@@ -37,9 +37,11 @@ class WarmPool:
         self._ready: dict[str, deque[Pooled]] = {}
         self._fillers: dict[str, asyncio.Task[None]] = {}
 
-    def eligible(self, req: CreateRequest, default_runtime: str) -> bool:
-        return (self.size > 0 and req.substrate == self.substrate.name
-                and req.runtime in (None, default_runtime))
+    @staticmethod
+    def fits(req: CreateRequest) -> bool:
+        """Whether a pooled sandbox (default runtime and disk size) can serve ``req``: a claim
+        changes cpu, memory and pids in place, not the runtime or the writable layer's size."""
+        return req.runtime is None and req.disk_mb == CreateRequest.model_fields["disk_mb"].default
 
     def take(self, image: Image) -> Pooled | None:
         """A live pooled sandbox of exactly this image (same digest), if one is ready."""

@@ -1,6 +1,7 @@
 """The container substrate: an OCI runtime (crun, runc or runsc) over an overlayfs rootfs.
 
-Per sandbox, under ``<state>/sandboxes/<id>/``: ``upper`` and ``work`` (the writable layer),
+Per sandbox, under ``<state>/sandboxes/<id>/``: ``disk.img`` mounted at ``disk`` (an ext4 file
+system of ``disk_mb``, see disk.py) holding ``upper`` and ``work`` (the writable layer),
 ``rootfs`` (the overlay of the image's read-only layers under ``upper``), ``run`` (bind-mounted
 at /.dsec/run, holds the agent socket), ``config.json``, ``pid`` and ``runtime.log``. The
 agent is the container's init; it prints ``R`` on stdout once it listens, so start-up waits
@@ -26,6 +27,7 @@ from ..client.models import CreateRequest
 from ..images.mount import LayerMounter, overlay_mount, unmount
 from . import cgroups, spawn
 from .base import StartPlan, Substrate
+from .disk import DiskPool, release
 from .oci_spec import container_config
 from .spawn import Spawned
 
@@ -45,6 +47,7 @@ class ContainerSubstrate(Substrate):
         self.runtime_root = state_dir / "runtime"
         self.cgroup_parent = f"/dsec-{edge_id}"
         self.mounter = mounter or LayerMounter()
+        self.disks = DiskPool(state_dir / "disks")
         self._agent_binary: Path | None = None
         self._pidfds: dict[str, int] = {}
         # Bundle set-up and teardown wait on kernel locks (mounts, cgroups) under load: in
@@ -53,6 +56,7 @@ class ContainerSubstrate(Substrate):
 
     async def prepare(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
+        self.disks.prepare()
         for runtime in RUNTIMES:
             (self.runtime_root / runtime).mkdir(parents=True, exist_ok=True)
         if self.default_runtime == "crun":
@@ -114,8 +118,10 @@ class ContainerSubstrate(Substrate):
 
     def _bundle(self, plan: StartPlan, d: Path) -> None:
         """The OCI bundle: the overlay rootfs and config.json (in a worker thread)."""
-        upper, work, rootfs, run = d / "upper", d / "work", d / "rootfs", d / "run"
+        disk = d / "disk"
+        upper, work, rootfs, run = disk / "upper", disk / "work", d / "rootfs", d / "run"
         d.mkdir()
+        self.disks.attach(d / "disk.img", disk, plan.request.disk_mb)
         for p in (work, rootfs, run):
             p.mkdir()
         # Mount points and the default cwd exist in the writable layer before it is mounted.
@@ -195,6 +201,7 @@ class ContainerSubstrate(Substrate):
         cgroups.remove_cgroups(cgroups.sandbox_dirs(self.cgroup_parent, sandbox_id))
         for mount in _mounts_under(d):
             unmount(mount)
+        release(d / "disk.img")
         shutil.rmtree(d, ignore_errors=True)
 
     async def leftovers(self) -> set[str]:
@@ -209,7 +216,7 @@ class ContainerSubstrate(Substrate):
 
 
 def _mounts_under(d: Path) -> list[Path]:
-    """Mount points below ``d``, deepest first."""
+    """Mount points below ``d``, the last mounted first (an overlay before the disk under it)."""
     prefix = str(d) + "/"
     found = []
     with open("/proc/self/mountinfo") as f:
@@ -217,4 +224,4 @@ def _mounts_under(d: Path) -> list[Path]:
             target = line.split()[4].replace("\\040", " ")
             if target.startswith(prefix):
                 found.append(Path(target))
-    return sorted(found, key=lambda p: len(p.parts), reverse=True)
+    return found[::-1]

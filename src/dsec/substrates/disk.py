@@ -1,0 +1,120 @@
+"""Per-sandbox disk quota: each sandbox's writable layer is its own ext4 file system in a
+loop-mounted sparse file of ``disk_mb``.
+
+The kernels dsec runs on may lack quota support (no project quotas on an overlay's upper
+directory), so a file system per sandbox is the limit that always works: a sandbox that fills
+its disk gets ENOSPC and the host's disk is untouched. Formatting is kept off the create path
+by a few spare, pre-formatted files per size, refilled in a background thread. The loop
+device is set up with autoclear, so unmounting the file system releases it; ``release`` also
+detaches any loop device still backed by the file (a crash between set-up and mount).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger("dsec.disk")
+
+SPARES_PER_SIZE = 2
+# No journal (a sandbox's layer does not outlive a host crash), no reserved blocks (disk_mb is
+# what the sandbox gets), no discard pass over the sparse file.
+MKFS = ["mkfs.ext4", "-q", "-F", "-m", "0", "-O", "^has_journal", "-E", "nodiscard"]
+MOUNT_OPTIONS = "loop,nosuid,nodev"
+RELEASE_TRIES = 500
+
+
+class DiskPool:
+    """Formatted disk files of each size asked for, ready to be taken by a create."""
+
+    def __init__(self, spare_dir: Path) -> None:
+        self.dir = spare_dir
+        self._lock = threading.Lock()
+        self._filling: set[int] = set()
+
+    def prepare(self) -> None:
+        """Drop spares a crash left half-made; finished spares are kept for reuse."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for tmp in self.dir.glob("*.tmp"):
+            tmp.unlink(missing_ok=True)
+
+    def attach(self, image: Path, target: Path, size_mb: int) -> None:
+        """A fresh ``size_mb`` file system at ``image``, mounted at ``target`` (blocking)."""
+        spare = self._take(size_mb)
+        if spare is not None:
+            os.rename(spare, image)
+        else:
+            _format(image, size_mb)
+        target.mkdir()
+        done = subprocess.run(["mount", "-t", "ext4", "-o", MOUNT_OPTIONS, str(image), str(target)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            release(image)
+            raise OSError(f"mount {image} on {target}: {done.stderr.strip()}")
+        self._refill(size_mb)
+
+    def _take(self, size_mb: int) -> Path | None:
+        with self._lock:
+            return next(iter(sorted(self.dir.glob(f"{size_mb}mb-*.img"))), None)
+
+    def _refill(self, size_mb: int) -> None:
+        with self._lock:
+            if size_mb in self._filling:
+                return
+            self._filling.add(size_mb)
+        threading.Thread(target=self._fill, args=(size_mb,), daemon=True,
+                         name=f"dsec-disks-{size_mb}").start()
+
+    def _fill(self, size_mb: int) -> None:
+        try:
+            while len(list(self.dir.glob(f"{size_mb}mb-*.img"))) < SPARES_PER_SIZE:
+                name = f"{size_mb}mb-{secrets.token_hex(4)}"
+                tmp = self.dir / f"{name}.tmp"
+                _format(tmp, size_mb)
+                os.rename(tmp, self.dir / f"{name}.img")  # only whole spares are ever taken
+        except OSError:
+            log.exception("could not format a spare disk of %d MB", size_mb)
+        finally:
+            with self._lock:
+                self._filling.discard(size_mb)
+
+
+def _format(image: Path, size_mb: int) -> None:
+    with open(image, "wb") as f:
+        f.truncate(size_mb << 20)  # sparse: the host pays only for blocks written
+    done = subprocess.run([*MKFS, str(image)], capture_output=True, text=True)
+    if done.returncode != 0:
+        image.unlink(missing_ok=True)
+        raise OSError(f"mkfs.ext4 {image}: {done.stderr.strip()}")
+
+
+def loop_devices_of(image: Path) -> list[str]:
+    """Loop devices whose backing file is ``image`` (from sysfs, without a fork)."""
+    found = []
+    target = str(image)
+    for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
+        try:
+            name = backing.read_text().strip().removesuffix(" (deleted)")
+        except OSError:  # detached meanwhile
+            continue
+        if name == target:
+            found.append("/dev/" + backing.parent.parent.name)
+    return found
+
+
+def release(image: Path) -> None:
+    """Detach loop devices still backed by ``image`` (once its file system is unmounted), and
+    wait until they are gone: an autoclear may still be under way when the unmount returns."""
+    for _ in range(RELEASE_TRIES):
+        devices = loop_devices_of(image)
+        if not devices:
+            return
+        for dev in devices:
+            subprocess.run(["losetup", "-d", dev], capture_output=True)
+        time.sleep(0.01)
+    log.warning("loop devices of %s still attached: %s", image, loop_devices_of(image))

@@ -1,0 +1,353 @@
+"""Hostile workloads and hostile requests: each must leave the host, the other sandboxes and
+the next sandbox unaffected, and nothing of the sandbox behind once it is stopped.
+
+Attacks that run inside a sandbox use ``tests/hostile_probe.py`` (copied in) where a shell is
+not enough. See docs/SECURITY.md for the threat model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import shutil
+import tarfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+import dsec
+from conftest import Server
+from dsec.api.limits import MAX_BODY_BYTES
+from dsec.client.models import DEFAULT_MAX_OUTPUT
+from test_recovery import host_traces
+
+PROBE = Path(__file__).with_name("hostile_probe.py")
+
+
+def _edge_id(server: Server) -> str:
+    with server.http() as http:
+        return http.get("/v1/health").json()["edges"][0]["id"]
+
+
+async def assert_no_trace(server: Server, sandbox_id: str) -> None:
+    """Nothing of a stopped sandbox is left on the host (mounts, loops, cgroups, processes,
+    runtime state, dirs). Polls: a killed init is reaped by the host's init in its own time."""
+    edge_id = _edge_id(server)
+    deadline = time.monotonic() + 60
+    while True:
+        traces = host_traces(server, edge_id)
+        mine = {k: [t for t in v if sandbox_id in t] for k, v in traces.items() if k != "processes"}
+        procs = [p for p in traces["processes"] if _in_sandbox(p, sandbox_id)]
+        if not any(mine.values()) and not procs:
+            return
+        assert time.monotonic() < deadline, f"left on the host: {mine}, processes {procs}"
+        await asyncio.sleep(0.1)
+
+
+def _in_sandbox(pid: str, sandbox_id: str) -> bool:
+    try:
+        return f"/{sandbox_id}\n" in Path(f"/proc/{pid}/cgroup").read_text()
+    except OSError:
+        return False
+
+
+async def assert_host_fine(neighbour: dsec.AsyncSandbox) -> None:
+    """The host still forks and has disk; a sandbox next door still answers."""
+    assert os.system("true") == 0
+    assert (await neighbour.run("echo neighbour ok", timeout_s=60)).stdout == "neighbour ok\n"
+
+
+@pytest.fixture
+async def hostile(client: dsec.DSecClient, server: Server) -> AsyncIterator[list[dsec.AsyncSandbox]]:
+    """Sandboxes a test makes hostile; each is stopped and checked for leftovers after it."""
+    made: list[dsec.AsyncSandbox] = []
+    yield made
+    for sb in made:
+        try:
+            await sb.stop()
+        except dsec.DSecError:  # died on purpose
+            pass
+        await assert_no_trace(server, sb.id)
+
+
+async def create(client: dsec.DSecClient, made: list[dsec.AsyncSandbox], **options: object) -> dsec.AsyncSandbox:
+    sb = await client.create(ttl_s=300, **options)  # type: ignore[arg-type]
+    made.append(sb)
+    return sb
+
+
+async def with_probe(client: dsec.DSecClient, made: list[dsec.AsyncSandbox]) -> dsec.AsyncSandbox:
+    sb = await create(client, made, image="python-3.11", memory_mb=256)
+    await sb.write_file("/work/probe.py", PROBE.read_bytes())
+    return sb
+
+
+async def probe(sb: dsec.AsyncSandbox, *args: str) -> str:
+    r = await sb.run(["python3", "/work/probe.py", *args], timeout_s=120)
+    assert r.exit_code == 0, r.stderr
+    return r.stdout
+
+
+# --- resource bombs ---------------------------------------------------------------------
+
+async def test_fork_bomb(client, sandbox, hostile) -> None:
+    sb = await create(client, hostile, pids=64)
+    with pytest.raises(dsec.CommandTimeout):
+        await sb.run("bomb() { bomb | bomb & }; bomb; sleep 100", timeout_s=5)
+    await assert_host_fine(sandbox)
+    deadline = time.monotonic() + 60
+    while (r := await sb.run("echo recovered", timeout_s=30)).stdout != "recovered\n":
+        assert time.monotonic() < deadline, r  # the timeout killed the bomb's process group
+        await asyncio.sleep(0.2)
+
+
+async def test_memory_bomb_is_oom_killed_and_reported(client, sandbox, hostile) -> None:
+    sb = await create(client, hostile, memory_mb=64)
+    r = await sb.run("head -c 1000000000 /dev/zero | tail", timeout_s=60)
+    assert r.oom_killed and r.exit_code != 0
+    assert (await sb.run("echo alive")).stdout == "alive\n"
+    await assert_host_fine(sandbox)
+
+
+async def test_output_bomb_in_the_agents_memory_is_reported_died(client, sandbox, hostile) -> None:
+    """A background process's output is kept by the agent (up to max_output), in the
+    sandbox's memory: a big enough one gets the agent itself OOM-killed, and the sandbox is
+    reported died, with the cause."""
+    sb = await create(client, hostile, memory_mb=64)
+    await sb.start("yes", max_output_bytes=1 << 30)
+    deadline = time.monotonic() + 120
+    with pytest.raises(dsec.SandboxDied) as info:
+        while time.monotonic() < deadline:
+            await sb.run("true")
+            await asyncio.sleep(0.2)
+    assert "out of memory" in str(info.value)
+    assert (await sb.refresh()).state == "died"
+    await assert_host_fine(sandbox)
+
+
+async def test_unbounded_output_is_capped_and_flagged(client, sandbox, hostile) -> None:
+    sb = await create(client, hostile)
+    with pytest.raises(dsec.CommandTimeout) as info:
+        await sb.run("yes", timeout_s=3, max_output_bytes=1 << 20)
+    result = info.value.result  # type: ignore[attr-defined]
+    assert result.stdout_truncated and len(result.stdout_bytes) == 1 << 20
+    r = await sb.run("head -c 20000000 /dev/zero; head -c 100 /dev/zero >&2")  # default cap
+    assert r.stdout_truncated and len(r.stdout_bytes) == DEFAULT_MAX_OUTPUT
+    assert not r.stderr_truncated and len(r.stderr_bytes) == 100
+    chunks = [c async for c in sb.stream("head -c 5000000 /dev/zero", max_output_bytes=1000)]
+    assert sum(len(c.data) for c in chunks) == 1000
+    proc = await sb.start("head -c 5000000 /dev/zero", max_output_bytes=1000)
+    done = await proc.wait()
+    assert done.stdout_truncated and len(done.stdout_bytes) == 1000
+    with pytest.raises(dsec.InvalidRequest):
+        await sb.run("true", max_output_bytes=(1 << 30) + 1)
+    await assert_host_fine(sandbox)
+
+
+async def test_disk_fill_ends_with_enospc(client, sandbox, hostile, server) -> None:
+    host_free = shutil.disk_usage(server.state_dir).free
+    sb = await create(client, hostile, disk_mb=32)
+    r = await sb.run("yes > /work/f", timeout_s=120)
+    assert r.exit_code != 0 and "No space left on device" in r.stderr
+    size = int((await sb.run("stat -c %s /work/f")).stdout)
+    assert 16 << 20 < size <= 32 << 20
+    assert shutil.disk_usage(server.state_dir).free > host_free - (256 << 20)
+    await sb.remove("/work/f")
+    await sb.write_file("/work/after", b"room again")  # freed space is usable again
+    assert (await sandbox.run("head -c 64000000 /dev/zero > /work/big && echo ok")).stdout == "ok\n"
+    await sandbox.remove("/work/big")
+    await assert_host_fine(sandbox)
+
+
+# --- probing the host --------------------------------------------------------------------
+
+async def test_proc_and_sys_show_nothing_of_the_host(client, hostile) -> None:
+    sb = await with_probe(client, hostile)
+    report = await probe(sb, "proc")
+    facts = dict(line.split("=", 1) for line in report.splitlines())
+    assert int(facts["pids"]) < 10  # the agent, the probe and its children: no host processes
+    assert facts["host_cmdlines"] == ""  # no dsec server, pytest or systemd in sight
+    assert facts["pid1"] == "/.dsec/agent --listen /.dsec/run/agent.sock"
+    assert facts["kcore"] == "0" and facts["keys"] == "0"  # masked: empty
+    assert facts["sys_write"].startswith("denied") and facts["proc_sys_write"].startswith("denied")
+    assert facts["firmware"] == "" and facts["hostname"] == sb.id
+    assert facts["agent_environ"].startswith("denied") and facts["agent_mem"].startswith("denied")
+
+
+async def test_ptrace_and_signals_cannot_reach_the_host(client, hostile, server) -> None:
+    sb = await with_probe(client, hostile)
+    assert server.proc is not None
+    report = await probe(sb, "ptrace", str(server.proc.pid), str(os.getpid()))
+    facts = dict(line.split("=", 1) for line in report.splitlines())
+    assert facts["agent"] == "EPERM"  # pid 1, non-dumpable, no CAP_SYS_PTRACE
+    for pid in (server.proc.pid, os.getpid()):  # host pids do not exist in the sandbox
+        assert facts[f"attach_{pid}"] in ("ESRCH", "EPERM") and facts[f"kill_{pid}"] == "ESRCH"
+    assert server.proc.poll() is None
+
+
+async def test_mounts_and_namespaces_are_denied(client, hostile) -> None:
+    sb = await with_probe(client, hostile)
+    for command in ("mount -t tmpfs x /mnt", "mount --bind / /mnt", "unshare -m true",
+                    "unshare -U true", "umount /proc", "mount -o remount,rw /sys"):
+        r = await sb.run(command)
+        assert r.exit_code != 0, command
+    assert "/mnt" not in (await sb.run("cat /proc/mounts")).stdout
+    assert (await probe(sb, "mount")).strip() == "mount=EPERM"
+
+
+async def test_overwritten_image_tools_come_back_in_the_next_sandbox(client, hostile) -> None:
+    first = await create(client, hostile, image="python-3.11")
+    digest = (await first.run("sha256sum /usr/bin/python3.11 /bin/cat")).stdout
+    r = await first.run("rm -rf /bin/bash /usr/bin/ls && echo evil > /usr/bin/python3.11 && "
+                        "echo evil > /bin/cat; ls /; /bin/bash -c true")
+    assert r.exit_code != 0  # bash and ls are gone from this sandbox
+    await first.stop()
+    second = await create(client, hostile, image="python-3.11")
+    assert (await second.run("sha256sum /usr/bin/python3.11 /bin/cat")).stdout == digest
+    assert (await second.run(["/bin/bash", "-c", "ls / >/dev/null && echo fine"])).stdout == "fine\n"
+
+
+# --- the in-sandbox agent ------------------------------------------------------------------
+
+async def test_forged_agent_requests_from_inside_are_refused(client, hostile) -> None:
+    sb = await with_probe(client, hostile)
+    report = await probe(sb, "agent")
+    facts = dict(line.split("=", 1) for line in report.splitlines())
+    assert facts["claim"] == "X EPERM agent already claimed"
+    assert facts["exec_without_token"] == "X EACCES bad token"
+    assert facts["exec_with_guess"] == "X EACCES bad token"
+    assert facts["list_without_token"] == "X EACCES bad token"
+    assert facts["marker"] == "absent"  # nothing the forged execs asked for ran
+    assert (await sb.run("echo edge still in charge")).stdout == "edge still in charge\n"
+
+
+async def test_a_fake_agent_socket_gets_no_token(client, hostile, server) -> None:
+    sb = await with_probe(client, hostile)
+    run_dir = server.state_dir / "sandboxes" / sb.id / "run"
+    await sb.start(["python3", "/work/probe.py", "impostor"])
+    deadline = time.monotonic() + 60
+    while not (run_dir / "impostor-ready").exists():
+        assert time.monotonic() < deadline, "the impostor did not take the socket's place"
+        await asyncio.sleep(0.05)
+    with pytest.raises(dsec.SandboxError, match="served by pid"):
+        await sb.run("echo this must not reach the impostor")
+    (run_dir / "impostor-done").touch()
+    while not (run_dir / "impostor-restored").exists():
+        assert time.monotonic() < deadline, "the impostor did not give the socket back"
+        await asyncio.sleep(0.05)
+    assert (await sb.read_file("/work/impostor-got")) == b""  # not one byte, so no token
+
+
+# --- file APIs -----------------------------------------------------------------------------
+
+async def test_path_traversal_and_symlinks_stay_inside(client, hostile, tmp_path) -> None:
+    sb = await create(client, hostile)
+    marker = Path("/tmp") / f"dsec-host-marker-{sb.id}"
+    marker.write_text("host secret")
+    try:
+        for path in ("../../etc/shadow", "/work/../../etc/shadow", "a/../../b", "/.."):
+            with pytest.raises(dsec.InvalidRequest):
+                await sb.read_file(path)
+            with pytest.raises(dsec.InvalidRequest):
+                await sb.write_file(path, b"x")
+        await sb.run(f"ln -s / /work/root && ln -s {marker} /work/marker && "
+                     f"ln -s /tmp /work/tmp && ln -s ../../.. /work/up")
+        with pytest.raises(dsec.FileNotFound):  # resolved in the sandbox, where it is absent
+            await sb.read_file("/work/marker")
+        with pytest.raises(dsec.FileNotFound):
+            await sb.read_file(f"/work/tmp/{marker.name}")
+        names = {e.name for e in await sb.list_files("/work/root")}
+        assert ".dsec" in names and "work" in names  # the sandbox's root, not the host's
+        assert {e.name for e in await sb.list_files("/work/up")} == names
+        await sb.write_file("/work/marker", b"overwritten")  # replaces the link itself
+        await sb.write_file("/work/tmp/through-link", b"x")  # lands in the sandbox's /tmp
+        assert marker.read_text() == "host secret"
+        assert not (Path("/tmp") / "through-link").exists()
+        assert (await sb.read_file("/tmp/through-link")) == b"x"
+        await sb.remove("/work/root")  # removes the link, not what it points to
+        assert (await sb.run("test -d /etc && echo intact")).stdout == "intact\n"
+    finally:
+        marker.unlink()
+
+
+def _tar(members: list[tuple[str, str, bytes | str]]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for kind, name, body in members:
+            info = tarfile.TarInfo(name)
+            if kind == "file":
+                assert isinstance(body, bytes)
+                info.size = len(body)
+                tar.addfile(info, io.BytesIO(body))
+            else:
+                info.type, info.linkname = (tarfile.SYMTYPE if kind == "symlink" else tarfile.LNKTYPE), str(body)
+                tar.addfile(info)
+    return buf.getvalue()
+
+
+async def test_upload_tar_with_escaping_members_stays_inside(client, hostile, server) -> None:
+    sb = await create(client, hostile)
+    marker = Path("/tmp") / f"dsec-tar-marker-{sb.id}"
+    archive = _tar([
+        ("file", "../../escaped-dotdot", b"x"),
+        ("file", "/escaped-absolute", b"x"),
+        ("symlink", "etc-link", "/etc"),
+        ("file", "etc-link/passwd", b"owned"),
+        ("symlink", "host-link", str(marker.parent)),
+        ("file", f"host-link/{marker.name}", b"owned"),
+        ("hardlink", "shadow-link", "/etc/shadow"),
+        ("file", "ok.txt", b"fine"),
+    ])
+    await sb.mkdir("/work/up")
+    with server.http(authenticated=True) as http:  # the raw route: the SDK only uploads dirs
+        resp = http.put(f"/v1/sandboxes/{sb.id}/archive", params={"path": "/work/up"}, content=archive)
+    assert resp.status_code in (204, 400), resp.text
+    if resp.status_code == 400:
+        assert resp.json()["error"]["code"] == "invalid_request"
+    passwd = (await sb.read_file("/etc/passwd")).decode()
+    assert passwd.startswith("root:") and "owned" not in passwd
+    for escaped in ("/escaped-dotdot", "/escaped-absolute", "/work/escaped-dotdot"):
+        assert not await sb.exists(escaped)
+    assert not marker.exists()  # nothing on the host
+    entries = {e.name: e for e in await sb.list_files("/work/up")}
+    assert entries.get("etc-link") is None or entries["etc-link"].type == "symlink"
+    # a download of a tree with a link to / carries the link, not the whole file system
+    await sb.run("ln -sfn / /work/up/root-link")
+    with server.http(authenticated=True) as http:
+        tar_bytes = http.get(f"/v1/sandboxes/{sb.id}/archive", params={"path": "/work/up"}).content
+    with tarfile.open(fileobj=io.BytesIO(tar_bytes)) as tar:
+        names = tar.getnames()
+        assert tar.getmember("./root-link").issym() and len(names) < 20
+
+
+# --- the HTTP API ----------------------------------------------------------------------------
+
+async def test_oversized_and_malformed_requests_are_typed(server: Server, sandbox) -> None:
+    with server.http(authenticated=True) as http:
+        too_big = http.put(f"/v1/sandboxes/{sandbox.id}/files", params={"path": "/work/big"},
+                           content=b"\0" * (MAX_BODY_BYTES + 1))
+        assert too_big.status_code == 413
+        assert too_big.json()["error"]["code"] == "payload_too_large"
+
+        def chunks():  # no Content-Length: counted as it arrives
+            for _ in range(MAX_BODY_BYTES // (1 << 20) + 2):
+                yield b"\0" * (1 << 20)
+        chunked = http.put(f"/v1/sandboxes/{sandbox.id}/files", params={"path": "/work/big"},
+                           content=chunks())
+        assert chunked.status_code == 413 and chunked.json()["error"]["code"] == "payload_too_large"
+        assert not await sandbox.exists("/work/big")
+
+        for body in (b"{", b"[]", b"null", b'{"command": 5}', b"\xff\xfe", b'{"command": "x", "bogus": 1}'):
+            r = http.post(f"/v1/sandboxes/{sandbox.id}/exec", content=body,
+                          headers={"content-type": "application/json"})
+            assert r.status_code in (400, 422) and r.json()["error"]["code"] == "invalid_request", body
+        for method, path in (("GET", "/v1/nope"), ("PATCH", "/v1/sandboxes"), ("GET", "/v1/sandboxes/x/y/z")):
+            r = http.request(method, path)
+            assert r.status_code in (404, 405) and r.json()["error"]["code"] in (
+                "route_not_found", "method_not_allowed"), (method, path, r.text)
+        r = http.get("/v1/sandboxes", headers={"authorization": "Bearer nope"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"
+    assert (await sandbox.run("echo fine")).stdout == "fine\n"
