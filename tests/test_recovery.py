@@ -138,4 +138,4 @@ async def test_failed_create_leaks_nothing(fresh_server: Server, oci_images: dic
             await client.create(image=oci_images["bad"], ttl_s=60)
         assert await client.list() == []
     assert host_traces(fresh_server, edge_id) == {k: [] for k in
-                                                  ("mounts", "cgroups", "processes", "containers", "dirs")}
+                                                  ("mounts", "cgroups", "processes", "containers", "dirs", "loops")}

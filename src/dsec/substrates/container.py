@@ -47,7 +47,7 @@ class ContainerSubstrate(Substrate):
         self.runtime_root = state_dir / "runtime"
         self.cgroup_parent = f"/dsec-{edge_id}"
         self.mounter = mounter or LayerMounter()
-        self.disks = DiskPool(state_dir / "disks")
+        self.disks = DiskPool(state_dir / "disks", (CreateRequest.model_fields["disk_mb"].default,))
         self._agent_binary: Path | None = None
         self._pidfds: dict[str, int] = {}
         # Bundle set-up and teardown wait on kernel locks (mounts, cgroups) under load: in

@@ -4,7 +4,8 @@ loop-mounted sparse file of ``disk_mb``.
 The kernels dsec runs on may lack quota support (no project quotas on an overlay's upper
 directory), so a file system per sandbox is the limit that always works: a sandbox that fills
 its disk gets ENOSPC and the host's disk is untouched. Formatting is kept off the create path
-by a few spare, pre-formatted files per size, refilled in a background thread. The loop
+by a few spare, pre-formatted files of the pooled sizes (the default one), refilled in a
+background thread; other sizes are formatted on demand. The loop
 device is set up with autoclear, so unmounting the file system releases it; ``release`` also
 detaches any loop device still backed by the file (a crash between set-up and mount).
 """
@@ -30,10 +31,11 @@ RELEASE_TRIES = 500
 
 
 class DiskPool:
-    """Formatted disk files of each size asked for, ready to be taken by a create."""
+    """Formatted disk files of the pooled sizes, ready to be taken by a create."""
 
-    def __init__(self, spare_dir: Path) -> None:
+    def __init__(self, spare_dir: Path, sizes: tuple[int, ...]) -> None:
         self.dir = spare_dir
+        self.sizes = sizes
         self._lock = threading.Lock()
         self._filling: set[int] = set()
 
@@ -64,7 +66,7 @@ class DiskPool:
 
     def _refill(self, size_mb: int) -> None:
         with self._lock:
-            if size_mb in self._filling:
+            if size_mb not in self.sizes or size_mb in self._filling:
                 return
             self._filling.add(size_mb)
         threading.Thread(target=self._fill, args=(size_mb,), daemon=True,
