@@ -14,8 +14,8 @@ from fastapi import APIRouter, Path, Query
 from fastapi.responses import StreamingResponse
 
 from ..client.errors import InvalidRequest
-from ..client.models import (TRAJECTORY_ID, ReplayReport, ReplayRequest, StepPage, StepRecord,
-                             TrajectoryInfo)
+from ..client.models import (STEP_MAX, TRAJECTORY_ID, ReplayReport, ReplayRequest, StepPage,
+                             StepRecord, TrajectoryInfo)
 from ..store.sqlite import StateStore
 from ..trajectory.export import export_lines
 from ..trajectory.log import StepRow
@@ -35,8 +35,8 @@ def trajectory_routes(router: Router, store: StateStore) -> APIRouter:
         return [recorder.info(row.id) for row in recorder.log.list(limit)]
 
     @api.get("/{trajectory:path}/-/steps")
-    async def steps(trajectory: str = TrajectoryId, generation: int | None = None,
-                    after: int = Query(0, ge=0),
+    async def steps(trajectory: str = TrajectoryId, generation: int | None = Query(None, ge=0, le=STEP_MAX),
+                    after: int = Query(0, ge=0, le=STEP_MAX),
                     limit: int = Query(1000, ge=1, le=MAX_PAGE)) -> StepPage:
         """Logged steps after ``after``, in order, with their outcomes (bytes above 4 KiB as
         blob references). The SDK prefetches these to fast-forward without a round trip."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import base64
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Substrate = Literal["container", "fn", "microvm", "vm"]
 Runtime = Literal["crun", "runc", "runsc"]
@@ -19,6 +19,7 @@ DEFAULT_MAX_OUTPUT = 16 << 20
 # A trajectory id: path-like segments ("run-7/ep-123"), each starting with a letter, digit or
 # underscore, so no segment is "-", "." or "..": "/-/" separates an id from a sub-resource.
 TRAJECTORY_ID = r"^[A-Za-z0-9_][A-Za-z0-9_.@+=-]*(/[A-Za-z0-9_][A-Za-z0-9_.@+=-]*)*$"
+STEP_MAX = (1 << 63) - 1  # steps and generations are SQLite integers
 
 
 class _Model(BaseModel):
@@ -70,6 +71,16 @@ class ExecRequest(_Model):
     timeout_s: float | None = Field(60.0, gt=0, description="None waits forever")
     max_output_bytes: int = Field(DEFAULT_MAX_OUTPUT, ge=0, le=1 << 30, description="cap per stream")
     session: str | None = Field(None, description="named shell session whose cwd and env persist")
+
+    @field_validator("stdin_b64")
+    @classmethod
+    def _base64(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                base64.b64decode(value, validate=True)
+            except ValueError:
+                raise ValueError("stdin_b64 must be standard base64") from None
+        return value
 
 
 class ExecResult(_Model):
@@ -185,8 +196,9 @@ class StepPage(_Model):
 
 class ReplayRequest(_Model):
     into: Literal["new"] = Field("new", description="a fresh sandbox of the trajectory's image")
-    generation: int | None = Field(None, description="generation to replay; default: current")
-    upto: int | None = Field(None, ge=0, description="last step to replay; default: all")
+    generation: int | None = Field(None, ge=0, le=STEP_MAX,
+                                   description="generation to replay; default: current")
+    upto: int | None = Field(None, ge=0, le=STEP_MAX, description="last step to replay; default: all")
     attach: bool = Field(False, description="make the new sandbox the trajectory's (a new "
                                             "generation): continue the trajectory there")
 
