@@ -22,6 +22,8 @@ import dsec
 from conftest import Server
 from dsec.api.limits import MAX_BODY_BYTES
 from dsec.client.models import DEFAULT_MAX_OUTPUT
+from dsec.images.mount import unmount
+from dsec.substrates.disk import DiskPool, loop_devices_of, release
 from test_recovery import host_traces
 
 PROBE = Path(__file__).with_name("hostile_probe.py")
@@ -160,6 +162,36 @@ async def test_disk_fill_ends_with_enospc(client, sandbox, hostile, server) -> N
     assert (await sandbox.run("head -c 64000000 /dev/zero > /work/big && echo ok")).stdout == "ok\n"
     await sandbox.remove("/work/big")
     await assert_host_fine(sandbox)
+
+
+def test_disk_pool_hands_out_preformatted_spares(tmp_path: Path) -> None:
+    pool = DiskPool(tmp_path / "spares", (16,))
+    pool.prepare()
+    (tmp_path / "spares" / "16mb-halfmade.tmp").write_bytes(b"crashed mid-mkfs")
+    pool.prepare()
+    assert not list((tmp_path / "spares").iterdir())
+    mounted = []
+    try:
+        pool.attach(tmp_path / "a.img", tmp_path / "a", 16)  # no spare yet: formatted now
+        mounted.append(tmp_path / "a")
+        deadline = time.monotonic() + 60
+        while len(spares := sorted((tmp_path / "spares").glob("16mb-*.img"))) < 2:
+            assert time.monotonic() < deadline, "the pool was not refilled"
+            time.sleep(0.05)
+        inode = spares[0].stat().st_ino
+        pool.attach(tmp_path / "b.img", tmp_path / "b", 16)
+        mounted.append(tmp_path / "b")
+        assert (tmp_path / "b.img").stat().st_ino == inode  # a spare, not a fresh mkfs
+        fs = os.statvfs(tmp_path / "b")
+        assert 12 << 20 < fs.f_blocks * fs.f_frsize <= 16 << 20
+        pool.attach(tmp_path / "c.img", tmp_path / "c", 20)  # not pooled: no spares kept
+        mounted.append(tmp_path / "c")
+        assert not list((tmp_path / "spares").glob("20mb-*"))
+    finally:
+        for target in mounted:
+            unmount(target)
+            release(target.with_suffix(".img"))
+            assert not loop_devices_of(target.with_suffix(".img"))
 
 
 # --- probing the host --------------------------------------------------------------------
@@ -326,11 +358,10 @@ async def test_upload_tar_with_escaping_members_stays_inside(client, hostile, se
 # --- the HTTP API ----------------------------------------------------------------------------
 
 async def test_oversized_and_malformed_requests_are_typed(server: Server, sandbox) -> None:
+    with pytest.raises(dsec.PayloadTooLarge) as refused:
+        await sandbox.write_file("/work/big", b"\0" * (MAX_BODY_BYTES + 1))
+    assert refused.value.details["limit"] == MAX_BODY_BYTES
     with server.http(authenticated=True) as http:
-        too_big = http.put(f"/v1/sandboxes/{sandbox.id}/files", params={"path": "/work/big"},
-                           content=b"\0" * (MAX_BODY_BYTES + 1))
-        assert too_big.status_code == 413
-        assert too_big.json()["error"]["code"] == "payload_too_large"
 
         def chunks():  # no Content-Length: counted as it arrives
             for _ in range(MAX_BODY_BYTES // (1 << 20) + 2):

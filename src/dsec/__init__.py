@@ -11,7 +11,7 @@ from .client.aio import Replay as AsyncReplay
 from .client.aio import Sandbox as AsyncSandbox
 from .client.errors import (CapacityExhausted, CommandTimeout, DSecError, FileNotFound,
                             ImageBuildError, ImageNotFound, InvalidRequest, NotSupported,
-                            ProcessNotFound, SandboxDied, SandboxError, SandboxNotFound,
+                            PayloadTooLarge, ProcessNotFound, SandboxDied, SandboxError, SandboxNotFound,
                             ServerUnavailable, StepInterrupted, TrajectoryDiverged,
                             TrajectoryExists, TrajectoryNotFound, Unauthorized)
 from .client.models import (FileEntry, ProcessInfo, SandboxInfo, StepDiff, StepRecord,
@@ -22,7 +22,8 @@ __all__ = [
     "DSecClient", "AsyncSandbox", "AsyncProcess", "AsyncOutputStream", "OutputChunk",
     "CommandResult", "Client", "Sandbox", "Process", "OutputStream", "FileEntry", "ProcessInfo",
     "SandboxInfo", "DSecError", "CapacityExhausted", "CommandTimeout", "FileNotFound",
-    "ImageBuildError", "ImageNotFound", "InvalidRequest", "NotSupported", "ProcessNotFound",
+    "ImageBuildError", "ImageNotFound", "InvalidRequest", "NotSupported", "PayloadTooLarge",
+    "ProcessNotFound",
     "SandboxDied", "SandboxError", "SandboxNotFound", "ServerUnavailable", "Unauthorized",
     "TrajectoryDiverged", "StepInterrupted", "TrajectoryExists", "TrajectoryNotFound",
     "TrajectoryInfo", "StepRecord", "StepDiff", "Replay", "AsyncReplay",
