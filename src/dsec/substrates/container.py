@@ -138,7 +138,8 @@ class ContainerSubstrate(Substrate):
     def agent(self, sandbox_id: str, runtime: dict[str, Any]) -> AgentClient:
         # gVisor's sentry, not the agent, holds the host end of the socket: no pid to check.
         peer = None if runtime["runtime"] == "runsc" else runtime["pid"]
-        return AgentClient(self._dir(sandbox_id) / "run" / "agent.sock", runtime["token"], peer)
+        # No token: a sandbox started before agents were claimed (its agent takes none).
+        return AgentClient(self._dir(sandbox_id) / "run" / "agent.sock", runtime.get("token"), peer)
 
     def _pidfd(self, sandbox_id: str, runtime: dict[str, Any]) -> int | None:
         """A pidfd on the sandbox's init, or None if it is gone. After an edge restart the
