@@ -22,6 +22,7 @@ from dsec.images.store import ImageStore
 
 TEST_ROOT = Path("/run/dsec-test")
 LOG_DIR = Path("/tmp/dsec-test-logs")  # server logs outlive the state dirs, for post-mortems
+HTTP_TIMEOUT_S = 120  # a loaded host (shared CPUs) can keep a server busy well beyond httpx's 5 s
 
 
 @pytest.fixture(scope="session")
@@ -50,8 +51,8 @@ class Server:
         headers = {"authorization": f"Bearer {self.key}"} if authenticated else {}
         if self.url.startswith("unix://"):
             return httpx.Client(transport=httpx.HTTPTransport(uds=str(self.state_dir / "api.sock")),
-                                base_url="http://dsec", headers=headers)
-        return httpx.Client(base_url=self.url, headers=headers)
+                                base_url="http://dsec", headers=headers, timeout=HTTP_TIMEOUT_S)
+        return httpx.Client(base_url=self.url, headers=headers, timeout=HTTP_TIMEOUT_S)
 
     @property
     def key(self) -> str:

@@ -12,9 +12,13 @@ detaches any loop device still backed by the file (a crash between set-up and mo
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import fcntl
 import logging
 import os
 import secrets
+import struct
 import subprocess
 import threading
 import time
@@ -26,8 +30,14 @@ SPARES_PER_SIZE = 2
 # No journal (a sandbox's layer does not outlive a host crash), no reserved blocks (disk_mb is
 # what the sandbox gets), no discard pass over the sparse file.
 MKFS = ["mkfs.ext4", "-q", "-F", "-m", "0", "-O", "^has_journal", "-E", "nodiscard"]
-MOUNT_OPTIONS = "loop,nosuid,nodev"
-RELEASE_TRIES = 500
+RELEASE_TRIES = 2000
+# linux/loop.h and linux/mount.h
+LOOP_CTL_GET_FREE, LOOP_CONFIGURE, LO_FLAGS_AUTOCLEAR = 0x4C82, 0x4C0A, 4
+_LOOP_INFO64_SIZE, _LO_FLAGS_OFFSET, _LO_FILE_NAME_OFFSET = 232, 52, 56
+MS_NOSUID, MS_NODEV = 2, 4
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
+                        ctypes.c_char_p]
 
 
 class DiskPool:
@@ -53,11 +63,7 @@ class DiskPool:
         else:
             _format(image, size_mb)
         target.mkdir()
-        done = subprocess.run(["mount", "-t", "ext4", "-o", MOUNT_OPTIONS, str(image), str(target)],
-                              capture_output=True, text=True)
-        if done.returncode != 0:
-            release(image)
-            raise OSError(f"mount {image} on {target}: {done.stderr.strip()}")
+        _loop_mount(image, target)
         self._refill(size_mb)
 
     def _take(self, size_mb: int) -> Path | None:
@@ -95,6 +101,48 @@ def _format(image: Path, size_mb: int) -> None:
         raise OSError(f"mkfs.ext4 {image}: {done.stderr.strip()}")
 
 
+def _loop_mount(image: Path, target: Path) -> None:
+    """Attach ``image`` to a free loop device with autoclear and mount it at ``target``, with
+    ioctls and mount(2) rather than mount(8): a fork and exec less on the create path. The
+    loop device is held open until the mount holds it, or autoclear would detach it at once."""
+    backing = os.open(image, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        loop, dev = _free_loop(backing, image)
+    finally:
+        os.close(backing)
+    try:
+        if _libc.mount(dev.encode(), os.fsencode(target), b"ext4", MS_NOSUID | MS_NODEV, None) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mount {image} ({dev}) on {target}: {os.strerror(err)}")
+    finally:
+        os.close(loop)  # without a mount, the last close detaches the device (autoclear)
+
+
+def _free_loop(backing: int, image: Path) -> tuple[int, str]:
+    """An open, configured loop device over ``backing``; retries when another process
+    configures the free device first."""
+    info = bytearray(_LOOP_INFO64_SIZE)
+    struct.pack_into("=I", info, _LO_FLAGS_OFFSET, LO_FLAGS_AUTOCLEAR)
+    name = os.fsencode(image)[:63]
+    info[_LO_FILE_NAME_OFFSET:_LO_FILE_NAME_OFFSET + len(name)] = name
+    config = struct.pack("=II", backing, 0) + bytes(info) + bytes(64)
+    control = os.open("/dev/loop-control", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        for _ in range(100):
+            dev = f"/dev/loop{fcntl.ioctl(control, LOOP_CTL_GET_FREE)}"
+            loop = os.open(dev, os.O_RDWR | os.O_CLOEXEC)
+            try:
+                fcntl.ioctl(loop, LOOP_CONFIGURE, config)
+                return loop, dev
+            except OSError as exc:
+                os.close(loop)
+                if exc.errno != errno.EBUSY:
+                    raise
+        raise OSError(errno.EBUSY, f"no free loop device for {image}")
+    finally:
+        os.close(control)
+
+
 def loop_devices_of(image: Path) -> list[str]:
     """Loop devices whose backing file is ``image`` (from sysfs, without a fork)."""
     found = []
@@ -118,5 +166,5 @@ def release(image: Path) -> None:
             return
         for dev in devices:
             subprocess.run(["losetup", "-d", dev], capture_output=True)
-        time.sleep(0.01)
+        time.sleep(0.002)
     log.warning("loop devices of %s still attached: %s", image, loop_devices_of(image))
