@@ -36,8 +36,8 @@ def host_traces(server: Server, edge_id: str) -> dict[str, list[str]]:
             pass
     containers = [p.name for p in (server.state_dir / "runtime").glob("*/*")]
     dirs = [p.name for p in (server.state_dir / "sandboxes").glob("*")]
-    loops = [str(b) for b in Path("/sys/block").glob("loop*/loop/backing_file")
-             if _read(b).startswith(root + "/")]
+    loops = [name for b in Path("/sys/block").glob("loop*/loop/backing_file")
+             if (name := _read(b).strip()).startswith(root + "/")]  # disk files of sandboxes
     return {"mounts": mounts, "cgroups": cgroups, "processes": procs,
             "containers": containers, "dirs": dirs, "loops": loops}
 
