@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
 import time
@@ -25,10 +26,11 @@ import dsec
 from conftest import Server, make_tcp_server, stop_server
 from test_recovery import host_traces
 
-SEED = 20260
+SEED = int(os.environ.get("DSEC_FUZZ_SEED", "20260"))  # fixed; the variable explores others
 EXAMPLES_PER_OPERATION = 20
 RUN_TIMEOUT_S = 600  # a hung call fails the test instead of hanging the suite
 ST = Path(sys.executable).with_name("st")
+OPERATIONS = 20  # at least: the routes of main when this test was written
 CONFIG = Path(__file__).with_name("fuzz.toml")  # no cache, nothing learnt from responses
 
 
@@ -57,7 +59,9 @@ async def test_openapi_fuzz(fuzz_server: Server, tmp_path: Path) -> None:
              "--request-timeout", "120", "--no-color"],
             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
         assert run.returncode == 0, run.stdout[-20000:] + run.stderr[-5000:]
-        assert "passed" in run.stdout
+        generated = re.search(r"(\d+) generated, (\d+) passed", run.stdout)
+        assert generated and generated[1] == generated[2], run.stdout[-5000:]
+        assert int(generated[1]) >= EXAMPLES_PER_OPERATION * OPERATIONS, run.stdout[-5000:]
 
         # The server and the sandbox under fire are fine, and nothing of anything the fuzzer
         # created is left once it is all stopped.
