@@ -36,7 +36,10 @@ class Substrate(ABC):
 
     @abstractmethod
     async def start(self, plan: StartPlan) -> dict[str, Any]:
-        """Start the sandbox and return once its agent answers. On failure, leave nothing."""
+        """Start the sandbox and return once its agent answers and is claimed: the agent obeys
+        only the first client to claim it (``AgentClient.claim``), so claim it before any user
+        command can run, and keep the token in the returned runtime dict. On failure, leave
+        nothing."""
 
     @abstractmethod
     async def claim(self, sandbox_id: str, runtime: dict[str, Any], request: CreateRequest) -> None:
