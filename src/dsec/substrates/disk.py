@@ -5,9 +5,9 @@ The kernels dsec runs on may lack quota support (no project quotas on an overlay
 directory), so a file system per sandbox is the limit that always works: a sandbox that fills
 its disk gets ENOSPC and the host's disk is untouched. Formatting is kept off the create path
 by a few spare, pre-formatted files of the pooled sizes (the default one), refilled in a
-background thread; other sizes are formatted on demand. The loop
-device is set up with autoclear, so unmounting the file system releases it; ``release`` also
-detaches any loop device still backed by the file (a crash between set-up and mount).
+background thread; other sizes are formatted on demand. The loop device is set up with
+autoclear, so unmounting the file system releases it; ``release`` also detaches any loop
+device still backed by the file (a crash between set-up and mount).
 """
 
 from __future__ import annotations
@@ -57,18 +57,19 @@ class DiskPool:
 
     def attach(self, image: Path, target: Path, size_mb: int) -> None:
         """A fresh ``size_mb`` file system at ``image``, mounted at ``target`` (blocking)."""
-        spare = self._take(size_mb)
-        if spare is not None:
-            os.rename(spare, image)
-        else:
+        if not self._take(size_mb, image):
             _format(image, size_mb)
         target.mkdir()
         _loop_mount(image, target)
         self._refill(size_mb)
 
-    def _take(self, size_mb: int) -> Path | None:
+    def _take(self, size_mb: int, image: Path) -> bool:
+        """Move a spare of ``size_mb`` to ``image``; under the lock, as creates run in threads."""
         with self._lock:
-            return next(iter(sorted(self.dir.glob(f"{size_mb}mb-*.img"))), None)
+            for spare in self.dir.glob(f"{size_mb}mb-*.img"):
+                os.rename(spare, image)
+                return True
+        return False
 
     def _refill(self, size_mb: int) -> None:
         with self._lock:
