@@ -232,6 +232,7 @@ async def test_mounts_and_namespaces_are_denied(client, hostile) -> None:
 
 async def test_overwritten_image_tools_come_back_in_the_next_sandbox(client, hostile) -> None:
     first = await create(client, hostile, image="python-3.11")
+    running = await create(client, hostile, image="python-3.11")  # alive during the attack
     digest = (await first.run("sha256sum /usr/bin/python3.11 /bin/cat")).stdout
     r = await first.run("rm -rf /bin/bash /usr/bin/ls && echo evil > /usr/bin/python3.11 && "
                         "echo evil > /bin/cat; ls /; /bin/bash -c true")
@@ -240,6 +241,7 @@ async def test_overwritten_image_tools_come_back_in_the_next_sandbox(client, hos
     second = await create(client, hostile, image="python-3.11")
     assert (await second.run("sha256sum /usr/bin/python3.11 /bin/cat")).stdout == digest
     assert (await second.run(["/bin/bash", "-c", "ls / >/dev/null && echo fine"])).stdout == "fine\n"
+    assert (await running.run("sha256sum /usr/bin/python3.11 /bin/cat")).stdout == digest
 
 
 # --- the in-sandbox agent ------------------------------------------------------------------
