@@ -1,0 +1,170 @@
+"""Chaos: a burst of 200 mixed calls from concurrent SDK clients, and a fault injected in the
+middle of it (SIGKILL of the server — API and edge are one process —, with or without a
+restart while the burst goes on; SIGKILL of some sandboxes' in-sandbox agent). Every call ends
+with a result or a typed error within a bound, the restarted server adopts the survivors and
+reports the killed as died, a trajectory's log stays consistent and fast-forwards, and once
+everything is stopped the host holds nothing of the server's sandboxes.
+
+Tallies go to /tmp/dsec-test-logs/chaos-<fault>.json (see docs/RELIABILITY.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import secrets
+import signal
+import time
+from typing import Iterator
+
+import pytest
+
+import dsec
+from chaos import (Burst, Tally, TrajectoryWorker, edge_id, host_traces, kill_agent,
+                   step_command, when)
+from conftest import Server, make_server, stop_server
+
+CLIENTS = 4
+FAULT_AT = 60  # operations issued before the fault: well into the burst
+
+
+@pytest.fixture
+def chaos_server(images) -> Iterator[Server]:  # type: ignore[no-untyped-def]
+    srv = make_server("--capacity", "16", "--warm-pool", "1").start()
+    yield srv
+    stop_server(srv)
+
+
+def _clients(server: Server) -> list[dsec.DSecClient]:
+    return [server.client() for _ in range(CLIENTS)]
+
+
+async def _close(clients: list[dsec.DSecClient]) -> None:
+    await asyncio.gather(*(c.aclose() for c in clients))
+
+
+@pytest.mark.parametrize("fault", ["server_kill", "server_kill_restart"])
+async def test_server_killed_mid_burst(chaos_server: Server, fault: str) -> None:
+    srv, started = chaos_server, time.monotonic()
+    edge = edge_id(srv)
+    tally = Tally(fault)
+    clients = _clients(srv)
+    burst = Burst(clients, tally)
+    worker = TrajectoryWorker(srv.client(retry_s=10), f"chaos-{secrets.token_hex(4)}", tally)
+    killed: set[str] = set()
+
+    async def inject() -> None:
+        await when(lambda: burst.issued >= FAULT_AT and len(worker.results) >= 3)
+        srv.kill()  # SIGKILL: API server and edge at once, calls in flight
+        tally.faults_injected += 1
+        victim = next((sb.id for sb in burst.sandboxes), None)
+        if victim is not None:  # an agent dies while no server watches it
+            await kill_agent(srv, victim)
+            killed.add(victim)
+            tally.faults_injected += 1
+        if fault == "server_kill_restart":
+            await asyncio.to_thread(srv.start)  # on the same state dir, while the burst goes on
+
+    await asyncio.gather(burst.run(), worker.run(lambda: burst.issued >= burst.operations),
+                         inject())
+    await _close(clients)
+    await worker.client.aclose()
+    if srv.proc is None or srv.proc.poll() is not None:
+        srv.start()
+
+    async with srv.client() as client:
+        await _check_adoption(client, burst, killed | set(burst.dead))
+        tally.trajectory = await _check_trajectory(client, worker)
+    await _finish(srv, edge, burst, tally, started)
+    assert tally.errors["ServerUnavailable"] > 0, "the kill hit no call"
+
+
+async def test_agents_killed_mid_burst(chaos_server: Server) -> None:
+    srv, started = chaos_server, time.monotonic()
+    edge = edge_id(srv)
+    tally = Tally("agent_kill")
+    clients = _clients(srv)
+    burst = Burst(clients, tally)
+
+    async def inject() -> None:
+        await when(lambda: burst.issued >= FAULT_AT and len(burst.sandboxes) >= 3)
+        for sb in burst.sandboxes[:2]:  # they stay in the burst: calls on them go on
+            await kill_agent(srv, sb.id)
+            burst.dead[sb.id] = time.monotonic()
+            tally.faults_injected += 1
+
+    await asyncio.gather(burst.run(), inject())
+    await _close(clients)
+    async with srv.client() as client:
+        for sandbox_id in burst.dead:  # never an empty success
+            with pytest.raises(dsec.SandboxDied):
+                await (await client.get(sandbox_id)).run("echo hi")
+    srv.kill()  # and a restart still tells the dead from the living
+    srv.start()
+    async with srv.client() as client:
+        await _check_adoption(client, burst, set(burst.dead))
+    await _finish(srv, edge, burst, tally, started)
+    assert tally.errors["SandboxDied"] > 0, "no call met a killed agent"
+    assert tally.errors["SandboxError"] == 0, tally.examples  # a dead agent is a death
+
+
+async def _check_adoption(client: dsec.DSecClient, burst: Burst, killed: set[str]) -> None:
+    """Every sandbox the server lists answers; the burst's survivors are among them; the
+    killed ones are reported died, and a call on one raises SandboxDied."""
+    listed = {info.id for info in await client.list()}
+    assert not listed & killed
+    assert {sb.id for sb in burst.sandboxes} - killed <= listed
+    for sandbox_id in listed:
+        assert (await (await client.get(sandbox_id)).run("echo ok")).stdout == "ok\n"
+    for sandbox_id in killed:
+        sb = await client.get(sandbox_id)
+        assert sb.info.state == "died", sb.info
+        with pytest.raises(dsec.SandboxDied):
+            await sb.run("echo hi")
+
+
+async def _check_trajectory(client: dsec.DSecClient, worker: TrajectoryWorker) -> dict[str, object]:
+    """The log after the crash: steps 1..n contiguous, each finished with its outcome except
+    possibly the last (interrupted: its server died while it ran); each step ran at most once;
+    a resumed handle re-issuing the finished steps gets the logged results without running."""
+    steps = await client.trajectory_steps(worker.trajectory)
+    assert [s.step for s in steps] == list(range(1, len(steps) + 1))
+    finished = [s for s in steps if s.status == "ok"]
+    assert len(finished) >= len(steps) - 1 and [s.step for s in finished] == \
+        list(range(1, len(finished) + 1))
+    interrupted = steps[-1].step if steps and steps[-1].status == "interrupted" else None
+    assert all(s.outcome is not None for s in finished)
+    assert interrupted is None or steps[-1].outcome is None
+    logged = {s.step: base64.b64decode(s.outcome["bytes"]["stdout"]["b64"]).decode()  # type: ignore[index]
+              for s in finished}
+    for step, stdout in worker.results.items():  # what the worker saw is what was logged
+        assert logged[step] == stdout
+
+    resumed = await client.resume(worker.trajectory)
+    for step in range(1, len(finished) + 1):
+        assert (await resumed.run(step_command(step), timeout_s=30)).stdout == logged[step]
+    assert resumed.fast_forwarded == len(finished)
+    if interrupted is not None:
+        with pytest.raises(dsec.StepInterrupted):
+            await resumed.run(step_command(interrupted), timeout_s=30)
+    appends = (await resumed.read_file("/work/appends")).decode().split()
+    ran = [f"step-{i}" for i in range(1, len(finished) + 1)]
+    # at most once: the interrupted step ran once or not at all, the others exactly once
+    assert appends in (ran, ran + [f"step-{interrupted}"])
+    return {"steps": len(steps), "finished": len(finished), "interrupted": interrupted,
+            "fast_forwarded": resumed.fast_forwarded, "worker_error": worker.error,
+            "worker_failed_step": worker.failed_step}
+
+
+async def _finish(srv: Server, edge: str, burst: Burst, tally: Tally, started: float) -> None:
+    """Stop every sandbox and the server, then count what the host still holds."""
+    async with srv.client() as client:
+        for info in await client.list():
+            await (await client.get(info.id)).stop()
+    srv.kill(signal.SIGTERM)
+    tally.leaks = host_traces(srv, edge, burst.created)
+    tally.seconds = round(time.monotonic() - started, 1)
+    path = tally.write()
+    assert tally.hung == 0 and not tally.untyped and not tally.wrong, path.read_text()
+    assert not tally.success_after_death, path.read_text()
+    assert tally.leaks == {k: [] for k in tally.leaks}, path.read_text()
+    assert tally.operations >= burst.operations and tally.faults_injected > 0
