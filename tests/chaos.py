@@ -42,14 +42,19 @@ class Tally:
     untyped: list[str] = field(default_factory=list)
     wrong: list[str] = field(default_factory=list)  # a result that is not what the call asked
     faults_injected: int = 0
+    fault_log: list[str] = field(default_factory=list)
     success_after_death: list[str] = field(default_factory=list)  # must stay empty
     leaks: dict[str, list[str]] = field(default_factory=dict)
     trajectory: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
 
-    def typed(self, exc: dsec.DSecError) -> None:
+    def typed(self, exc: dsec.DSecError, what: str) -> None:
         self.errors[type(exc).__name__] += 1
-        self.examples.setdefault(type(exc).__name__, f"{exc}"[:300])
+        self.examples.setdefault(type(exc).__name__, f"{what}: {exc}"[:300])
+
+    def injected(self, what: str) -> None:
+        self.faults_injected += 1
+        self.fault_log.append(what)
 
     def write(self) -> Path:
         TALLY_DIR.mkdir(exist_ok=True)
@@ -112,7 +117,9 @@ class Burst:
         except asyncio.TimeoutError:
             self.tally.hung += 1
         except dsec.DSecError as exc:
-            self.tally.typed(exc)
+            self.tally.typed(exc, f"{name} (operation {self.tally.operations})")
+            if isinstance(exc, dsec.SandboxDied) and target not in self.dead:
+                self.tally.wrong.append(f"{name}: {target} reported died, nobody killed it: {exc}")
             if isinstance(exc, dsec.ServerUnavailable):
                 await asyncio.sleep(BACKOFF_S)
         except Exception as exc:  # untyped: a bug the test reports
@@ -178,7 +185,7 @@ class TrajectoryWorker:
                 self.tally.hung += 1
                 return
             except dsec.DSecError as exc:
-                self.tally.typed(exc)
+                self.tally.typed(exc, f"trajectory step {step}")
                 self.failed_step, self.error = step, type(exc).__name__
                 return
             except Exception as exc:  # untyped: a bug the test reports

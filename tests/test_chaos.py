@@ -50,19 +50,19 @@ async def test_server_killed_mid_burst(chaos_server: Server, fault: str) -> None
     clients = _clients(srv)
     burst = Burst(clients, tally)
     worker = TrajectoryWorker(srv.client(retry_s=10), f"chaos-{secrets.token_hex(4)}", tally)
-    killed: set[str] = set()
 
     async def inject() -> None:
         await when(lambda: burst.issued >= FAULT_AT and len(worker.results) >= 3)
         srv.kill()  # SIGKILL: API server and edge at once, calls in flight
-        tally.faults_injected += 1
+        tally.injected(f"server SIGKILL after {burst.issued} operations")
         victim = next((sb.id for sb in burst.sandboxes), None)
         if victim is not None:  # an agent dies while no server watches it
             await kill_agent(srv, victim)
-            killed.add(victim)
-            tally.faults_injected += 1
+            burst.dead[victim] = time.monotonic()
+            tally.injected(f"agent SIGKILL of {victim} while the server is down")
         if fault == "server_kill_restart":
             await asyncio.to_thread(srv.start)  # on the same state dir, while the burst goes on
+            tally.fault_log.append(f"server restarted after {burst.issued} operations")
 
     await asyncio.gather(burst.run(), worker.run(lambda: burst.issued >= burst.operations),
                          inject())
@@ -72,8 +72,8 @@ async def test_server_killed_mid_burst(chaos_server: Server, fault: str) -> None
         srv.start()
 
     async with srv.client() as client:
-        await _check_adoption(client, burst, killed | set(burst.dead))
         tally.trajectory = await _check_trajectory(client, worker)
+        await _check_adoption(client, burst, set(burst.dead))
     await _finish(srv, edge, burst, tally, started)
     assert tally.errors["ServerUnavailable"] > 0, "the kill hit no call"
 
@@ -90,7 +90,7 @@ async def test_agents_killed_mid_burst(chaos_server: Server) -> None:
         for sb in burst.sandboxes[:2]:  # they stay in the burst: calls on them go on
             await kill_agent(srv, sb.id)
             burst.dead[sb.id] = time.monotonic()
-            tally.faults_injected += 1
+            tally.injected(f"agent SIGKILL of {sb.id} after {burst.issued} operations")
 
     await asyncio.gather(burst.run(), inject())
     await _close(clients)

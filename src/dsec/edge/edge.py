@@ -276,9 +276,12 @@ class Edge:
             return SandboxError(f"sandbox {live.row.id} is running but its agent does not "
                                 f"answer: {exc}", sandbox_id=live.row.id)
         reason = live.substrate.death_cause(live.row.id, live.row.runtime)
-        await self.stop(live.row.id, "died", reason)
-        return SandboxDied(f"sandbox {live.row.id} died: {reason}", sandbox_id=live.row.id,
-                           reason=reason)
+        await self.stop(live.row.id, "died", reason)  # a no-op if it was ended meanwhile
+        try:
+            self._get(live.row.id)
+        except DSecError as exc:  # the end as recorded: died, or stopped by a client
+            return exc
+        raise AssertionError("a stopped sandbox is not live")
 
     async def _still_alive(self, live: Live) -> bool:
         """Whether the sandbox's init lives on after its agent failed a call. A killed agent
