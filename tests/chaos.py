@@ -13,13 +13,15 @@ import asyncio
 import json
 import os
 import random
+import secrets
 import signal
 import subprocess
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Iterator
 
 import dsec
 from conftest import LOG_DIR, Server
@@ -222,6 +224,20 @@ def _gone_or_zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] in ("Z", "X")
     except OSError:
         return True
+
+
+@contextmanager
+def blackhole(port: int) -> Iterator[None]:
+    """Drop every loopback packet to or from ``port``: the server's host, as the client sees
+    it, vanished (no FIN, no RST ever arrives). An nftables table of its own, removed after."""
+    table = f"dsec_chaos_{secrets.token_hex(3)}"
+    rules = (f"table inet {table} {{\n chain input {{\n type filter hook input priority -10\n"
+             f" tcp dport {port} drop\n tcp sport {port} drop\n }}\n}}\n")
+    subprocess.run(["nft", "-f", "-"], input=rules, text=True, check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["nft", "delete", "table", "inet", table], check=True)
 
 
 # what the host holds

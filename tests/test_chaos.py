@@ -19,9 +19,9 @@ from typing import Iterator
 import pytest
 
 import dsec
-from chaos import (Burst, Tally, TrajectoryWorker, edge_id, host_traces, kill_agent,
+from chaos import (CALL_BOUND_S, Burst, Tally, blackhole, TrajectoryWorker, edge_id, host_traces, kill_agent,
                    step_command, when)
-from conftest import Server, make_server, stop_server
+from conftest import Server, make_server, make_tcp_server, stop_server
 
 CLIENTS = 4
 FAULT_AT = 60  # operations issued before the fault: well into the burst
@@ -105,6 +105,33 @@ async def test_agents_killed_mid_burst(chaos_server: Server) -> None:
     await _finish(srv, edge, burst, tally, started)
     assert tally.errors["SandboxDied"] > 0, "no call met a killed agent"
     assert tally.errors["SandboxError"] == 0, tally.examples  # a dead agent is a death
+
+
+async def test_server_host_vanishing_mid_call_is_typed(images) -> None:  # type: ignore[no-untyped-def]
+    """A server whose host vanishes mid-call (no FIN, no RST: a half-open TCP connection)
+    fails a blocking call and a stream with ServerUnavailable, not after the read timeout."""
+    srv = make_tcp_server("--capacity", "4", "--warm-pool", "0").start()
+    port = int(srv.url.rpartition(":")[2])
+    tally = Tally("server_host_vanishes")
+    try:
+        async with srv.client() as client:
+            sb = await client.create(memory_mb=128, ttl_s=120)
+            run = asyncio.ensure_future(sb.run("touch /work/a; sleep 300", timeout_s=600))
+            stream = sb.stream("touch /work/b; echo started; sleep 300", timeout_s=600)
+            streamed = asyncio.ensure_future(stream.wait())
+            while not (await sb.exists("/work/a") and await sb.exists("/work/b")):
+                await asyncio.sleep(0.05)
+            with blackhole(port):
+                srv.kill()
+                tally.injected("server SIGKILL behind a blackhole (its host vanished)")
+                for call in (run, streamed):
+                    tally.operations += 1
+                    with pytest.raises(dsec.ServerUnavailable) as info:
+                        await asyncio.wait_for(call, CALL_BOUND_S)
+                    tally.typed(info.value, "in-flight call")
+        tally.write()
+    finally:
+        stop_server(srv)
 
 
 async def _check_adoption(client: dsec.DSecClient, burst: Burst, killed: set[str]) -> None:
