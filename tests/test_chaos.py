@@ -84,20 +84,39 @@ async def test_agents_killed_mid_burst(chaos_server: Server) -> None:
     tally = Tally("agent_kill")
     clients = _clients(srv)
     burst = Burst(clients, tally)
+    worker = TrajectoryWorker(srv.client(), f"chaos-{secrets.token_hex(4)}", tally)
 
     async def inject() -> None:
-        await when(lambda: burst.issued >= FAULT_AT and len(burst.sandboxes) >= 3)
-        for sb in burst.sandboxes[:2]:  # they stay in the burst: calls on them go on
-            await kill_agent(srv, sb.id)
-            burst.dead[sb.id] = time.monotonic()
-            tally.injected(f"agent SIGKILL of {sb.id} after {burst.issued} operations")
+        await when(lambda: burst.issued >= FAULT_AT and len(burst.sandboxes) >= 3
+                   and len(worker.results) >= 3)
+        victims = [sb.id for sb in burst.sandboxes[:2]] + [worker.sandbox_id]
+        for victim in victims:  # burst sandboxes stay in the burst: calls on them go on
+            await kill_agent(srv, victim)
+            burst.dead[victim] = time.monotonic()
+            tally.injected(f"agent SIGKILL of {victim} after {burst.issued} operations")
 
-    await asyncio.gather(burst.run(), inject())
+    await asyncio.gather(burst.run(), worker.run(lambda: burst.issued >= burst.operations),
+                         inject())
     await _close(clients)
+    await worker.client.aclose()
     async with srv.client() as client:
         for sandbox_id in burst.dead:  # never an empty success
             with pytest.raises(dsec.SandboxDied):
                 await (await client.get(sandbox_id)).run("echo hi")
+        # The rollout's log ends at the death: its steps ran, the step that met the death
+        # (if it got that far) holds the SandboxDied, and resuming says so with the last step.
+        assert worker.error == "SandboxDied"
+        steps = await client.trajectory_steps(worker.trajectory)
+        assert [s.step for s in steps] == list(range(1, len(steps) + 1))
+        assert all(s.status == "ok" for s in steps[:len(worker.results)])
+        assert all(s.status == "error" and s.outcome is not None and
+                   s.outcome["error"]["code"] == "sandbox_died"  # type: ignore[index]
+                   for s in steps[len(worker.results):])
+        with pytest.raises(dsec.SandboxDied) as died:
+            await client.resume(worker.trajectory)
+        assert died.value.details["last_step"] == len(steps)
+        tally.trajectory = {"steps": len(steps), "finished": len(worker.results),
+                            "worker_error": worker.error}
     srv.kill()  # and a restart still tells the dead from the living
     srv.start()
     async with srv.client() as client:
