@@ -212,11 +212,15 @@ def agent_pid(server: Server, sandbox_id: str) -> int:
     return int((server.state_dir / "sandboxes" / sandbox_id / "pid").read_text())
 
 
-async def kill_agent(server: Server, sandbox_id: str) -> None:
-    """SIGKILL the sandbox's agent and wait until the kernel has ended it."""
+async def kill_agent(server: Server, burst: Burst, sandbox_id: str) -> None:
+    """SIGKILL the sandbox's agent and wait until the kernel has ended it. The burst knows it
+    dies from the moment of the kill (a SandboxDied may come before the wait ends), and that
+    it is dead once the wait ends (no call started later may succeed)."""
     pid = agent_pid(server, sandbox_id)
+    burst.dead[sandbox_id] = float("inf")
     os.kill(pid, signal.SIGKILL)
     await when(lambda: _gone_or_zombie(pid))
+    burst.dead[sandbox_id] = time.monotonic()
 
 
 def _gone_or_zombie(pid: int) -> bool:

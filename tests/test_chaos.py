@@ -57,8 +57,7 @@ async def test_server_killed_mid_burst(chaos_server: Server, fault: str) -> None
         tally.injected(f"server SIGKILL after {burst.issued} operations")
         victim = next((sb.id for sb in burst.sandboxes), None)
         if victim is not None:  # an agent dies while no server watches it
-            await kill_agent(srv, victim)
-            burst.dead[victim] = time.monotonic()
+            await kill_agent(srv, burst, victim)
             tally.injected(f"agent SIGKILL of {victim} while the server is down")
         if fault == "server_kill_restart":
             await asyncio.to_thread(srv.start)  # on the same state dir, while the burst goes on
@@ -91,8 +90,7 @@ async def test_agents_killed_mid_burst(chaos_server: Server) -> None:
                    and len(worker.results) >= 3)
         victims = [sb.id for sb in burst.sandboxes[:2]] + [worker.sandbox_id]
         for victim in victims:  # burst sandboxes stay in the burst: calls on them go on
-            await kill_agent(srv, victim)
-            burst.dead[victim] = time.monotonic()
+            await kill_agent(srv, burst, victim)
             tally.injected(f"agent SIGKILL of {victim} after {burst.issued} operations")
 
     await asyncio.gather(burst.run(), worker.run(lambda: burst.issued >= burst.operations),
