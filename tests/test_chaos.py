@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import secrets
 import signal
 import time
@@ -149,6 +150,27 @@ async def test_server_host_vanishing_mid_call_is_typed(images) -> None:  # type:
         tally.write()
     finally:
         stop_server(srv)
+
+
+def test_blocking_client_gets_server_unavailable_mid_call(chaos_server: Server) -> None:
+    """The blocking facade ends a call and a stream cut by a server SIGKILL the same way."""
+    srv = chaos_server
+    with dsec.Client(srv.url, srv.key, autostart=False) as client:
+        sb = client.create(memory_mb=128, ttl_s=120)
+        stream = iter(sb.stream("echo started; sleep 300", timeout_s=600))
+        assert next(stream).text == "started\n"
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            run = pool.submit(sb.run, "touch /work/a; sleep 300", timeout_s=600)
+            while not sb.exists("/work/a"):
+                time.sleep(0.05)
+            srv.kill()
+            with pytest.raises(dsec.ServerUnavailable):
+                run.result(timeout=CALL_BOUND_S)
+        with pytest.raises(dsec.ServerUnavailable):
+            next(stream)
+    srv.start()  # the sandbox outlived it
+    with dsec.Client(srv.url, srv.key, autostart=False) as client:
+        assert client.get(sb.id).run("echo ok").stdout == "ok\n"
 
 
 async def _check_adoption(client: dsec.DSecClient, burst: Burst, killed: set[str]) -> None:
