@@ -87,15 +87,17 @@ async def test_agents_killed_mid_burst(chaos_server: Server) -> None:
     worker = TrajectoryWorker(srv.client(), f"chaos-{secrets.token_hex(4)}", tally)
 
     async def inject() -> None:
-        await when(lambda: burst.issued >= FAULT_AT and len(burst.sandboxes) >= 3
+        await when(lambda: burst.issued >= FAULT_AT and len(burst.sandboxes) >= 2
                    and len(worker.results) >= 3)
         victims = [sb.id for sb in burst.sandboxes[:2]] + [worker.sandbox_id]
         for victim in victims:  # burst sandboxes stay in the burst: calls on them go on
             await kill_agent(srv, burst, victim)
             tally.injected(f"agent SIGKILL of {victim} after {burst.issued} operations")
 
-    await asyncio.gather(burst.run(), worker.run(lambda: burst.issued >= burst.operations),
-                         inject())
+    injector = asyncio.ensure_future(inject())
+    # The rollout goes on until it meets its sandbox's death (or the injection failed).
+    failed = lambda: injector.done() and injector.exception() is not None  # noqa: E731
+    await asyncio.gather(burst.run(), worker.run(failed), injector)
     await _close(clients)
     await worker.client.aclose()
     async with srv.client() as client:
