@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
+import os
 import secrets
 import signal
 import time
@@ -152,6 +153,35 @@ async def test_server_host_vanishing_mid_call_is_typed(images) -> None:  # type:
         tally.write()
     finally:
         stop_server(srv)
+
+
+async def test_stuck_server_is_bounded_by_the_client_timeout(chaos_server: Server) -> None:
+    """A server that is alive but stuck (SIGSTOP) still holds its connections open and its
+    kernel answers keepalives: the client's read timeout is the bound, then
+    ServerUnavailable. The request it sent may still run once the server goes on."""
+    srv = chaos_server
+    tally = Tally("server_stuck")
+    async with srv.client() as client, srv.client(timeout_s=5) as impatient:
+        sb = await client.create(memory_mb=128, ttl_s=120)
+        same = await impatient.get(sb.id)
+        os.kill(srv.proc.pid, signal.SIGSTOP)  # type: ignore[union-attr]
+        tally.injected("server SIGSTOP")
+        try:
+            for call in (same.run("echo late >> /work/late"), same.read_file("/work/late")):
+                tally.operations += 1
+                with pytest.raises(dsec.ServerUnavailable) as info:
+                    await asyncio.wait_for(call, CALL_BOUND_S)
+                tally.typed(info.value, "call to a stuck server")
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)  # type: ignore[union-attr]
+        # The server goes on with what it had received: the append ran, after its client left.
+        async def appended() -> None:
+            while not await sb.exists("/work/late"):
+                await asyncio.sleep(0.05)
+        await asyncio.wait_for(appended(), CALL_BOUND_S)
+        assert (await sb.read_file("/work/late")) == b"late\n"
+        await sb.stop()
+    tally.write()
 
 
 def test_blocking_client_gets_server_unavailable_mid_call(chaos_server: Server) -> None:
