@@ -279,8 +279,8 @@ class Edge:
         await self.stop(live.row.id, "died", reason)  # a no-op if it was ended meanwhile
         try:
             self._get(live.row.id)
-        except DSecError as exc:  # the end as recorded: died, or stopped by a client
-            return exc
+        except DSecError as ended:  # the end as recorded: died, or stopped by a client
+            return ended
         raise AssertionError("a stopped sandbox is not live")
 
     async def _still_alive(self, live: Live) -> bool:
