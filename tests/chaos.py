@@ -48,6 +48,7 @@ class Tally:
     success_after_death: list[str] = field(default_factory=list)  # must stay empty
     leaks: dict[str, list[str]] = field(default_factory=dict)
     trajectory: dict[str, Any] = field(default_factory=dict)
+    notes: dict[str, Any] = field(default_factory=dict)  # what else a fault's test observed
     seconds: float = 0.0
 
     def typed(self, exc: dsec.DSecError, what: str) -> None:

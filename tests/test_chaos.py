@@ -158,7 +158,7 @@ async def test_server_host_vanishing_mid_call_is_typed(images) -> None:  # type:
 async def test_stuck_server_is_bounded_by_the_client_timeout(chaos_server: Server) -> None:
     """A server that is alive but stuck (SIGSTOP) still holds its connections open and its
     kernel answers keepalives: the client's read timeout is the bound, then
-    ServerUnavailable. The request it sent may still run once the server goes on."""
+    ServerUnavailable. The request it sent may still run (once) when the server goes on."""
     srv = chaos_server
     tally = Tally("server_stuck")
     async with srv.client() as client, srv.client(timeout_s=5) as impatient:
@@ -174,12 +174,12 @@ async def test_stuck_server_is_bounded_by_the_client_timeout(chaos_server: Serve
                 tally.typed(info.value, "call to a stuck server")
         finally:
             os.kill(srv.proc.pid, signal.SIGCONT)  # type: ignore[union-attr]
-        # The server goes on with what it had received: the append ran, after its client left.
-        async def appended() -> None:
-            while not await sb.exists("/work/late"):
-                await asyncio.sleep(0.05)
-        await asyncio.wait_for(appended(), CALL_BOUND_S)
-        assert (await sb.read_file("/work/late")) == b"late\n"
+        # The server goes on. The append, whose client gave up, ran once or not at all
+        # (depending on whether the server read its body before it saw the disconnect).
+        assert (await sb.run("echo on", timeout_s=30)).stdout == "on\n"
+        late = await sb.run("cat /work/late 2>/dev/null", timeout_s=30)
+        assert late.stdout in ("", "late\n")
+        tally.notes = {"late_call_ran": late.stdout == "late\n"}
         await sb.stop()
     tally.write()
 
