@@ -3,7 +3,9 @@ middle of it (SIGKILL of the server — API and edge are one process —, with o
 restart while the burst goes on; SIGKILL of some sandboxes' in-sandbox agent). Every call ends
 with a result or a typed error within a bound, the restarted server adopts the survivors and
 reports the killed as died, a trajectory's log stays consistent and fast-forwards, and once
-everything is stopped the host holds nothing of the server's sandboxes.
+everything is stopped the host holds nothing of the server's sandboxes. Also: calls in flight
+when the server's host vanishes (half-open TCP) or the server is stuck (SIGSTOP) end with
+ServerUnavailable, and the blocking facade behaves as the async SDK.
 
 Tallies go to /tmp/dsec-test-logs/chaos-<fault>.json (see docs/RELIABILITY.md)."""
 
@@ -21,8 +23,8 @@ from typing import Iterator
 import pytest
 
 import dsec
-from chaos import (CALL_BOUND_S, Burst, Tally, blackhole, TrajectoryWorker, edge_id, host_traces, kill_agent,
-                   step_command, when)
+from chaos import (CALL_BOUND_S, Burst, Tally, TrajectoryWorker, blackhole, edge_id,
+                   host_traces, kill_agent, step_command, when)
 from conftest import Server, make_server, make_tcp_server, stop_server
 
 CLIENTS = 4
