@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -22,6 +23,15 @@ import httpx
 from .errors import DSecError, ServerUnavailable, Unauthorized, error_from_json
 
 START_TIMEOUT_S = 120.0
+# TCP keepalive: a server whose host died (or was cut off) mid-call leaves a half-open
+# connection that no read ever ends; the kernel probes it after 10 s of silence and drops it
+# after 3 unanswered probes 3 s apart, so the call fails with ServerUnavailable in about 20 s
+# instead of waiting out the read timeout. A live server's kernel answers the probes, so
+# long quiet commands are unaffected.
+KEEPALIVE = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+             (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 10),
+             (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 3),
+             (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)]
 
 
 def state_dir() -> Path:
@@ -38,12 +48,13 @@ class Transport:
             self.socket = Path(url[len("unix://"):])
         self.autostart = autostart and self.local
         self._api_key = api_key or os.environ.get("DSEC_API_KEY")
-        transport = httpx.AsyncHTTPTransport(uds=str(self.socket)) if self.socket else None
+        # The limits go to the transport: a client given a transport ignores its own.
+        limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
+        transport = (httpx.AsyncHTTPTransport(uds=str(self.socket), limits=limits) if self.socket
+                     else httpx.AsyncHTTPTransport(socket_options=KEEPALIVE, limits=limits))
         base = "http://dsec" if self.socket else url
         self.http = httpx.AsyncClient(base_url=base or "", transport=transport,
-                                      timeout=httpx.Timeout(timeout_s, connect=10.0),
-                                      limits=httpx.Limits(max_connections=256,
-                                                          max_keepalive_connections=64))
+                                      timeout=httpx.Timeout(timeout_s, connect=10.0))
         self._ready = False
         self._lock = asyncio.Lock()
 

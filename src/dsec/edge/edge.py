@@ -38,6 +38,7 @@ T = TypeVar("T")
 BASE_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
             "HOME": "/root", "LANG": "C.UTF-8"}
 ARCHIVE_LIMIT = 1 << 30
+AGENT_DEATH_GRACE_S = 5.0  # how long a dying sandbox may take to be seen dead (see _still_alive)
 
 
 def default_edge_id(state_dir: Path) -> str:
@@ -271,13 +272,27 @@ class Edge:
     async def _agent_failed(self, live: Live, exc: AgentUnavailable) -> DSecError:
         """The agent did not answer: either the sandbox died (report why) or the agent is
         wedged while the sandbox lives (a sandbox error)."""
-        if live.substrate.alive(live.row.id, live.row.runtime):
+        if await self._still_alive(live):
             return SandboxError(f"sandbox {live.row.id} is running but its agent does not "
                                 f"answer: {exc}", sandbox_id=live.row.id)
         reason = live.substrate.death_cause(live.row.id, live.row.runtime)
-        await self.stop(live.row.id, "died", reason)
-        return SandboxDied(f"sandbox {live.row.id} died: {reason}", sandbox_id=live.row.id,
-                           reason=reason)
+        await self.stop(live.row.id, "died", reason)  # a no-op if it was ended meanwhile
+        try:
+            self._get(live.row.id)
+        except DSecError as ended:  # the end as recorded: died, or stopped by a client
+            return ended
+        raise AssertionError("a stopped sandbox is not live")
+
+    async def _still_alive(self, live: Live) -> bool:
+        """Whether the sandbox's init lives on after its agent failed a call. A killed agent
+        closes its socket before its exit is visible (the kernel first ends every process in
+        the sandbox), so a short wait tells a death from a wedged agent."""
+        deadline = time.monotonic() + AGENT_DEATH_GRACE_S
+        while live.substrate.alive(live.row.id, live.row.runtime):
+            if time.monotonic() > deadline:
+                return True
+            await asyncio.sleep(0.02)
+        return False
 
     # exec
     def _exec_args(self, live: Live, req: ExecRequest) -> dict[str, Any]:
