@@ -27,6 +27,9 @@ from ..client.models import (CreateRequest, ExecRequest, ExecResult, FileEntry, 
                              SandboxInfo, SignalRequest, TtlRequest, b64)
 from ..store.sqlite import StateStore
 from ..trajectory.recorder import Call
+from .dashboard import dashboard_routes
+from .project_routes import project_routes
+from .projects import Projects
 from .routing import Router
 from .trajectories import trajectory_routes
 
@@ -56,10 +59,13 @@ def create_app(router: Router, store: StateStore, registry: CollectorRegistry) -
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        err = InvalidRequest("invalid request", errors=json.loads(json.dumps(exc.errors(), default=str)))
+        errors = json.loads(json.dumps(exc.errors(), default=str), parse_constant=str)  # NaN too
+        err = InvalidRequest("invalid request", errors=errors)
         return JSONResponse(err.to_json(), status_code=err.status)
 
     known_keys: dict[str, str] = {}  # secret -> key id; keys are never revoked yet
+    projects = Projects(store, registry)
+    projects.attach(router)
 
     async def authenticated(request: Request) -> str:
         """Async on purpose: FastAPI runs a sync dependency in a thread, on every request."""
@@ -70,6 +76,7 @@ def create_app(router: Router, store: StateStore, registry: CollectorRegistry) -
         if key_id is None:
             raise Unauthorized("a valid API key is required (Authorization: Bearer dsk_...)")
         known_keys[secret] = key_id
+        projects.enter(key_id)
         return key_id
 
     auth = [Depends(authenticated)]
@@ -92,7 +99,8 @@ def create_app(router: Router, store: StateStore, registry: CollectorRegistry) -
 
     @app.get("/metrics", dependencies=auth, response_class=Response)
     async def metrics() -> Response:
-        """Prometheus exposition (scrape with ``authorization: Bearer <key>``)."""
+        """Prometheus exposition (scrape with ``authorization: Bearer <admin key>``)."""
+        projects.require_admin()
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/health")
@@ -105,7 +113,7 @@ def create_app(router: Router, store: StateStore, registry: CollectorRegistry) -
 
     @app.get("/v1/sandboxes", dependencies=auth)
     async def list_sandboxes() -> list[SandboxInfo]:
-        return router.list()
+        return router.list_visible()
 
     @app.get("/v1/sandboxes/{sandbox_id}", dependencies=auth)
     async def get(sandbox_id: str) -> SandboxInfo:
@@ -201,6 +209,8 @@ def create_app(router: Router, store: StateStore, registry: CollectorRegistry) -
         return Response(status_code=204)
 
     app.include_router(trajectory_routes(router, store), dependencies=auth)
+    app.include_router(project_routes(projects), dependencies=auth)
+    app.include_router(dashboard_routes(router, projects, registry, auth))
     app.add_middleware(CallHeaders)
     return app
 
