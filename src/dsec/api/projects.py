@@ -121,14 +121,16 @@ class Projects:
             self._owners[sandbox_id] = project
         return project
 
-    def check(self, sandbox_id: str) -> None:
+    def sees(self, sandbox_id: str) -> bool:
         caller = self.caller()
-        if caller is not None and self.project_of(sandbox_id) != caller:
+        return caller is None or self.project_of(sandbox_id) == caller
+
+    def check(self, sandbox_id: str) -> None:
+        if not self.sees(sandbox_id):
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}", sandbox_id=sandbox_id)
 
     def visible(self, infos: Iterable[SandboxInfo]) -> list[SandboxInfo]:
-        caller = self.caller()
-        return [i for i in infos if caller is None or self.project_of(i.id) == caller]
+        return [i for i in infos if self.sees(i.id)]
 
     async def admit(self, req: CreateRequest,
                     place: Callable[[CreateRequest], Awaitable[SandboxInfo]]) -> SandboxInfo:
