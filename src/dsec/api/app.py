@@ -12,6 +12,7 @@ which ``Router.edge_for`` puts in front of the edge.
 from __future__ import annotations
 
 import json
+import math
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
@@ -59,8 +60,7 @@ def create_app(router: Router, store: StateStore, registry: CollectorRegistry) -
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = json.loads(json.dumps(exc.errors(), default=str), parse_constant=str)  # NaN too
-        err = InvalidRequest("invalid request", errors=errors)
+        err = InvalidRequest("invalid request", errors=_json_safe(exc.errors()))
         return JSONResponse(err.to_json(), status_code=err.status)
 
     known_keys: dict[str, str] = {}  # secret -> key id; keys are never revoked yet
@@ -256,6 +256,22 @@ async def _ndjson(events: AsyncIterator[Output | ExecResult]) -> StreamingRespon
             yield json.dumps({"type": "error", **exc.to_json()}).encode() + b"\n"
 
     return StreamingResponse(lines(), media_type=NDJSON)
+
+
+def _json_safe(value: Any) -> Any:
+    """Validation errors echo the input: keep it renderable as JSON (no NaN or infinities,
+    no lone surrogates, no objects)."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "replace").decode("utf-8")
+    if isinstance(value, dict):
+        return {_json_safe(str(k)): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    return _json_safe(str(value))
 
 
 def _event_line(event: Output | ExecResult) -> bytes:
