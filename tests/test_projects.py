@@ -322,3 +322,24 @@ def test_cli_makes_projects_and_project_keys(srv: Server) -> None:
                 client.create(memory_mb=256)
         finally:
             sb.stop()
+
+
+async def test_json_logs_are_one_object_per_line(images) -> None:  # type: ignore[no-untyped-def]
+    from conftest import LOG_DIR
+    server = make_server("--warm-pool", "0", "--log-format", "json").start()
+    try:
+        async with server.client() as admin:
+            await admin.projects().create("empty", sandboxes=0)
+            key = (await admin.projects().create_key("empty", "k")).key
+            async with key_client(server, key) as client:
+                with pytest.raises(dsec.QuotaExceeded):
+                    await client.create()
+        lines = (LOG_DIR / f"{server.state_dir.name}.log").read_text().splitlines()
+        records = [json.loads(line) for line in lines if line.strip()]  # every line is JSON
+        messages = {(r["logger"], r["message"]) for r in records}
+        assert ("dsec.projects", "project empty created under default") in messages
+        assert ("dsec.projects", "refused a create in empty: quota of sandboxes") in messages
+        serving = next(r for r in records if r["logger"] == "dsec.server")
+        assert serving["state_dir"] == str(server.state_dir) and serving["level"] == "info"
+    finally:
+        stop_server(server)
