@@ -10,7 +10,8 @@ from .projects import Projects
 
 
 def project_routes(projects: Projects) -> APIRouter:
-    api = APIRouter()
+    api = APIRouter(responses={400: {"description": "invalid_request: a malformed request"},
+                               401: {"description": "unauthorized"}})
     Name = Path(pattern=PROJECT_NAME, max_length=63)
 
     @api.get("/v1/projects")

@@ -1,12 +1,14 @@
 """Wire models of projects, quotas and project keys, shared by the SDK and the API server.
 
-Every number is bounded and strictly typed (no strings, booleans, NaN or infinities), so a
-malformed request is a typed 400, never a server error.
+Every number is bounded and strictly typed (no strings, booleans, fractions for counts, NaN or
+infinities), so a malformed request is a typed 400, never a server error.
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
 PROJECT_NAME = r"^[a-z0-9][a-z0-9_-]{0,62}$"
 KEY_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$"
@@ -16,6 +18,25 @@ MAX_CPU = 1_000_000.0
 MAX_MEMORY_MB = 1 << 40
 
 
+def _integral(value: Any) -> Any:
+    """JSON Schema's integers include 2.0: take a float with no fraction as an int."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _count(most: int) -> Any:
+    """A non-negative integer up to ``most`` (its JSON schema spelled out: pydantic's loses
+    the bounds behind a before-validator)."""
+    return Annotated[int, BeforeValidator(_integral), Field(ge=0, le=most),
+                     WithJsonSchema({"type": "integer", "minimum": 0, "maximum": most})]
+
+
+Sandboxes = _count(MAX_SANDBOXES)
+Cpu = Annotated[float, Field(ge=0, le=MAX_CPU, allow_inf_nan=False)]
+MemoryMB = _count(MAX_MEMORY_MB)
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -23,17 +44,17 @@ class _Strict(BaseModel):
 class Quota(_Strict):
     """Concurrent sandboxes, CPUs (cores, to a thousandth) and memory (MB)."""
 
-    sandboxes: int = Field(0, ge=0, le=MAX_SANDBOXES)
-    cpu: float = Field(0.0, ge=0, le=MAX_CPU, allow_inf_nan=False)
-    memory_mb: int = Field(0, ge=0, le=MAX_MEMORY_MB)
+    sandboxes: Sandboxes = 0
+    cpu: Cpu = 0.0
+    memory_mb: MemoryMB = 0
 
 
 class QuotaUpdate(_Strict):
     """A new quota; a field left out (or null) keeps its value."""
 
-    sandboxes: int | None = Field(None, ge=0, le=MAX_SANDBOXES)
-    cpu: float | None = Field(None, ge=0, le=MAX_CPU, allow_inf_nan=False)
-    memory_mb: int | None = Field(None, ge=0, le=MAX_MEMORY_MB)
+    sandboxes: Sandboxes | None = None
+    cpu: Cpu | None = None
+    memory_mb: MemoryMB | None = None
 
 
 class ProjectCreate(_Strict):
