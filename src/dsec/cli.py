@@ -395,7 +395,13 @@ def project_quota(name: str, sandboxes: int | None, cpu: float | None,
               help="also write the figures as JSON here")
 @click.option("--only-trajectory", is_flag=True,
               help="only the trajectory series (log overhead, fast-forward)")
-def bench(quick: bool, json_out: Path | None, only_trajectory: bool) -> None:
+@click.option("--only", type=click.Choice(["projects"]), default=None,
+              help="only this series (projects: nested-project key against the admin key)")
+def bench(quick: bool, json_out: Path | None, only_trajectory: bool, only: str | None) -> None:
     """Run the benchmark against bare crun and print the figures (see docs/BENCHMARKS.md)."""
+    if only == "projects":
+        from .bench_projects import main as projects_main
+        projects_main(quick=quick, json_out=json_out)
+        return
     from .bench import main as bench_main
     bench_main(quick=quick, json_out=json_out, only_trajectory=only_trajectory)
