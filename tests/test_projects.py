@@ -106,6 +106,7 @@ def test_sync_twin_and_project_key_rights(srv: Server) -> None:
             with pytest.raises(dsec.ProjectNotFound):
                 projects.create_key(hidden, "sneaky")
         assert projects.create_key(child, "worker").project == child
+        assert projects.create(unique("own"), sandboxes=1).parent == team  # its own, by default
 
 
 async def test_quota_exceeded_and_given_back(srv: Server, admin: dsec.DSecClient) -> None:
@@ -341,5 +342,31 @@ async def test_json_logs_are_one_object_per_line(images) -> None:  # type: ignor
         assert ("dsec.projects", "refused a create in empty: quota of sandboxes") in messages
         serving = next(r for r in records if r["logger"] == "dsec.server")
         assert serving["state_dir"] == str(server.state_dir) and serving["level"] == "info"
+    finally:
+        stop_server(server)
+
+
+async def test_usage_survives_a_server_crash(images) -> None:  # type: ignore[no-untyped-def]
+    server = make_server("--warm-pool", "0").start()
+    try:
+        async with server.client() as admin:
+            await admin.projects().create("crash", sandboxes=2, cpu=2, memory_mb=1024)
+            key = (await admin.projects().create_key("crash", "k")).key
+            async with key_client(server, key) as client:
+                survivor = await client.create(memory_mb=256)
+                doomed = await client.create(memory_mb=256, ttl_s=1)
+        server.kill()  # SIGKILL: the sandboxes live on; the second expires meanwhile
+        await asyncio.sleep(2)
+        server.start()
+        async with server.client() as admin, key_client(server, key) as client:
+            # adopted: still held; expired while no server ran: given back at start
+            deadline = time.monotonic() + 60
+            while await used(admin, "crash") != (1, 1.0, 256):
+                assert time.monotonic() < deadline, await used(admin, "crash")
+                await asyncio.sleep(0.2)
+            assert [s.id for s in await client.list()] == [survivor.id]
+            assert (await client.get(doomed.id)).info.state in ("expired", "died")
+            await (await client.get(survivor.id)).stop()
+            assert await used(admin, "crash") == (0, 0.0, 0)
     finally:
         stop_server(server)

@@ -340,11 +340,13 @@ def _print_projects(projects: list[Any]) -> None:
 
 @project.command("create")
 @click.argument("name")
-@click.option("--parent", default="default", help="the project that delegates the quota")
+@click.option("--parent", default=None,
+              help="the project that delegates the quota (default: your key's project)")
 @click.option("--sandboxes", type=int, default=0, help="concurrent sandboxes")
 @click.option("--cpu", type=float, default=0.0, help="CPUs (cores)")
 @click.option("--memory-mb", type=int, default=0, help="memory (MB)")
-def project_create(name: str, parent: str, sandboxes: int, cpu: float, memory_mb: int) -> None:
+def project_create(name: str, parent: str | None, sandboxes: int, cpu: float,
+                   memory_mb: int) -> None:
     """Create project NAME under PARENT with a quota delegated from the parent's."""
     async def go() -> None:
         async with DSecClient() as client:

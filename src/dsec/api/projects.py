@@ -115,7 +115,9 @@ class Projects:
     def project_of(self, sandbox_id: str) -> str:
         project = self._owners.get(sandbox_id)
         if project is None:
-            project = self.store.project_of(sandbox_id) or ROOT_PROJECT
+            project = self.store.project_of(sandbox_id)
+            if project is None:  # unknown, or made before projects existed: not cached
+                return ROOT_PROJECT
             if len(self._owners) > 100_000:
                 self._owners.clear()
             self._owners[sandbox_id] = project
@@ -205,7 +207,7 @@ class Projects:
         return info(self._visible(name))
 
     def create(self, spec: ProjectCreate) -> ProjectInfo:
-        parent = self._visible(spec.parent)
+        parent = self._visible(spec.parent or self.caller() or ROOT_PROJECT)
         asked = amounts(spec.quota)
         try:
             made = self.store.create(spec.name, parent.name, asked)

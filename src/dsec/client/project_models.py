@@ -59,8 +59,9 @@ class QuotaUpdate(_Strict):
 
 class ProjectCreate(_Strict):
     name: str = Field(pattern=PROJECT_NAME, description="lower-case letters, digits, - and _")
-    parent: str = Field(ROOT_PROJECT, pattern=PROJECT_NAME,
-                        description="the project that delegates the quota")
+    parent: str | None = Field(None, pattern=PROJECT_NAME,
+                               description="the project that delegates the quota; default: "
+                                           "the key's project (default, for an admin key)")
     quota: Quota = Field(default_factory=Quota, description="delegated from the parent's quota")
 
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, Coroutine, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from .errors import InvalidRequest
-from .project_models import (ROOT_PROJECT, KeyRequest, ProjectCreate, ProjectInfo, ProjectKey,
+from .project_models import (KeyRequest, ProjectCreate, ProjectInfo, ProjectKey,
                              Quota, QuotaUpdate)
 from .transport import Transport
 
@@ -44,15 +44,16 @@ class Projects:
     async def get(self, name: str) -> ProjectInfo:
         return ProjectInfo.model_validate(await self._t.json("GET", f"/v1/projects/{_name(name)}"))
 
-    async def create(self, name: str, *, parent: str = ROOT_PROJECT, sandboxes: int = 0,
+    async def create(self, name: str, *, parent: str | None = None, sandboxes: int = 0,
                      cpu: float = 0.0, memory_mb: int = 0) -> ProjectInfo:
-        """A child of ``parent``; its quota is delegated from the parent's
-        (``DelegationExceeded`` when the parent lacks the room)."""
+        """A child of ``parent`` (default: the key's project; ``default`` for an admin key);
+        its quota is delegated from the parent's (``DelegationExceeded`` when the parent
+        lacks the room)."""
         spec = _checked(ProjectCreate, name=name, parent=parent,
                         quota=_checked(Quota, sandboxes=sandboxes, cpu=float(cpu),
                                        memory_mb=memory_mb))
         return ProjectInfo.model_validate(
-            await self._t.json("POST", "/v1/projects", json=spec.model_dump()))
+            await self._t.json("POST", "/v1/projects", json=spec.model_dump(exclude_none=True)))
 
     async def set_quota(self, name: str, *, sandboxes: int | None = None,
                         cpu: float | None = None, memory_mb: int | None = None) -> ProjectInfo:
