@@ -268,7 +268,7 @@ def test_malformed_and_extreme_inputs_answer_typed_4xx(srv: Server) -> None:
             if bad_name != "UPPER":  # a fine key name
                 cases.append(("POST", "/v1/keys", {"name": bad_name, "project": name}))
         cases += [
-            ("POST", "/v1/projects", {"name": unique("n"), "parent": None}),
+            ("POST", "/v1/projects", {"name": unique("n"), "parent": 5}),
             ("POST", "/v1/projects", {"name": unique("n"), "parent": "missing-parent"}),
             ("PUT", "/v1/projects/missing-project/quota", {"sandboxes": 1}),
             ("GET", "/v1/projects/missing-project", None),
