@@ -370,3 +370,39 @@ async def test_usage_survives_a_server_crash(images) -> None:  # type: ignore[no
             assert await used(admin, "crash") == (0, 0.0, 0)
     finally:
         stop_server(server)
+
+
+def test_reservations_from_many_connections_never_overshoot(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Several API servers share one state database: the quota check is one conditional
+    UPDATE, so creates racing through separate connections still cannot overshoot."""
+    import threading
+
+    from dsec.store.projects import ProjectStore
+    from dsec.store.sqlite import StateStore
+
+    StateStore(tmp_path / "state.db").close()  # the sandboxes table
+    stores = [ProjectStore(tmp_path / "state.db", "default", (1000, 1000_000, 1 << 20))
+              for _ in range(6)]
+    assert stores[0].create("race", "default", (25, 1000_000, 1 << 20))
+    taken: list[str] = []
+    start = threading.Barrier(len(stores))
+
+    def hammer(store: ProjectStore) -> None:
+        start.wait()
+        for _ in range(20):
+            reservation = store.reserve("race", 500, 64)
+            if reservation is not None:
+                taken.append(reservation)
+
+    threads = [threading.Thread(target=hammer, args=(s,)) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    row = stores[0].get("race")
+    assert row is not None and len(taken) == 25 and row.used == (25, 12_500, 1600)
+    for reservation in taken:  # given back once, however often asked
+        assert stores[0].release(reservation) and not stores[1].release(reservation)
+    assert stores[0].get("race").used == (0, 0, 0)  # type: ignore[union-attr]
+    for store in stores:
+        store.close()
