@@ -49,3 +49,33 @@ async def test_metrics_count_what_happened(images) -> None:  # type: ignore[no-u
             assert m["dsec_sandboxes_ended_total{state=stopped,substrate=container}"] == 1
     finally:
         stop_server(srv)
+
+
+async def test_metrics_show_projects_states_and_refusals(images) -> None:  # type: ignore[no-untyped-def]
+    srv = make_server("--warm-pool", "0").start()
+    try:
+        async with srv.client() as admin:
+            await admin.projects().create("team", sandboxes=1, cpu=2, memory_mb=512)
+            key = (await admin.projects().create_key("team", "k")).key
+            async with dsec.DSecClient(srv.url, key, autostart=False) as team:
+                sb = await team.create(memory_mb=256, cpu=0.5)
+                with pytest.raises(dsec.QuotaExceeded):
+                    await team.create(memory_mb=256)
+                with srv.http() as http:  # a project key may not scrape every project's usage
+                    http.headers["authorization"] = f"Bearer {key}"
+                    assert http.get("/metrics").status_code == 403
+                m = scrape(srv)
+                assert m["dsec_project_used{project=team,resource=sandboxes}"] == 1
+                assert m["dsec_project_used{project=team,resource=cpu}"] == 0.5
+                assert m["dsec_project_used{project=team,resource=memory_mb}"] == 256
+                assert m["dsec_project_quota{project=team,resource=memory_mb}"] == 512
+                assert m["dsec_project_delegated{project=default,resource=sandboxes}"] == 1
+                assert m["dsec_refusals_total{project=team,reason=quota_sandboxes}"] == 1
+                assert m["dsec_sandboxes_by_state{state=running,substrate=container}"] == 1
+                assert m["dsec_sandboxes_by_state{state=starting,substrate=container}"] == 0
+                await sb.stop()
+                m = scrape(srv)
+                assert m["dsec_project_used{project=team,resource=sandboxes}"] == 0
+                assert m["dsec_sandboxes_by_state{state=running,substrate=container}"] == 0
+    finally:
+        stop_server(srv)

@@ -9,11 +9,14 @@ from .client.aio import OutputStream as AsyncOutputStream
 from .client.aio import Process as AsyncProcess
 from .client.aio import Replay as AsyncReplay
 from .client.aio import Sandbox as AsyncSandbox
-from .client.errors import (CapacityExhausted, CommandTimeout, DSecError, FileNotFound,
-                            ImageBuildError, ImageNotFound, InvalidRequest, NotSupported,
-                            PayloadTooLarge, ProcessNotFound, SandboxDied, SandboxError, SandboxNotFound,
-                            ServerUnavailable, StepInterrupted, TrajectoryDiverged,
-                            TrajectoryExists, TrajectoryNotFound, Unauthorized)
+from .client.errors import (CapacityExhausted, CommandTimeout, DelegationExceeded, DSecError,
+                            FileNotFound, Forbidden, ImageBuildError, ImageNotFound,
+                            InvalidRequest, NotSupported, PayloadTooLarge, ProcessNotFound,
+                            ProjectExists, ProjectNotFound, QuotaExceeded, SandboxDied,
+                            SandboxError, SandboxNotFound, ServerUnavailable, StepInterrupted,
+                            TrajectoryDiverged, TrajectoryExists, TrajectoryNotFound,
+                            Unauthorized)
+from .client.project_models import ProjectInfo, ProjectKey, Quota
 from .client.models import (FileEntry, ProcessInfo, SandboxInfo, StepDiff, StepRecord,
                             TrajectoryInfo)
 from .client.sync import Client, OutputStream, Process, Replay, Sandbox
@@ -27,5 +30,7 @@ __all__ = [
     "SandboxDied", "SandboxError", "SandboxNotFound", "ServerUnavailable", "Unauthorized",
     "TrajectoryDiverged", "StepInterrupted", "TrajectoryExists", "TrajectoryNotFound",
     "TrajectoryInfo", "StepRecord", "StepDiff", "Replay", "AsyncReplay",
+    "QuotaExceeded", "DelegationExceeded", "ProjectNotFound", "ProjectExists", "Forbidden",
+    "ProjectInfo", "ProjectKey", "Quota",
 ]
 __version__ = "0.1.0"

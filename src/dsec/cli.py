@@ -47,14 +47,18 @@ def main() -> None:
               help="sandboxes kept started per image that was asked for (0: none)")
 @click.option("--runtime", type=click.Choice(["crun", "runc", "runsc"]), default="crun")
 @click.option("--edge-id", default="", help="edge id (default: derived from host and state dir)")
+@click.option("--log-format", type=click.Choice(["text", "json"]), default="text",
+              help="json: one JSON object per log line, for log shippers")
 def serve(state_dir: Path | None, host: str | None, port: int, capacity: int, warm_pool: int,
-          runtime: str, edge_id: str) -> None:
+          runtime: str, edge_id: str, log_format: str) -> None:
     """Run the API server with an embedded edge on this host."""
     from .api.server import DEFAULT_STATE_DIR, ServerConfig, serve as run_server
     config = ServerConfig(state_dir=state_dir or DEFAULT_STATE_DIR, capacity=capacity,
-                          warm_pool=warm_pool, runtime=runtime, edge_id=edge_id)
+                          warm_pool=warm_pool, runtime=runtime, edge_id=edge_id,
+                          log_format=log_format)
     where = f"http://{host}:{port}" if host else f"unix://{config.socket_path}"
-    console.print(f"dsec serving on {where} (state in {config.state_dir})")
+    if log_format == "text":
+        console.print(f"dsec serving on {where} (state in {config.state_dir})")
     run_server(config, host, port if host else None)
 
 
@@ -292,15 +296,99 @@ def key() -> None:
 
 @key.command("create")
 @click.argument("name")
+@click.option("--project", default=None,
+              help="the key's project: it sees and creates that project's sandboxes only "
+                   "(without: an admin key, which sees everything)")
 @click.option("--state-dir", type=click.Path(path_type=Path), default=None)
-def key_create(name: str, state_dir: Path | None) -> None:
+def key_create(name: str, project: str | None, state_dir: Path | None) -> None:
     """Create an API key named NAME and print its secret (shown once)."""
     from .api.server import DEFAULT_STATE_DIR
     from .store.sqlite import StateStore
     store = StateStore((state_dir or DEFAULT_STATE_DIR) / "state.db")
-    key_id, secret, _ = store.create_key(name)
-    console.print(f"created {key_id}; use it as DSEC_API_KEY")
+    if project is None:
+        key_id, secret, _ = store.create_key(name)
+        console.print(f"created admin key {key_id}; use it as DSEC_API_KEY")
+    else:
+        from .api.project_keys import create_project_key
+        try:
+            key_id, secret = create_project_key(store, name, project)
+        except DSecError as exc:
+            _fail(exc)
+        console.print(f"created {key_id} of project {project}; use it as DSEC_API_KEY")
     click.echo(secret)
+
+
+@main.group()
+def project() -> None:
+    """Projects and their quotas (through the server, with your key)."""
+
+
+def _quota_text(p: Any) -> str:
+    return (f"{p.used.sandboxes}/{p.quota.sandboxes} sandboxes, {p.used.cpu:g}/{p.quota.cpu:g} "
+            f"cpu, {p.used.memory_mb}/{p.quota.memory_mb} MB")
+
+
+def _print_projects(projects: list[Any]) -> None:
+    table = Table("project", "parent", "sandboxes", "cpu", "memory MB", "delegated")
+    for p in projects:
+        table.add_row(p.name, p.parent or "-", f"{p.used.sandboxes}/{p.quota.sandboxes}",
+                      f"{p.used.cpu:g}/{p.quota.cpu:g}", f"{p.used.memory_mb}/{p.quota.memory_mb}",
+                      f"{p.delegated.sandboxes} sb, {p.delegated.cpu:g} cpu, "
+                      f"{p.delegated.memory_mb} MB")
+    Console().print(table)
+
+
+@project.command("create")
+@click.argument("name")
+@click.option("--parent", default=None,
+              help="the project that delegates the quota (default: your key's project)")
+@click.option("--sandboxes", type=int, default=0, help="concurrent sandboxes")
+@click.option("--cpu", type=float, default=0.0, help="CPUs (cores)")
+@click.option("--memory-mb", type=int, default=0, help="memory (MB)")
+def project_create(name: str, parent: str | None, sandboxes: int, cpu: float,
+                   memory_mb: int) -> None:
+    """Create project NAME under PARENT with a quota delegated from the parent's."""
+    async def go() -> None:
+        async with DSecClient() as client:
+            p = await client.projects().create(name, parent=parent, sandboxes=sandboxes,
+                                               cpu=cpu, memory_mb=memory_mb)
+        click.echo(f"{p.name}: {_quota_text(p)}")
+    _run(go())
+
+
+@project.command("ls")
+def project_ls() -> None:
+    """List the projects your key may see."""
+    async def go() -> None:
+        async with DSecClient() as client:
+            _print_projects(await client.projects().list())
+    _run(go())
+
+
+@project.command("show")
+@click.argument("name")
+def project_show(name: str) -> None:
+    """Show a project's quota, use and delegation."""
+    async def go() -> None:
+        async with DSecClient() as client:
+            _print_projects([await client.projects().get(name)])
+    _run(go())
+
+
+@project.command("quota")
+@click.argument("name")
+@click.option("--sandboxes", type=int, default=None)
+@click.option("--cpu", type=float, default=None)
+@click.option("--memory-mb", type=int, default=None)
+def project_quota(name: str, sandboxes: int | None, cpu: float | None,
+                  memory_mb: int | None) -> None:
+    """Set NAME's quota (what its parent delegates to it); unset options keep their value."""
+    async def go() -> None:
+        async with DSecClient() as client:
+            p = await client.projects().set_quota(name, sandboxes=sandboxes, cpu=cpu,
+                                                  memory_mb=memory_mb)
+        click.echo(f"{p.name}: {_quota_text(p)}")
+    _run(go())
 
 
 @main.command()
@@ -309,7 +397,13 @@ def key_create(name: str, state_dir: Path | None) -> None:
               help="also write the figures as JSON here")
 @click.option("--only-trajectory", is_flag=True,
               help="only the trajectory series (log overhead, fast-forward)")
-def bench(quick: bool, json_out: Path | None, only_trajectory: bool) -> None:
+@click.option("--only", type=click.Choice(["projects"]), default=None,
+              help="only this series (projects: nested-project key against the admin key)")
+def bench(quick: bool, json_out: Path | None, only_trajectory: bool, only: str | None) -> None:
     """Run the benchmark against bare crun and print the figures (see docs/BENCHMARKS.md)."""
+    if only == "projects":
+        from .bench_projects import main as projects_main
+        projects_main(quick=quick, json_out=json_out)
+        return
     from .bench import main as bench_main
     bench_main(quick=quick, json_out=json_out, only_trajectory=only_trajectory)

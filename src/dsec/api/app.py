@@ -12,6 +12,7 @@ which ``Router.edge_for`` puts in front of the edge.
 from __future__ import annotations
 
 import json
+import math
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
@@ -29,6 +30,9 @@ from ..client.models import (CreateRequest, ExecRequest, ExecResult, FileEntry, 
 from ..store.sqlite import StateStore
 from ..trajectory.recorder import Call
 from .limits import BodyLimit, typed_http_error
+from .dashboard import dashboard_routes
+from .project_routes import project_routes
+from .projects import Projects
 from .routing import Router
 from .trajectories import trajectory_routes
 
@@ -58,12 +62,14 @@ def create_app(router: Router, store: StateStore, registry: CollectorRegistry) -
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        err = InvalidRequest("invalid request", errors=json.loads(json.dumps(exc.errors(), default=str)))
+        err = InvalidRequest("invalid request", errors=_json_safe(exc.errors()))
         return JSONResponse(err.to_json(), status_code=err.status)
 
     app.add_exception_handler(StarletteHTTPException, typed_http_error)
 
     known_keys: dict[str, str] = {}  # secret -> key id; keys are never revoked yet
+    projects = Projects(store, registry)
+    projects.attach(router)
 
     async def authenticated(request: Request) -> str:
         """Async on purpose: FastAPI runs a sync dependency in a thread, on every request."""
@@ -74,6 +80,7 @@ def create_app(router: Router, store: StateStore, registry: CollectorRegistry) -
         if key_id is None:
             raise Unauthorized("a valid API key is required (Authorization: Bearer dsk_...)")
         known_keys[secret] = key_id
+        projects.enter(key_id)
         return key_id
 
     auth = [Depends(authenticated)]
@@ -96,7 +103,8 @@ def create_app(router: Router, store: StateStore, registry: CollectorRegistry) -
 
     @app.get("/metrics", dependencies=auth, response_class=Response)
     async def metrics() -> Response:
-        """Prometheus exposition (scrape with ``authorization: Bearer <key>``)."""
+        """Prometheus exposition (scrape with ``authorization: Bearer <admin key>``)."""
+        projects.require_admin()
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/health")
@@ -109,7 +117,7 @@ def create_app(router: Router, store: StateStore, registry: CollectorRegistry) -
 
     @app.get("/v1/sandboxes", dependencies=auth)
     async def list_sandboxes() -> list[SandboxInfo]:
-        return router.list()
+        return router.list_visible()
 
     @app.get("/v1/sandboxes/{sandbox_id}", dependencies=auth)
     async def get(sandbox_id: str) -> SandboxInfo:
@@ -205,6 +213,8 @@ def create_app(router: Router, store: StateStore, registry: CollectorRegistry) -
         return Response(status_code=204)
 
     app.include_router(trajectory_routes(router, store), dependencies=auth)
+    app.include_router(project_routes(projects), dependencies=auth)
+    app.include_router(dashboard_routes(router, projects, registry, auth))
     app.add_middleware(CallHeaders)
     app.add_middleware(BodyLimit)
     return app
@@ -251,6 +261,22 @@ async def _ndjson(events: AsyncIterator[Output | ExecResult]) -> StreamingRespon
             yield json.dumps({"type": "error", **exc.to_json()}).encode() + b"\n"
 
     return StreamingResponse(lines(), media_type=NDJSON)
+
+
+def _json_safe(value: Any) -> Any:
+    """Validation errors echo the input: keep it renderable as JSON (no NaN or infinities,
+    no lone surrogates, no objects)."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "replace").decode("utf-8")
+    if isinstance(value, dict):
+        return {_json_safe(str(k)): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    return _json_safe(str(value))
 
 
 def _event_line(event: Output | ExecResult) -> bytes:

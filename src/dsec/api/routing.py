@@ -7,13 +7,16 @@ sandbox attached to a trajectory go through the trajectory recorder (``edge_for`
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..client.errors import CapacityExhausted, NotSupported, SandboxNotFound
 from ..client.models import CreateRequest, SandboxInfo
 from ..edge.edge import Edge
 from ..trajectory.log import TrajectoryLog
 from ..trajectory.recorder import Call, RecordedEdge, Recorder
+
+if TYPE_CHECKING:
+    from .projects import Projects
 
 
 def edge_of(sandbox_id: str) -> str:
@@ -28,10 +31,13 @@ class Router:
     def __init__(self, edges: list[Edge], trajectories: TrajectoryLog | None = None) -> None:
         self.edges = {edge.id: edge for edge in edges}
         self.recorder = Recorder(trajectories, self) if trajectories is not None else None
+        self.access: Projects | None = None  # who sees and creates which sandboxes (quotas)
 
     async def start(self) -> None:
         for edge in self.edges.values():
             await edge.start()
+        if self.access is not None:
+            self.access.reconcile()
 
     async def close(self) -> None:
         for edge in self.edges.values():
@@ -44,6 +50,8 @@ class Router:
         edge = self.edges.get(edge_of(sandbox_id))
         if edge is None:
             raise SandboxNotFound(f"no edge owns {sandbox_id!r}", sandbox_id=sandbox_id)
+        if self.access is not None:
+            self.access.check(sandbox_id)
         return edge
 
     def edge_for(self, sandbox_id: str, call: Call | None = None) -> Edge | RecordedEdge:
@@ -63,7 +71,13 @@ class Router:
         return await self.place(req)
 
     async def place(self, req: CreateRequest) -> SandboxInfo:
-        """Start a sandbox on the least-loaded edge that takes it."""
+        """Start a sandbox on the least-loaded edge that takes it, once the caller's project
+        quota admits it."""
+        if self.access is not None:
+            return await self.access.admit(req, self._place)
+        return await self._place(req)
+
+    async def _place(self, req: CreateRequest) -> SandboxInfo:
         refusals = []
         for edge in sorted(self.edges.values(), key=Edge.load):
             try:
@@ -74,6 +88,11 @@ class Router:
 
     def list(self) -> list[SandboxInfo]:
         return [info for edge in self.edges.values() for info in edge.list()]
+
+    def list_visible(self) -> list[SandboxInfo]:
+        """The live sandboxes the caller's key may see."""
+        infos = self.list()
+        return infos if self.access is None else self.access.visible(infos)
 
     def describe(self) -> list[dict[str, Any]]:
         return [{"id": e.id, "load": e.load(), "capacity": e.config.capacity,

@@ -3,10 +3,12 @@ its substrates, the router and the HTTP app, served by uvicorn on a Unix socket 
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -21,6 +23,7 @@ from ..store.sqlite import StateStore
 from ..substrates.container import ContainerSubstrate
 from ..trajectory.log import TrajectoryLog
 from .app import create_app
+from .logs import configure as configure_logging
 from .routing import Router
 
 DEFAULT_STATE_DIR = Path(os.environ.get("DSEC_STATE_DIR", "/var/lib/dsec"))
@@ -34,6 +37,7 @@ class ServerConfig:
     warm_pool: int = 2
     runtime: str = "crun"
     image_store: Path | None = None
+    log_format: str = "text"  # or "json": one JSON object per line (see api/logs.py)
 
     @property
     def socket_path(self) -> Path:
@@ -77,12 +81,18 @@ def build_app(config: ServerConfig) -> FastAPI:
 
 
 def serve(config: ServerConfig, host: str | None = None, port: int | None = None) -> None:
+    configure_logging(config.log_format)
     app = build_app(config)
+    where = f"http://{host}:{port or 8080}" if host else f"unix://{config.socket_path}"
+    logging.getLogger("dsec.server").info("dsec serving on %s", where,
+                                          extra={"state_dir": str(config.state_dir)})
+    # uvicorn's own handlers for text; for JSON its loggers go through the root handler
+    logging_config: dict[str, Any] = {} if config.log_format == "text" else {"log_config": None}
     if host is None:
         config.socket_path.unlink(missing_ok=True)
         uv = uvicorn.Config(app, uds=str(config.socket_path), log_level="warning",
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=5, **logging_config)
     else:
         uv = uvicorn.Config(app, host=host, port=port or 8080, log_level="warning",
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=5, **logging_config)
     uvicorn.Server(uv).run()

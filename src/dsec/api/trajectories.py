@@ -13,7 +13,7 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Path, Query
 from fastapi.responses import StreamingResponse
 
-from ..client.errors import InvalidRequest
+from ..client.errors import InvalidRequest, TrajectoryNotFound
 from ..client.models import (STEP_MAX, TRAJECTORY_ID, ReplayReport, ReplayRequest, StepPage,
                              StepRecord, TrajectoryInfo)
 from ..store.sqlite import StateStore
@@ -29,10 +29,20 @@ def trajectory_routes(router: Router, store: StateStore) -> APIRouter:
     api = APIRouter(prefix="/v1/trajectories")
     TrajectoryId = Path(pattern=TRAJECTORY_ID, max_length=256)
 
+    def visible(trajectory: str) -> str:
+        """The trajectory, if the caller's key may see its sandbox (its project's)."""
+        sandbox_id = router.trajectories().log.get(trajectory).sandbox_id
+        if router.access is not None and not router.access.sees(sandbox_id):
+            raise TrajectoryNotFound(f"no trajectory {trajectory!r}", trajectory=trajectory)
+        return trajectory
+
     @api.get("")
     async def list_trajectories(limit: int = Query(100, ge=1, le=1000)) -> list[TrajectoryInfo]:
         recorder = router.trajectories()
-        return [recorder.info(row.id) for row in recorder.log.list(limit)]
+        rows = recorder.log.list(limit)
+        if router.access is not None:
+            rows = [row for row in rows if router.access.sees(row.sandbox_id)]
+        return [recorder.info(row.id) for row in rows]
 
     @api.get("/{trajectory:path}/-/steps")
     async def steps(trajectory: str = TrajectoryId, generation: int | None = Query(None, ge=0, le=STEP_MAX),
@@ -41,6 +51,7 @@ def trajectory_routes(router: Router, store: StateStore) -> APIRouter:
         """Logged steps after ``after``, in order, with their outcomes (bytes above 4 KiB as
         blob references). The SDK prefetches these to fast-forward without a round trip."""
         log = router.trajectories().log
+        visible(trajectory)
         generation = generation or log.get(trajectory).generation
         rows = log.steps(trajectory, generation, after=after, limit=limit + 1)
         more = len(rows) > limit
@@ -54,6 +65,7 @@ def trajectory_routes(router: Router, store: StateStore) -> APIRouter:
                      format: str = Query("jsonl")) -> StreamingResponse:
         if format != "jsonl":
             raise InvalidRequest("the only export format is jsonl", format=format)
+        visible(trajectory)
         lines = export_lines(router.trajectories().log, store, trajectory)
         first = next(lines)  # an unknown trajectory is an ordinary HTTP error
 
@@ -70,15 +82,15 @@ def trajectory_routes(router: Router, store: StateStore) -> APIRouter:
     async def resume(trajectory: str = TrajectoryId) -> TrajectoryInfo:
         """The trajectory and its live sandbox; ``sandbox_died`` (or ``sandbox_not_found``
         for a stopped one) with ``last_step`` in the details otherwise."""
-        return router.trajectories().resume(trajectory)
+        return router.trajectories().resume(visible(trajectory))
 
     @api.post("/{trajectory:path}/-/replay")
     async def replay(req: ReplayRequest, trajectory: str = TrajectoryId) -> ReplayReport:
-        return await router.trajectories().replay(trajectory, req)
+        return await router.trajectories().replay(visible(trajectory), req)
 
     @api.get("/{trajectory:path}")
     async def get(trajectory: str = TrajectoryId) -> TrajectoryInfo:
-        return router.trajectories().info(trajectory)
+        return router.trajectories().info(visible(trajectory))
 
     return api
 

@@ -27,6 +27,7 @@ from .errors import CommandTimeout, DSecError, FileNotFound, InvalidRequest, Ser
 from .models import (CreateRequest, ExecRequest, ExecResult, FileEntry, ProcessInfo,
                      ReplayReport, ReplayRequest, SandboxInfo, StepDiff, StepPage, StepRecord,
                      TrajectoryInfo, b64)
+from .projects import Projects
 from .trajectory import Attachment, OnDivergence, check_on_divergence
 from .transport import Transport
 
@@ -565,3 +566,7 @@ class DSecClient:
 
     async def health(self) -> dict[str, Any]:
         return await self._t.json("GET", "/v1/health")
+
+    def projects(self) -> Projects:
+        """Projects, quotas and project keys (see docs/PROJECTS.md)."""
+        return Projects(self._t)

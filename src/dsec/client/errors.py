@@ -124,6 +124,36 @@ class StepInterrupted(TrajectoryDiverged):
     code, status = "step_interrupted", 409
 
 
+class Forbidden(DSecError):
+    """The key may see the project but not change it (e.g. its own or an ancestor's quota)."""
+
+    code, status = "forbidden", 403
+
+
+class ProjectNotFound(DSecError):
+    """No such project, or none the key may see."""
+
+    code, status = "project_not_found", 404
+
+
+class ProjectExists(DSecError):
+    code, status = "project_exists", 409
+
+
+class QuotaExceeded(DSecError):
+    """Admitting the sandbox would take the project past its quota (details: ``project``,
+    ``resource``, ``quota``, ``used``, ``delegated``, ``asked``). Retry when some end."""
+
+    code, status = "quota_exceeded", 429
+
+
+class DelegationExceeded(DSecError):
+    """A quota change would break ``use + children's quotas <= quota`` for a project (details:
+    ``project``, ``resource``, ``quota``, ``used``, ``delegated``, ``asked``)."""
+
+    code, status = "delegation_exceeded", 409
+
+
 ERRORS: dict[str, type[DSecError]] = {
     cls.code: cls
     for cls in (
@@ -148,6 +178,11 @@ ERRORS: dict[str, type[DSecError]] = {
         TrajectoryExists,
         TrajectoryDiverged,
         StepInterrupted,
+        Forbidden,
+        ProjectNotFound,
+        ProjectExists,
+        QuotaExceeded,
+        DelegationExceeded,
     )
 }
 

@@ -14,6 +14,7 @@ from . import aio
 from .aio import CommandResult, OutputChunk
 from .errors import DSecError
 from .models import FileEntry, ProcessInfo, SandboxInfo, StepDiff, StepRecord
+from .projects import SyncProjects
 
 T = TypeVar("T")
 
@@ -179,6 +180,9 @@ class Client:
 
     def export_trajectory(self, trajectory: str) -> Iterator[dict[str, Any]]:
         return self._loop.iterate(self._async.export_trajectory(trajectory))
+
+    def projects(self) -> SyncProjects:
+        return SyncProjects(self._loop.call, self._async.projects())
 
     list = _blocking("list")
     health = _blocking("health")

@@ -24,7 +24,7 @@ SANDBOXFUSION_PREFIX = "/sandboxfusion"
 
 
 def mount_compat(app: FastAPI, router: Router, store: StateStore, state_dir: Path) -> FastAPI:
-    keys = Keys(store, state_dir)
+    keys = Keys(store, state_dir, router.access.enter if router.access is not None else None)
     app.mount(E2B_PREFIX, create_e2b_app(router, keys))
     app.mount(SANDBOXFUSION_PREFIX, create_sandboxfusion_app(router, keys))
     return app

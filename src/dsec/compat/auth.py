@@ -19,24 +19,29 @@ import hmac
 import os
 import secrets
 from pathlib import Path
+from typing import Callable
 
 from ..store.sqlite import StateStore
 
 
 class Keys:
-    def __init__(self, store: StateStore, state_dir: Path) -> None:
+    def __init__(self, store: StateStore, state_dir: Path,
+                 enter: Callable[[str], None] | None = None) -> None:
+        """``enter(key id)`` makes a valid key's project the caller's (see api/projects.py)."""
         self.store = store
-        self._known: set[str] = set()
+        self._known: dict[str, str] = {}  # secret -> key id
         self._secret = _load_secret(state_dir / "compat.secret")
+        self._enter = enter
 
     def valid(self, secret: str | None) -> bool:
         if not secret:
             return False
-        if secret in self._known:
-            return True
-        if self.store.key_for_secret(secret) is None:
+        key_id = self._known.get(secret) or self.store.key_for_secret(secret)
+        if key_id is None:
             return False
-        self._known.add(secret)  # keys are never revoked yet
+        self._known[secret] = key_id  # keys are never revoked yet
+        if self._enter is not None:
+            self._enter(key_id)
         return True
 
     def from_headers(self, headers: object) -> str | None:

@@ -4,7 +4,8 @@ E2B SDK's single-gateway configuration works unchanged::
 
     E2B_API_URL=http://HOST:PORT/e2b  E2B_SANDBOX_URL=http://HOST:PORT/e2b  E2B_API_KEY=<dsec key>
 
-Control plane (``X-API-Key`` or ``Authorization: Bearer``, any dsec API key):
+Control plane (``X-API-Key`` or ``Authorization: Bearer``, any dsec API key; a project
+key sees and creates only its project's sandboxes, see docs/PROJECTS.md):
 
 - ``POST /sandboxes``, ``POST /v2/sandboxes``: create from a template (mapped to a dsec image)
 - ``GET /sandboxes``, ``GET /v2/sandboxes`` (metadata/state/template filters, pagination)
@@ -31,7 +32,8 @@ from pydantic import ValidationError
 
 from ..api.routing import Router
 from ..client.errors import (CapacityExhausted, DSecError, ImageNotFound, InvalidRequest,
-                             NotSupported, SandboxDied, SandboxNotFound, Unauthorized)
+                             NotSupported, QuotaExceeded, SandboxDied, SandboxNotFound,
+                             Unauthorized)
 from ..client.models import CreateRequest, SandboxInfo
 from .auth import Keys
 from .connect import PlainHttpError
@@ -152,14 +154,14 @@ def create_e2b_app(router: Router, keys: Keys, templates: dict[str, str] | None 
 
     async def list_v1(request: Request) -> JSONResponse:
         authenticate(request)
-        infos = _filtered(router.list(), request.query_params)
+        infos = _filtered(router.list_visible(), request.query_params)
         return JSONResponse([listed(info) for info in infos])
 
     @app.get("/v2/sandboxes")
     async def list_v2(request: Request) -> JSONResponse:
         authenticate(request)
         params = request.query_params
-        infos = _filtered(router.list(), params)
+        infos = _filtered(router.list_visible(), params)
         states = {s for value in params.getlist("state") for s in value.split(",") if s}
         if states and "running" not in states:
             infos = []
@@ -167,7 +169,7 @@ def create_e2b_app(router: Router, keys: Keys, templates: dict[str, str] | None 
         start = _int(params.get("nextToken") or 0, "nextToken")
         limit = _int(params.get("limit") or 0, "limit") or len(infos)
         page = infos[start:start + limit]
-        headers = {"X-Total-Running": str(len(router.list()))}
+        headers = {"X-Total-Running": str(len(router.list_visible()))}
         if start + limit < len(infos):
             headers["X-Next-Token"] = str(start + limit)
         return JSONResponse([listed(info) for info in page], headers=headers)
@@ -329,6 +331,8 @@ def _dsec_error(exc: DSecError) -> JSONResponse:
         return _error(401, exc.message)
     if isinstance(exc, CapacityExhausted):
         return _error(429, f"{exc.message}: too many sandboxes at once")
+    if isinstance(exc, QuotaExceeded):
+        return _error(429, exc.message)
     if isinstance(exc, (InvalidRequest, NotSupported)):
         return _error(400, exc.message)
     return _error(500, exc.message)

@@ -83,6 +83,7 @@ class Edge:
         self._tasks: set[asyncio.Future[None]] = set()
         self._starting = 0
         self._reaper: asyncio.Task[None] | None = None
+        self.on_end: list[Callable[[str, str, str], None]] = []  # (sandbox id, state, reason)
 
     # lifecycle of the edge itself
     async def start(self) -> None:
@@ -218,7 +219,14 @@ class Edge:
             return
         self.store.mark_ended(sandbox_id, state, reason)
         self.metrics.ended.labels(live.row.substrate, state).inc()
-        await live.substrate.destroy(sandbox_id)
+        try:
+            await live.substrate.destroy(sandbox_id)
+        finally:
+            for listener in self.on_end:
+                try:
+                    listener(sandbox_id, state, reason)
+                except Exception:  # a listener's failure must not fail the stop
+                    log.exception("sandbox end listener failed for %s", sandbox_id)
         self.store.event(state, sandbox_id, reason=reason)
 
     def set_ttl(self, sandbox_id: str, ttl_s: int) -> SandboxInfo:

@@ -12,6 +12,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ..store.sqlite import LIVE_STATES
+
 if TYPE_CHECKING:
     from .edge import Edge
 
@@ -56,4 +58,13 @@ class EdgeCollector(Collector):
                 warm.add_metric([self.edge.id, substrate, image], n)
         capacity = GaugeMetricFamily("dsec_capacity", "Sandboxes the edge admits", labels=["edge"])
         capacity.add_metric([self.edge.id], self.edge.config.capacity)
-        yield from (live, warm, capacity)
+        states = GaugeMetricFamily("dsec_sandboxes_by_state", "Live sandboxes by substrate and "
+                                   "state, as recorded (starting: being created)",
+                                   labels=["edge", "substrate", "state"])
+        recorded = self.edge.store.live_counts(self.edge.id)
+        for substrate in self.edge.substrates:
+            for state in LIVE_STATES:
+                recorded.setdefault((substrate, state), 0)
+        for (substrate, state), n in sorted(recorded.items()):
+            states.add_metric([self.edge.id, substrate, state], n)
+        yield from (live, warm, capacity, states)

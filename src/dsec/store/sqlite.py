@@ -133,6 +133,13 @@ class StateStore:
             args.extend(LIVE_STATES)
         return [_row(r) for r in self._db.execute(sql + " ORDER BY created_at", args)]
 
+    def live_counts(self, edge: str) -> dict[tuple[str, str], int]:
+        """Live sandboxes of an edge by (substrate, state)."""
+        rows = self._db.execute("SELECT substrate, state, COUNT(*) AS n FROM sandboxes WHERE "
+                                "edge=? AND state IN (?,?) GROUP BY substrate, state",
+                                (edge, *LIVE_STATES))
+        return {(r["substrate"], r["state"]): r["n"] for r in rows}
+
     # keys
     def create_key(self, name: str) -> tuple[str, str, float]:
         """Returns (key id, secret, created_at); only the secret's hash is stored."""
