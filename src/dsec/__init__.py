@@ -16,6 +16,7 @@ from .client.errors import (CapacityExhausted, CommandTimeout, DSecError, FileNo
                             TrajectoryExists, TrajectoryNotFound, Unauthorized)
 from .client.models import (FileEntry, ProcessInfo, SandboxInfo, StepDiff, StepRecord,
                             TrajectoryInfo)
+from .client.models import NetworkPolicy
 from .client.sync import Client, OutputStream, Process, Replay, Sandbox
 
 __all__ = [
@@ -26,5 +27,6 @@ __all__ = [
     "SandboxDied", "SandboxError", "SandboxNotFound", "ServerUnavailable", "Unauthorized",
     "TrajectoryDiverged", "StepInterrupted", "TrajectoryExists", "TrajectoryNotFound",
     "TrajectoryInfo", "StepRecord", "StepDiff", "Replay", "AsyncReplay",
+    "NetworkPolicy",
 ]
 __version__ = "0.1.0"

@@ -47,12 +47,15 @@ def main() -> None:
               help="sandboxes kept started per image that was asked for (0: none)")
 @click.option("--runtime", type=click.Choice(["crun", "runc", "runsc"]), default="crun")
 @click.option("--edge-id", default="", help="edge id (default: derived from host and state dir)")
+@click.option("--network-services", type=click.Path(path_type=Path), default=None,
+              help="network service table, TOML (default: STATE_DIR/network-services.toml)")
 def serve(state_dir: Path | None, host: str | None, port: int, capacity: int, warm_pool: int,
-          runtime: str, edge_id: str) -> None:
+          runtime: str, edge_id: str, network_services: Path | None) -> None:
     """Run the API server with an embedded edge on this host."""
     from .api.server import DEFAULT_STATE_DIR, ServerConfig, serve as run_server
     config = ServerConfig(state_dir=state_dir or DEFAULT_STATE_DIR, capacity=capacity,
-                          warm_pool=warm_pool, runtime=runtime, edge_id=edge_id)
+                          warm_pool=warm_pool, runtime=runtime, edge_id=edge_id,
+                          network_services=network_services)
     where = f"http://{host}:{port}" if host else f"unix://{config.socket_path}"
     console.print(f"dsec serving on {where} (state in {config.state_dir})")
     run_server(config, host, port if host else None)

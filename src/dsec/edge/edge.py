@@ -23,9 +23,11 @@ from ..agent.client import AgentClient, AgentError, AgentUnavailable, Exit, Outp
 from ..client.errors import (CapacityExhausted, DSecError, FileNotFound, InvalidRequest,
                              NotSupported, ProcessNotFound, SandboxDied, SandboxError,
                              SandboxNotFound)
-from ..client.models import (CreateRequest, ExecRequest, ExecResult, FileEntry, ProcessInfo,
-                             SandboxInfo, b64)
+from ..client.models import (CreateRequest, ExecRequest, ExecResult, FileEntry, Network,
+                             ProcessInfo, SandboxInfo, b64)
 from ..images.store import Image, ImageStore
+from ..network.hosts import pin_hosts
+from ..network.policy import Egress, ServiceTable, resolve
 from ..store.sqlite import SandboxRow, StateStore
 from ..substrates.base import StartPlan, Substrate
 from .commands import check_env, exec_argv, sandbox_path
@@ -53,9 +55,11 @@ class EdgeConfig:
     capacity: int = 256
     warm_pool: int = 2
     reap_interval_s: float = 0.5
+    network_services: Path | None = None  # the operator's service table (TOML)
 
     def __post_init__(self) -> None:
         self.edge_id = self.edge_id or default_edge_id(self.state_dir)
+        self.network_services = self.network_services or self.state_dir / "network-services.toml"
 
 
 @dataclass
@@ -75,6 +79,7 @@ class Edge:
         self.images = images
         self.substrates = substrates
         self.metrics = metrics
+        self.services = ServiceTable.load(config.network_services)
         metrics.watch(self)
         self.pools = {name: WarmPool(substrate, self.id, config.warm_pool)
                       for name, substrate in substrates.items()}
@@ -155,8 +160,7 @@ class Edge:
         if substrate is None:
             raise NotSupported(f"substrate {req.substrate!r} is not served by edge {self.id}",
                                served=sorted(self.substrates))
-        if req.network != "none":
-            raise NotSupported("only network='none' is served so far", network=req.network)
+        egress = await self._egress(substrate, req.network)
         check_env(req.env)
         if self.load() >= self.config.capacity:
             raise CapacityExhausted(f"edge {self.id} is at its capacity of "
@@ -168,8 +172,8 @@ class Edge:
             req = req.model_copy(update={"env": {**BASE_ENV, **image_env, **req.env}})
             pool = self.pools.get(req.substrate)
             pooled = pool.take(image) if pool and req.runtime is None else None
-            row = await (self._claim(substrate, req, pooled) if pooled
-                         else self._start(substrate, req, image))
+            row = await (self._claim(substrate, req, pooled, egress) if pooled
+                         else self._start(substrate, req, image, egress))
             self._adopt(row, substrate)
             if pool:
                 pool.refill(image)
@@ -184,22 +188,30 @@ class Edge:
                           image_digest=image_digest, state=state, request=req.model_dump(),
                           created_at=now, expires_at=now + req.ttl_s)
 
-    async def _start(self, substrate: Substrate, req: CreateRequest, image: Image) -> SandboxRow:
+    async def _start(self, substrate: Substrate, req: CreateRequest, image: Image,
+                     egress: Egress | None) -> SandboxRow:
         """Record the sandbox as starting first, so a crash mid-start leaves a trace to clean."""
         row = self._row(f"sb-{self.id}-{secrets.token_hex(6)}", req, image.digest, "starting")
         self.store.insert_sandbox(row)
         try:
             row.runtime = await substrate.start(StartPlan(row.id, req, image))
+            if egress is not None:
+                await self._apply_network(substrate, row.id, row.runtime, egress)
         except BaseException as exc:
             self.store.mark_ended(row.id, "died", f"failed to start: {exc}")
+            if row.runtime:
+                await substrate.destroy(row.id)
             raise
         row.state = "running"
         self.store.mark_running(row.id, row.runtime)
         return row
 
-    async def _claim(self, substrate: Substrate, req: CreateRequest, pooled: Pooled) -> SandboxRow:
+    async def _claim(self, substrate: Substrate, req: CreateRequest, pooled: Pooled,
+                     egress: Egress | None) -> SandboxRow:
         try:
             await substrate.claim(pooled.sandbox_id, pooled.runtime, req)
+            if egress is not None:  # pooled sandboxes start with no network: wired on claim
+                await self._apply_network(substrate, pooled.sandbox_id, pooled.runtime, egress)
         except BaseException as exc:
             await substrate.destroy(pooled.sandbox_id)
             if isinstance(exc, OSError):
@@ -226,6 +238,44 @@ class Edge:
         self.store.set_expiry(sandbox_id, live.row.expires_at)
         return self.info(live.row)
 
+    # network
+    async def _egress(self, substrate: Substrate, network: Network) -> Egress | None:
+        """The policy resolved to concrete rules, refused if the substrate cannot enforce it."""
+        if network != "none" and not substrate.network_policies:
+            raise NotSupported(f"the {substrate.name} substrate cannot enforce network "
+                               "policies yet; use network='none'", substrate=substrate.name)
+        return await resolve(network, self.services)
+
+    async def _apply_network(self, substrate: Substrate, sandbox_id: str,
+                             runtime: dict[str, Any], egress: Egress | None) -> None:
+        """Rules first, then the sandbox's /etc/hosts pins (through its agent, so the path is
+        resolved inside the sandbox, never on the host)."""
+        await substrate.set_network(sandbox_id, runtime, egress)
+        agent = substrate.agent(sandbox_id, runtime)
+        try:
+            current = await agent.read_file("/etc/hosts")
+        except AgentError:
+            current = b""
+        pins = egress.hosts if egress is not None else ()
+        updated = pin_hosts(current, pins)
+        if updated != current:
+            await agent.write_file("/etc/hosts", updated)
+
+    async def set_network(self, sandbox_id: str, network: Network) -> SandboxInfo:
+        """Replace a running sandbox's policy; on failure the previous one stays."""
+        live = self._get(sandbox_id)
+        egress = await self._egress(live.substrate, network)
+        try:
+            await self._apply_network(live.substrate, sandbox_id, live.row.runtime, egress)
+        except AgentUnavailable as exc:
+            raise await self._agent_failed(live, exc) from None
+        except AgentError as exc:
+            raise SandboxError(f"could not pin the policy's host names in /etc/hosts: {exc}",
+                               sandbox_id=sandbox_id) from None
+        live.row.request["network"] = network if network == "none" else network.model_dump()
+        self.store.set_request(sandbox_id, live.row.request)
+        return self.info(live.row)
+
     # queries
     def info(self, row: SandboxRow) -> SandboxInfo:
         req = row.request
@@ -233,7 +283,8 @@ class Edge:
                            image_digest=row.image_digest, state=row.state, edge=row.edge,  # type: ignore[arg-type]
                            created_at=row.created_at, expires_at=row.expires_at, cpu=req["cpu"],
                            memory_mb=req["memory_mb"], labels=req.get("labels", {}),
-                           reason=row.reason, trajectory=req.get("trajectory"))
+                           reason=row.reason, trajectory=req.get("trajectory"),
+                           network=req.get("network", "none"))
 
     def get_row(self, sandbox_id: str) -> SandboxRow:
         row = self.store.get_sandbox(sandbox_id)
