@@ -13,7 +13,9 @@ sharing the host never collide. The link's alias ``<edge>/<sandbox id>`` says wh
 which is all a restarted edge needs to find its wiring. The sandbox's netns lives and dies
 with the sandbox, taking the veth pair with it; chains whose link is gone are swept.
 IPv4 forwarding is enabled per interface, on the sandbox's link and on the interface that
-routes each allowed destination, never host-wide.
+routes each allowed destination (replies come in there), never host-wide. An interface on
+which dsec turned forwarding on joins the set ``forwarders``: it forwards nothing that is
+not to or from a sandbox, so the host does not become a router for its neighbours.
 """
 
 from __future__ import annotations
@@ -45,12 +47,14 @@ T = TypeVar("T")
 BASE_RULES = f"""
 add table {TABLE}
 add map {TABLE} egress {{ type ifname : verdict; }}
+add set {TABLE} forwarders {{ type ifname; }}
 add chain {TABLE} forward {{ type filter hook forward priority -10; policy accept; }}
 flush chain {TABLE} forward
 add rule {TABLE} forward iifname "{LINK_PREFIX}*" iifname vmap @egress
 add rule {TABLE} forward iifname "{LINK_PREFIX}*" reject with icmpx type admin-prohibited
 add rule {TABLE} forward oifname "{LINK_PREFIX}*" ct state established,related accept
 add rule {TABLE} forward oifname "{LINK_PREFIX}*" drop
+add rule {TABLE} forward iifname @forwarders drop
 add chain {TABLE} input {{ type filter hook input priority -10; policy accept; }}
 flush chain {TABLE} input
 add rule {TABLE} input iifname "{LINK_PREFIX}*" iifname vmap @egress
@@ -152,7 +156,10 @@ class Wiring:
         self._nft("\n".join(lines))
         with IPRoute() as ipr:
             for rule in egress.rules:
-                _enable_forwarding_towards(ipr, str(rule.network.network_address))
+                uplink = _uplink(ipr, str(rule.network.network_address))
+                if uplink is not None and not _forwarding(uplink):
+                    self._nft(f'add element {TABLE} forwarders {{ "{uplink}" }}')
+                    _enable_forwarding(uplink)
 
     def detach(self, slot: Slot) -> None:
         """Remove the slot's rules and link (either may be gone already)."""
@@ -167,17 +174,22 @@ class Wiring:
                   f"delete chain {TABLE} {slot.chain}")
 
     def sweep(self) -> None:
-        """Remove chains whose link is gone (their sandbox died with the edge down)."""
+        """Remove chains whose link is gone (their sandbox died while its edge was down) and
+        forwarders that no longer exist."""
         listing = subprocess.run(["nft", "list", "table", *TABLE.split()], capture_output=True,
-                                 text=True)
-        chains = {int(i) for i in re.findall(r"chain sb(\d+) ", listing.stdout)}
-        if not chains:
+                                 text=True).stdout
+        chains = {int(i) for i in re.findall(r"chain sb(\d+) ", listing)}
+        forwarders = re.search(r"set forwarders \{[^}]*?elements = \{([^}]*)\}", listing)
+        names = set(re.findall(r'"([^"]+)"', forwarders.group(1))) if forwarders else set()
+        if not chains and not names:
             return
         with IPRoute() as ipr:
             links = {link.get("ifname") for link in ipr.get_links()}
         for index in chains:
             if Slot(index).link not in links:
                 self.remove_rules(Slot(index))
+        for name in names - links:
+            self._nft(f'delete element {TABLE} forwarders {{ "{name}" }}')
 
     def _nft(self, batch: str) -> None:
         with self._lock:
@@ -238,16 +250,18 @@ def _enable_forwarding(link: str) -> None:
         f.write("1")
 
 
-def _enable_forwarding_towards(ipr: IPRoute, address: str) -> None:
-    """Replies to a sandbox are forwarded too, so the interface they come in by (the one
-    that routes the destination) must forward."""
+def _forwarding(link: str) -> bool:
+    with open(f"/proc/sys/net/ipv4/conf/{link}/forwarding") as f:
+        return f.read().strip() == "1"
+
+
+def _uplink(ipr: IPRoute, address: str) -> str | None:
+    """The interface that routes ``address`` (None: the host itself, or no route). Replies
+    to a sandbox come in there and are forwarded, so it must forward."""
     try:
         route = ipr.route("get", dst=address)[0]
     except NetlinkError:
-        return  # unreachable: nothing to enable
+        return None
     oif = route.get("RTA_OIF")
-    if oif is None:
-        return
-    name = ipr.link("get", index=oif)[0].get("ifname")
-    if name and name != "lo" and not LINK_NAME.match(name):
-        _enable_forwarding(name)
+    name = ipr.link("get", index=oif)[0].get("ifname") if oif is not None else None
+    return None if not name or name == "lo" or LINK_NAME.match(name) else name
