@@ -7,13 +7,10 @@ Destinations are test-made network namespaces with TCP servers on their veth add
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import os
-import secrets
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,74 +20,23 @@ import pytest
 
 import dsec
 from conftest import Server, make_server, stop_server
+from dsec.network.testbed import Destination, make_destination
 
 PORTS = (8001, 8002)
-SERVE = """
-import socket, sys, threading
-def serve(port):
-    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind((sys.argv[1], port)); s.listen(64)
-    while True:
-        c, _ = s.accept(); c.sendall(b"hello-%d\\n" % port); c.close()
-for port in map(int, sys.argv[2:]):
-    threading.Thread(target=serve, args=(port,), daemon=True).start()
-print("ready", flush=True)
-sys.stdin.read()
-"""
-
-
-@dataclass
-class Destination:
-    """A network namespace with servers on ``address``, routed from the host."""
-
-    ns: str
-    link: str
-    address: str
-    network: str
-    server: subprocess.Popen[bytes] | None = None
-
-
-def make_destination() -> Destination:
-    slot = secrets.randbelow(16000) + 1
-    net = ipaddress.IPv4Network(f"10.201.{slot // 64}.{(slot % 64) * 4}/30")
-    host_addr, addr = str(net.network_address + 1), str(net.network_address + 2)
-    tag = secrets.token_hex(3)
-    d = Destination(f"dtst{tag}", f"dth{tag}", addr, str(net))
-    for cmd in (f"ip netns add {d.ns}",
-                f"ip link add {d.link} type veth peer name dtp{tag}",
-                f"ip link set dtp{tag} netns {d.ns}",
-                f"ip addr add {host_addr}/30 dev {d.link}", f"ip link set {d.link} up",
-                f"ip -n {d.ns} addr add {addr}/30 dev dtp{tag}", f"ip -n {d.ns} link set dtp{tag} up",
-                f"ip -n {d.ns} link set lo up", f"ip -n {d.ns} route add default via {host_addr}"):
-        subprocess.run(cmd.split(), check=True)
-    d.server = subprocess.Popen(["ip", "netns", "exec", d.ns, sys.executable, "-c", SERVE, addr,
-                                 *map(str, PORTS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    assert d.server.stdout is not None and d.server.stdout.readline() == b"ready\n"
-    return d
-
-
-def remove_destination(d: Destination) -> None:
-    if d.server:
-        d.server.kill()
-        d.server.wait()
-    subprocess.run(["ip", "netns", "del", d.ns])
-    subprocess.run(["ip", "link", "del", d.link], stderr=subprocess.DEVNULL)
-    subprocess.run(["nft", f'delete element inet dsec forwarders {{ "{d.link}" }}'],
-                   stderr=subprocess.DEVNULL)  # the edge let it forward replies to sandboxes
 
 
 @pytest.fixture(scope="module")
 def dest() -> Iterator[Destination]:
-    d = make_destination()
+    d = make_destination(PORTS)
     yield d
-    remove_destination(d)
+    d.remove()
 
 
 @pytest.fixture(scope="module")
 def other() -> Iterator[Destination]:
-    d = make_destination()
+    d = make_destination(PORTS)
     yield d
-    remove_destination(d)
+    d.remove()
 
 
 @pytest.fixture(scope="module")
@@ -193,8 +139,7 @@ async def test_allowed_destination_reachable_others_not(net_server: Server, dest
             assert await fetch(sb, other.address, PORTS[0]) is None  # other host
             gateway = (await sb.run("cat /proc/net/route")).stdout
             assert "eth0" in gateway
-            host_side = str(ipaddress.IPv4Address(other.address) - 1)
-            assert await fetch(sb, host_side, PORTS[0]) is None  # the host itself
+            assert await fetch(sb, other.host_side, PORTS[0]) is None  # the host itself
             # a network rule opens every port of every address in it
             await sb.set_network({"allow": [dest.network]})
             assert await fetch(sb, dest.address, PORTS[1]) == f"hello-{PORTS[1]}"
