@@ -81,7 +81,7 @@ async def network_series(console: Console, quick: bool = False) -> list[Sample]:
                                          first_output(warm, "none"),
                                          Sample("create (warm pool), with a policy", []),
                                          first_output(warm, policy), pool // 2,
-                                         max(1, n_create // pool), between=refill)
+                                         max(1, n_create // pool), between=refill, settle_s=1.0)
     finally:
         dest.remove()
         shutil.rmtree(root, ignore_errors=True)
