@@ -159,6 +159,16 @@ async def test_named_service_allowed_and_blocked(net_server: Server, dest: Desti
             assert await fetch(off, dest.address, PORTS[0]) is None
             with pytest.raises(dsec.InvalidRequest, match="unknown network service"):
                 await client.create(ttl_s=60, network={"no-such-service": True})
+            # the operator edits the table: the next policy applied sees the change
+            table = net_server.args[net_server.args.index("--network-services") + 1]
+            text = Path(table).read_text()
+            Path(table).write_text(text + f'[services.second]\nallow = ["{dest.address}:{PORTS[1]}"]\n')
+            try:
+                await off.set_network({"second": True})
+                assert await fetch(off, dest.address, PORTS[1]) == f"hello-{PORTS[1]}"
+                assert await fetch(off, dest.address, PORTS[0]) is None
+            finally:
+                Path(table).write_text(text)
         finally:
             await on.stop()
             await off.stop()

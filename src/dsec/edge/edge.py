@@ -79,7 +79,7 @@ class Edge:
         self.images = images
         self.substrates = substrates
         self.metrics = metrics
-        self.services = ServiceTable.load(config.network_services)
+        self.services = ServiceTable(config.network_services)
         metrics.watch(self)
         self.pools = {name: WarmPool(substrate, self.id, config.warm_pool)
                       for name, substrate in substrates.items()}

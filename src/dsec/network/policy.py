@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 import socket
 import tomllib
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from ..client.models import Network
 from .rules import Destination, parse_rule
 
 DEFAULT_TABLE = Path(__file__).with_name("services.toml")
+log = logging.getLogger("dsec.network")
 
 
 @dataclass(frozen=True)
@@ -30,18 +32,35 @@ class Service:
 
 
 class ServiceTable:
-    def __init__(self, services: dict[str, Service]) -> None:
-        self.services = services
+    """The service table; the operator's file is read again when it changes, so an edit
+    takes effect at the next policy applied, without a restart."""
 
-    @classmethod
-    def load(cls, operator_file: Path | None = None) -> ServiceTable:
-        """The default table, overridden entry by entry by ``operator_file`` if it exists."""
-        services = _read(DEFAULT_TABLE)
-        if operator_file is not None and operator_file.exists():
-            services.update(_read(operator_file))
-        return cls(services)
+    def __init__(self, operator_file: Path | None = None) -> None:
+        self.operator_file = operator_file
+        self._stamp: float | None = None
+        self.services: dict[str, Service] = {}
+        self._refresh()
+
+    def _refresh(self) -> None:
+        path = self.operator_file
+        stamp = path.stat().st_mtime if path is not None and path.exists() else None
+        if self.services and stamp == self._stamp:
+            return
+        try:
+            services = _read(DEFAULT_TABLE)
+            if stamp is not None:
+                assert path is not None
+                services.update(_read(path))
+        except ValueError:
+            if not self.services:
+                raise  # at start: refuse to serve with a broken table
+            log.exception("keeping the previous network service table")
+            self._stamp = stamp
+            return
+        self.services, self._stamp = services, stamp
 
     def destinations(self, name: str) -> tuple[Destination, ...]:
+        self._refresh()
         service = self.services.get(name)
         if service is None:
             raise InvalidRequest(f"unknown network service {name!r}", service=name,
