@@ -184,15 +184,23 @@ async def test_set_network_flips_reachability(net_server: Server, dest: Destinat
             info = await sb.set_network([rule])
             assert info.network == dsec.NetworkPolicy(allow=[rule])
             assert (await client.get(sb.id)).info.network == info.network
-            slot = slot_of(edge, sb.id)
+            first_slot = slot_of(edge, sb.id)
             assert await fetch(sb, dest.address, PORTS[0]) == f"hello-{PORTS[0]}"
             await sb.set_network({"allow": []})  # wired, nothing allowed
             assert await fetch(sb, dest.address, PORTS[0]) is None
             await sb.set_network({"testsvc": True})
             assert await fetch(sb, dest.address, PORTS[0]) == f"hello-{PORTS[0]}"
+            # concurrent changes are applied one at a time: never two veths for one sandbox
+            await asyncio.gather(*(sb.set_network(p) for p in ([rule], {"testsvc": True}, "none",
+                                                                 [rule], {"allow": [rule]})))
+            await sb.set_network([rule])
+            mine = [link["ifname"] for link in _ip("link")
+                    if link.get("ifalias") == f"{edge}/{sb.id}"]
+            assert len(mine) == 1
+            slot = mine[0]
             await sb.set_network("none")  # back to loopback only, the veth goes
             assert (await sb.run("ls /sys/class/net")).stdout.split() == ["lo"]
-            assert_clean(edge, {slot})
+            assert_clean(edge, {slot, first_slot})
             assert (await client.get(sb.id)).info.network == "none"
         finally:
             await sb.stop()

@@ -196,7 +196,7 @@ class Edge:
         try:
             row.runtime = await substrate.start(StartPlan(row.id, req, image))
             if egress is not None:
-                await self._apply_network(substrate, row.id, row.runtime, egress)
+                await self._apply_network(substrate, row.id, row.runtime, egress, fresh=True)
         except BaseException as exc:
             self.store.mark_ended(row.id, "died", f"failed to start: {exc}")
             if row.runtime:
@@ -211,7 +211,8 @@ class Edge:
         try:
             await substrate.claim(pooled.sandbox_id, pooled.runtime, req)
             if egress is not None:  # pooled sandboxes start with no network: wired on claim
-                await self._apply_network(substrate, pooled.sandbox_id, pooled.runtime, egress)
+                await self._apply_network(substrate, pooled.sandbox_id, pooled.runtime, egress,
+                                          fresh=True)
         except BaseException as exc:
             await substrate.destroy(pooled.sandbox_id)
             if isinstance(exc, OSError):
@@ -247,31 +248,35 @@ class Edge:
         return await resolve(network, self.services)
 
     async def _apply_network(self, substrate: Substrate, sandbox_id: str,
-                             runtime: dict[str, Any], egress: Egress | None) -> None:
+                             runtime: dict[str, Any], egress: Egress | None,
+                             fresh: bool = False) -> None:
         """Rules first, then the sandbox's /etc/hosts pins (through its agent, so the path is
-        resolved inside the sandbox, never on the host)."""
+        resolved inside the sandbox, never on the host). A ``fresh`` sandbox has no pins yet."""
         await substrate.set_network(sandbox_id, runtime, egress)
+        if fresh and (egress is None or not egress.hosts):
+            return
         agent = substrate.agent(sandbox_id, runtime)
         try:
             current = await agent.read_file("/etc/hosts")
         except AgentError:
-            current = b""
-        pins = egress.hosts if egress is not None else ()
-        updated = pin_hosts(current, pins)
-        if updated != current:
-            await agent.write_file("/etc/hosts", updated)
+            current = b""  # none yet
+        updated = pin_hosts(current, egress.hosts if egress is not None else ())
+        try:
+            if updated != current:
+                await agent.write_file("/etc/hosts", updated)
+        except AgentError as exc:
+            raise SandboxError(f"could not pin the policy's host names in /etc/hosts: {exc}",
+                               sandbox_id=sandbox_id) from None
 
     async def set_network(self, sandbox_id: str, network: Network) -> SandboxInfo:
-        """Replace a running sandbox's policy; on failure the previous one stays."""
+        """Replace a running sandbox's policy. Rules that cannot be applied leave the previous
+        ones in force (one atomic nft batch)."""
         live = self._get(sandbox_id)
         egress = await self._egress(live.substrate, network)
         try:
             await self._apply_network(live.substrate, sandbox_id, live.row.runtime, egress)
         except AgentUnavailable as exc:
             raise await self._agent_failed(live, exc) from None
-        except AgentError as exc:
-            raise SandboxError(f"could not pin the policy's host names in /etc/hosts: {exc}",
-                               sandbox_id=sandbox_id) from None
         live.row.request["network"] = network if network == "none" else network.model_dump()
         self.store.set_request(sandbox_id, live.row.request)
         return self.info(live.row)

@@ -53,6 +53,7 @@ class ContainerSubstrate(Substrate):
         self.edge_id = edge_id
         self.wiring = Wiring()
         self._wired: dict[str, Slot] = {}  # sandbox id -> its network slot, if it has one
+        self._net_locks: dict[str, asyncio.Lock] = {}
         self.mounter = mounter or LayerMounter()
         self._agent_binary: Path | None = None
         self._pidfds: dict[str, int] = {}
@@ -122,21 +123,25 @@ class ContainerSubstrate(Substrate):
 
     async def set_network(self, sandbox_id: str, runtime: dict[str, Any],
                           egress: Egress | None) -> None:
-        loop = asyncio.get_running_loop()
-        slot = self._wired.get(sandbox_id)
-        if egress is None:
-            if slot is not None:
-                await loop.run_in_executor(self._io, self.wiring.detach, slot)
-                del self._wired[sandbox_id]
-            return
-        if runtime.get("runtime") == "runsc":
+        if egress is not None and runtime.get("runtime") == "runsc":
             raise NotSupported("network policies need a runtime that uses the host kernel's "
                                "network stack (crun or runc), not runsc")
-        if slot is None:
-            slot = await loop.run_in_executor(self._io, self.wiring.attach,
-                                              f"{self.edge_id}/{sandbox_id}", runtime["pid"])
-            self._wired[sandbox_id] = slot
-        await loop.run_in_executor(self._io, self.wiring.apply, slot, egress)
+        async with self._net_lock(sandbox_id):  # one change at a time per sandbox
+            loop = asyncio.get_running_loop()
+            slot = self._wired.get(sandbox_id)
+            if egress is None:
+                if slot is not None:
+                    await loop.run_in_executor(self._io, self.wiring.detach, slot)
+                    del self._wired[sandbox_id]
+                return
+            if slot is None:
+                slot = await loop.run_in_executor(self._io, self.wiring.attach,
+                                                  f"{self.edge_id}/{sandbox_id}", runtime["pid"])
+                self._wired[sandbox_id] = slot
+            await loop.run_in_executor(self._io, self.wiring.apply, slot, egress)
+
+    def _net_lock(self, sandbox_id: str) -> asyncio.Lock:
+        return self._net_locks.setdefault(sandbox_id, asyncio.Lock())
 
     def _bundle(self, plan: StartPlan, d: Path) -> None:
         """The OCI bundle: the overlay rootfs and config.json (in a worker thread)."""
@@ -212,9 +217,12 @@ class ContainerSubstrate(Substrate):
         for runtime in RUNTIMES:
             if (self.runtime_root / runtime / sandbox_id).exists():
                 await spawn.run([*self._runtime_cmd(runtime), "delete", "--force", sandbox_id])
-        slot = self._wired.pop(sandbox_id, None)
-        if slot is not None:
-            await asyncio.get_running_loop().run_in_executor(self._io, self.wiring.detach, slot)
+        async with self._net_lock(sandbox_id):
+            slot = self._wired.pop(sandbox_id, None)
+            if slot is not None:
+                await asyncio.get_running_loop().run_in_executor(self._io, self.wiring.detach,
+                                                                 slot)
+        self._net_locks.pop(sandbox_id, None)
         await asyncio.get_running_loop().run_in_executor(self._io, self._teardown, sandbox_id, d)
 
     def _teardown(self, sandbox_id: str, d: Path) -> None:
