@@ -26,7 +26,7 @@ from ..client.errors import (CapacityExhausted, DSecError, FileNotFound, Invalid
 from ..client.models import (CreateRequest, ExecRequest, ExecResult, FileEntry, Network,
                              ProcessInfo, SandboxInfo, b64)
 from ..images.store import Image, ImageStore
-from ..network.hosts import pin_hosts
+from ..network.hosts import pin_in_sandbox
 from ..network.policy import Egress, ServiceTable, resolve
 from ..store.sqlite import SandboxRow, StateStore
 from ..substrates.base import StartPlan, Substrate
@@ -250,23 +250,11 @@ class Edge:
     async def _apply_network(self, substrate: Substrate, sandbox_id: str,
                              runtime: dict[str, Any], egress: Egress | None,
                              fresh: bool = False) -> None:
-        """Rules first, then the sandbox's /etc/hosts pins (through its agent, so the path is
-        resolved inside the sandbox, never on the host). A ``fresh`` sandbox has no pins yet."""
+        """Rules first, then the sandbox's /etc/hosts pins. A ``fresh`` sandbox has none yet."""
         await substrate.set_network(sandbox_id, runtime, egress)
-        if fresh and (egress is None or not egress.hosts):
-            return
-        agent = substrate.agent(sandbox_id, runtime)
-        try:
-            current = await agent.read_file("/etc/hosts")
-        except AgentError:
-            current = b""  # none yet
-        updated = pin_hosts(current, egress.hosts if egress is not None else ())
-        try:
-            if updated != current:
-                await agent.write_file("/etc/hosts", updated)
-        except AgentError as exc:
-            raise SandboxError(f"could not pin the policy's host names in /etc/hosts: {exc}",
-                               sandbox_id=sandbox_id) from None
+        if not fresh or (egress is not None and egress.hosts):
+            await pin_in_sandbox(substrate.agent(sandbox_id, runtime),
+                                 egress.hosts if egress is not None else ())
 
     async def set_network(self, sandbox_id: str, network: Network) -> SandboxInfo:
         """Replace a running sandbox's policy. Rules that cannot be applied leave the previous
