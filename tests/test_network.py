@@ -282,6 +282,20 @@ async def test_failed_create_leaves_nothing(net_server: Server) -> None:
     assert net_traces(edge) == Traces()
 
 
+async def test_nothing_left_when_a_wired_sandbox_dies(net_server: Server) -> None:
+    edge = edge_id(net_server)
+    async with net_server.client() as client:
+        sb = await client.create(ttl_s=120, network={"testsvc": True})
+        slot = slot_of(edge, sb.id)
+        os.kill(int((net_server.state_dir / "sandboxes" / sb.id / "pid").read_text()),
+                signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while (await sb.refresh()).state != "died":
+            assert time.monotonic() < deadline, "the death was not noticed"
+            await asyncio.sleep(0.1)
+    assert_clean(edge, {slot})
+
+
 async def test_nothing_leaks_after_kill9_and_restart(images, dest: Destination) -> None:  # type: ignore[no-untyped-def]
     srv = make_server("--capacity", "8", "--warm-pool", "0").start()
     try:
