@@ -7,6 +7,7 @@ Destinations are test-made network namespaces with TCP servers on their veth add
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import os
 import signal
@@ -147,6 +148,26 @@ async def test_allowed_destination_reachable_others_not(net_server: Server, dest
         finally:
             await sb.stop()
         assert_clean(edge, {slot})
+
+
+async def test_sandboxes_never_reach_each_other(net_server: Server) -> None:
+    edge = edge_id(net_server)
+    async with net_server.client() as client:
+        server = await client.create(image="python-3.11", ttl_s=120, network={"allow": []})
+        peer = await client.create(ttl_s=120, network={"allow": ["10.200.0.0/16"]})
+        try:
+            await server.start("python3 -m http.server 8001")
+            n = int(slot_of(edge, server.id).removeprefix("dsec"))
+            address = str(ipaddress.IPv4Address("10.200.0.0") + 4 * n + 2)
+            deadline = time.monotonic() + 60
+            while "8001" not in (await server.run("cat /proc/net/tcp")).stdout.upper().replace(
+                    "1F41", "8001"):
+                assert time.monotonic() < deadline, "the server in the sandbox did not listen"
+                await asyncio.sleep(0.2)
+            assert await fetch(peer, address, 8001) is None
+        finally:
+            await server.stop()
+            await peer.stop()
 
 
 async def test_named_service_allowed_and_blocked(net_server: Server, dest: Destination) -> None:

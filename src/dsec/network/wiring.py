@@ -6,7 +6,7 @@ Per wired sandbox, a slot ``n`` of 10.200.0.0/16 cut in /30s: host link ``dsec<n
 side), and a chain ``sb<n>`` that the map ``egress`` sends the link's traffic to (forward and
 input hooks alike, so the host itself is just another destination). The chain accepts replies
 and the allowed destinations; everything else from a ``dsec*`` link is rejected, and nothing
-may open a connection into one. Sandbox sources are masqueraded on their way out.
+may open a connection into one. Sandboxes never reach each other, whatever their rules. Sandbox sources are masqueraded on their way out.
 
 A slot is claimed by creating its link: the kernel refuses a second ``dsec<n>``, so edges
 sharing the host never collide. The link's alias ``<edge>/<sandbox id>`` says whose it is,
@@ -50,6 +50,7 @@ add map {TABLE} egress {{ type ifname : verdict; }}
 add set {TABLE} forwarders {{ type ifname; }}
 add chain {TABLE} forward {{ type filter hook forward priority -10; policy accept; }}
 flush chain {TABLE} forward
+add rule {TABLE} forward iifname "{LINK_PREFIX}*" oifname "{LINK_PREFIX}*" reject with icmpx type admin-prohibited
 add rule {TABLE} forward iifname "{LINK_PREFIX}*" iifname vmap @egress
 add rule {TABLE} forward iifname "{LINK_PREFIX}*" reject with icmpx type admin-prohibited
 add rule {TABLE} forward oifname "{LINK_PREFIX}*" ct state established,related accept
