@@ -40,6 +40,19 @@ def other() -> Iterator[Destination]:
     d.remove()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def uplinks_untouched() -> Iterator[None]:
+    """The tests only ever allow test-made destinations: the host's other interfaces keep
+    their forwarding setting."""
+    def forwarding() -> dict[str, str]:
+        return {p.parent.name: p.read_text() for p in Path("/proc/sys/net/ipv4/conf").glob("*/forwarding")
+                if not p.parent.name.startswith(("dsec", "dth"))}
+    before = forwarding()
+    yield
+    after = forwarding()
+    assert {k: v for k, v in after.items() if k in before} == before
+
+
 @pytest.fixture(scope="module")
 def net_server(images, dest: Destination, tmp_path_factory) -> Iterator[Server]:  # type: ignore[no-untyped-def]
     table = tmp_path_factory.mktemp("net") / "services.toml"
@@ -154,11 +167,13 @@ async def test_sandboxes_never_reach_each_other(net_server: Server) -> None:
     edge = edge_id(net_server)
     async with net_server.client() as client:
         server = await client.create(image="python-3.11", ttl_s=120, network={"allow": []})
-        peer = await client.create(ttl_s=120, network={"allow": ["10.200.0.0/16"]})
+        n = int(slot_of(edge, server.id).removeprefix("dsec"))
+        address = str(ipaddress.IPv4Address("10.200.0.0") + 4 * n + 2)
+        # (its exact address: a wider rule would be routed by the host's uplink, and switch
+        # forwarding on there, on a shared test host)
+        peer = await client.create(ttl_s=120, network={"allow": [address]})
         try:
             await server.start("python3 -m http.server 8001")
-            n = int(slot_of(edge, server.id).removeprefix("dsec"))
-            address = str(ipaddress.IPv4Address("10.200.0.0") + 4 * n + 2)
             deadline = time.monotonic() + 60
             while "8001" not in (await server.run("cat /proc/net/tcp")).stdout.upper().replace(
                     "1F41", "8001"):
