@@ -21,6 +21,9 @@ import pytest
 
 import dsec
 from conftest import Server, make_server, stop_server
+from dsec.network.hosts import pin_hosts
+from dsec.network.rules import Destination as Rule
+from dsec.network.rules import parse_rule
 from dsec.network.testbed import Destination, make_destination
 
 PORTS = (8001, 8002)
@@ -355,3 +358,23 @@ async def test_nothing_leaks_after_kill9_and_restart(images, dest: Destination) 
         assert_clean(edge, slots)
     finally:
         stop_server(srv)
+
+
+def test_rule_grammar() -> None:
+    assert parse_rule("10.1.2.3:443") == Rule("10.1.2.3", 443)
+    assert parse_rule("192.168.0.0/24") == Rule("192.168.0.0/24")
+    assert parse_rule("10.1.2.3") == Rule("10.1.2.3")
+    assert parse_rule("Files.PythonHosted.org.:443") == Rule("files.pythonhosted.org", 443)
+    for bad in ("", "10.1.2.3:", "10.1.2.3:65536", "host:x", "10.0.0.0/33", "fe80::1",
+                "[::1]:443", "-bad-.com:80", "10.1.2.3.4", "a b:80"):
+        with pytest.raises(ValueError):
+            parse_rule(bad)
+
+
+def test_etc_hosts_block_is_replaced_not_appended() -> None:
+    image = b"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost\n"
+    pinned = pin_hosts(image, (("pypi.org", "151.101.0.223"),))
+    assert pinned.startswith(image) and b"151.101.0.223\tpypi.org" in pinned
+    again = pin_hosts(pinned, (("npm.org", "1.2.3.4"),))
+    assert b"pypi.org" not in again and again.count(b"network policy: begin") == 1
+    assert pin_hosts(again, ()) == image

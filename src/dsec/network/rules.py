@@ -50,7 +50,8 @@ def parse_rule(text: str) -> Destination:
         return Destination(str(ipaddress.IPv4Address(host)), port)
     except ValueError:
         pass
-    if ":" in host or not HOSTNAME.match(host) or host.replace(".", "").isdigit():
+    name = host.removesuffix(".").lower()  # a fully qualified "name." is the same name
+    if ":" in name or not HOSTNAME.match(name) or name.replace(".", "").isdigit():
         raise ValueError(f"{text!r}: expected an IPv4 address, an IPv4 CIDR or a host name "
                          "(IPv6 is not supported)")
-    return Destination(host.lower().rstrip("."), port)
+    return Destination(name, port)
