@@ -194,11 +194,17 @@ class Wiring:
             self._nft(f'delete element {TABLE} forwarders {{ "{name}" }}')
 
     def _nft(self, batch: str) -> None:
+        """Run a batch, setting the table up first (once per process, and again if the batch
+        fails: someone may have flushed the host's ruleset)."""
         with self._lock:
             if not self._table_ready:
                 _run_nft(BASE_RULES)
                 self._table_ready = True
-        _run_nft(batch)
+        try:
+            _run_nft(batch)
+        except SandboxError:
+            _run_nft(BASE_RULES)
+            _run_nft(batch)
 
 
 def _run_nft(batch: str) -> None:
