@@ -23,7 +23,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import ipaddress
-import os
 import random
 import re
 import subprocess
@@ -95,9 +94,9 @@ class Wiring:
         self._lock = threading.Lock()
 
     # veth
-    def attach(self, owner: str, pid: int) -> Slot:
-        """Wire the netns of process ``pid`` to the host; the link's alias is ``owner``."""
-        netns = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
+    def attach(self, owner: str, netns: int) -> Slot:
+        """Wire the network namespace open as ``netns`` to the host; the link's alias is
+        ``owner``."""
         try:
             with IPRoute() as ipr:
                 slot = self._claim_slot(ipr, netns)
@@ -114,8 +113,6 @@ class Wiring:
             return slot
         except (OSError, NetlinkError) as exc:
             raise SandboxError(f"could not wire the sandbox's network: {exc}") from exc
-        finally:
-            os.close(netns)
 
     def _claim_slot(self, ipr: IPRoute, netns: int) -> Slot:
         """A free slot, claimed by creating its veth pair, the peer made as ``eth0`` right in

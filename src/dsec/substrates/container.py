@@ -135,10 +135,28 @@ class ContainerSubstrate(Substrate):
                     del self._wired[sandbox_id]
                 return
             if slot is None:
-                slot = await loop.run_in_executor(self._io, self.wiring.attach,
-                                                  f"{self.edge_id}/{sandbox_id}", runtime["pid"])
+                netns = self._netns(sandbox_id, runtime)
+                try:
+                    slot = await loop.run_in_executor(self._io, self.wiring.attach,
+                                                      f"{self.edge_id}/{sandbox_id}", netns)
+                finally:
+                    os.close(netns)
                 self._wired[sandbox_id] = slot
             await loop.run_in_executor(self._io, self.wiring.apply, slot, egress)
+
+    def _netns(self, sandbox_id: str, runtime: dict[str, Any]) -> int:
+        """An fd on the sandbox's network namespace. Its init must still be alive once the
+        fd is open (its pidfd says so), or the pid may name another process by now."""
+        try:
+            fd = os.open(f"/proc/{runtime['pid']}/ns/net", os.O_RDONLY)
+        except OSError:
+            fd = -1
+        if fd < 0 or not self.alive(sandbox_id, runtime):
+            if fd >= 0:
+                os.close(fd)
+            raise SandboxError(f"sandbox {sandbox_id}'s init is gone: no network to wire",
+                               sandbox_id=sandbox_id)
+        return fd
 
     def _net_lock(self, sandbox_id: str) -> asyncio.Lock:
         return self._net_locks.setdefault(sandbox_id, asyncio.Lock())
