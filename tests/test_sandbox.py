@@ -203,7 +203,7 @@ async def test_ttl_expiry(client: dsec.DSecClient) -> None:
 async def test_bad_requests_are_typed(client: dsec.DSecClient) -> None:
     with pytest.raises(dsec.ImageNotFound):
         await client.create(image="no-such-image")
-    with pytest.raises(dsec.NotSupported):
+    with pytest.raises(dsec.InvalidRequest):  # "none" or a NetworkPolicy (docs/NETWORK.md)
         await client.create(network="host")
     with pytest.raises(dsec.InvalidRequest):
         await client.create(memory_mb=1)

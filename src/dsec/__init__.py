@@ -19,6 +19,7 @@ from .client.errors import (CapacityExhausted, CommandTimeout, DelegationExceede
 from .client.project_models import ProjectInfo, ProjectKey, Quota
 from .client.models import (FileEntry, ProcessInfo, SandboxInfo, StepDiff, StepRecord,
                             TrajectoryInfo)
+from .client.models import NetworkPolicy
 from .client.sync import Client, OutputStream, Process, Replay, Sandbox
 
 __all__ = [
@@ -32,5 +33,6 @@ __all__ = [
     "TrajectoryInfo", "StepRecord", "StepDiff", "Replay", "AsyncReplay",
     "QuotaExceeded", "DelegationExceeded", "ProjectNotFound", "ProjectExists", "Forbidden",
     "ProjectInfo", "ProjectKey", "Quota",
+    "NetworkPolicy",
 ]
 __version__ = "0.1.0"

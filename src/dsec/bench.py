@@ -15,6 +15,7 @@ Ratios are dsec over the baseline. ``dsec bench`` runs it; docs/BENCHMARKS.md ha
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import os
 import secrets
@@ -371,11 +372,22 @@ def _ms(value: float) -> str:
     return f"{value:.1f}" if value >= 0.1 else f"{value:.3f}"  # fast-forwards take µs
 
 
-def main(quick: bool = False, json_out: Path | None = None, only_trajectory: bool = False) -> None:
+# Series run alone with ``dsec bench --only NAME``: "module:function(console, quick)".
+ONLY = {"network": "dsec.bench_network:network_series",
+        "projects": "dsec.bench_projects:run_projects"}
+
+
+def main(quick: bool = False, json_out: Path | None = None, only_trajectory: bool = False,
+         only: str | None = None) -> None:
     if os.geteuid() != 0:
         raise SystemExit("dsec bench runs containers and must run as root")
     console = Console()
-    samples = asyncio.run(run_benchmark(console, quick, only_trajectory))
+    if only is not None:
+        module, _, function = ONLY[only].partition(":")
+        series = getattr(importlib.import_module(module), function)
+        samples = asyncio.run(series(console, quick))
+    else:
+        samples = asyncio.run(run_benchmark(console, quick, only_trajectory))
     report(console, samples)
     if json_out:
         json_out.write_text(json.dumps([s.row() for s in samples], indent=2))

@@ -11,28 +11,15 @@ same server, alternating batches (``bench.compare``).
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import secrets
 import shutil
 import time
-from pathlib import Path
 
 from rich.console import Console
 
-from .bench import BENCH_ROOT, IMAGE, Created, Sample, bench_server, compare, phase, report
+from .bench import BENCH_ROOT, IMAGE, Created, Sample, bench_server, compare, phase
 from .client.aio import DSecClient
 from .images.store import ImageStore
-
-
-def main(quick: bool = False, json_out: Path | None = None) -> None:
-    if os.geteuid() != 0:
-        raise SystemExit("dsec bench runs containers and must run as root")
-    console = Console()
-    samples = asyncio.run(run_projects(console, quick))
-    report(console, samples)
-    if json_out:
-        json_out.write_text(json.dumps([s.row() for s in samples], indent=2))
 
 
 async def run_projects(console: Console, quick: bool = False) -> list[Sample]:

@@ -49,13 +49,15 @@ def main() -> None:
 @click.option("--edge-id", default="", help="edge id (default: derived from host and state dir)")
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text",
               help="json: one JSON object per log line, for log shippers")
+@click.option("--network-services", type=click.Path(path_type=Path), default=None,
+              help="network service table, TOML (default: STATE_DIR/network-services.toml)")
 def serve(state_dir: Path | None, host: str | None, port: int, capacity: int, warm_pool: int,
-          runtime: str, edge_id: str, log_format: str) -> None:
+          runtime: str, edge_id: str, log_format: str, network_services: Path | None) -> None:
     """Run the API server with an embedded edge on this host."""
     from .api.server import DEFAULT_STATE_DIR, ServerConfig, serve as run_server
     config = ServerConfig(state_dir=state_dir or DEFAULT_STATE_DIR, capacity=capacity,
                           warm_pool=warm_pool, runtime=runtime, edge_id=edge_id,
-                          log_format=log_format)
+                          log_format=log_format, network_services=network_services)
     where = f"http://{host}:{port}" if host else f"unix://{config.socket_path}"
     if log_format == "text":
         console.print(f"dsec serving on {where} (state in {config.state_dir})")
@@ -397,13 +399,10 @@ def project_quota(name: str, sandboxes: int | None, cpu: float | None,
               help="also write the figures as JSON here")
 @click.option("--only-trajectory", is_flag=True,
               help="only the trajectory series (log overhead, fast-forward)")
-@click.option("--only", type=click.Choice(["projects"]), default=None,
-              help="only this series (projects: nested-project key against the admin key)")
+@click.option("--only", type=click.Choice(["projects", "network"]), default=None,
+              help="run one series alone: projects (nested-project key against the admin key), "
+                   "network (policy cost on create, set_network)")
 def bench(quick: bool, json_out: Path | None, only_trajectory: bool, only: str | None) -> None:
     """Run the benchmark against bare crun and print the figures (see docs/BENCHMARKS.md)."""
-    if only == "projects":
-        from .bench_projects import main as projects_main
-        projects_main(quick=quick, json_out=json_out)
-        return
     from .bench import main as bench_main
-    bench_main(quick=quick, json_out=json_out, only_trajectory=only_trajectory)
+    bench_main(quick=quick, json_out=json_out, only_trajectory=only_trajectory, only=only)

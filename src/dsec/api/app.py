@@ -25,8 +25,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..agent.client import Output
 from ..client.errors import DSecError, InvalidRequest, Unauthorized
-from ..client.models import (CreateRequest, ExecRequest, ExecResult, FileEntry, ProcessInfo,
-                             SandboxInfo, SignalRequest, TtlRequest, b64)
+from ..client.models import (CreateRequest, ExecRequest, ExecResult, FileEntry, NetworkRequest,
+                             ProcessInfo, SandboxInfo, SignalRequest, TtlRequest, b64)
 from ..store.sqlite import StateStore
 from ..trajectory.recorder import Call
 from .limits import BodyLimit, typed_http_error
@@ -132,6 +132,11 @@ def create_app(router: Router, store: StateStore, registry: CollectorRegistry) -
     @app.put("/v1/sandboxes/{sandbox_id}/ttl", dependencies=auth)
     async def set_ttl(sandbox_id: str, req: TtlRequest) -> SandboxInfo:
         return router.owner(sandbox_id).set_ttl(sandbox_id, req.ttl_s)
+
+    @app.put("/v1/sandboxes/{sandbox_id}/network", dependencies=auth)
+    async def set_network(sandbox_id: str, req: NetworkRequest) -> SandboxInfo:
+        """Replace the sandbox's egress policy while it runs (see docs/NETWORK.md)."""
+        return await router.owner(sandbox_id).set_network(sandbox_id, req.network)
 
     @app.post("/v1/sandboxes/{sandbox_id}/exec", dependencies=auth)
     async def run(sandbox_id: str, req: ExecRequest, call: Call = Depends(call_of)) -> ExecResult:

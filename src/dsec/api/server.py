@@ -38,6 +38,7 @@ class ServerConfig:
     runtime: str = "crun"
     image_store: Path | None = None
     log_format: str = "text"  # or "json": one JSON object per line (see api/logs.py)
+    network_services: Path | None = None  # default: <state_dir>/network-services.toml
 
     @property
     def socket_path(self) -> Path:
@@ -68,7 +69,8 @@ def build_app(config: ServerConfig) -> FastAPI:
     store = StateStore(config.state_dir / "state.db")
     local_key(config, store)
     edge_config = EdgeConfig(state_dir=config.state_dir, edge_id=config.edge_id,
-                             capacity=config.capacity, warm_pool=config.warm_pool)
+                             capacity=config.capacity, warm_pool=config.warm_pool,
+                             network_services=config.network_services)
     substrates = {"container": ContainerSubstrate(config.state_dir, edge_config.edge_id,
                                                   runtime=config.runtime)}
     registry = CollectorRegistry()

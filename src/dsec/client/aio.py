@@ -24,7 +24,7 @@ from pydantic import BaseModel, ValidationError
 from ..trajectory.digest import StepRequest, call_request, exec_request
 from ..trajectory.outcome import decode, output_chunks
 from .errors import CommandTimeout, DSecError, FileNotFound, InvalidRequest, ServerUnavailable
-from .models import (CreateRequest, ExecRequest, ExecResult, FileEntry, ProcessInfo,
+from .models import (CreateRequest, ExecRequest, ExecResult, FileEntry, NetworkRequest, ProcessInfo,
                      ReplayReport, ReplayRequest, SandboxInfo, StepDiff, StepPage, StepRecord,
                      TrajectoryInfo, b64)
 from .projects import Projects
@@ -395,6 +395,15 @@ class Sandbox:
     async def set_ttl(self, ttl_s: int) -> SandboxInfo:
         self.info = SandboxInfo.model_validate(
             await self._t.json("PUT", f"{self._path}/ttl", json={"ttl_s": ttl_s}))
+        return self.info
+
+    async def set_network(self, network: Any) -> SandboxInfo:
+        """Replace the sandbox's egress policy while it runs: ``"none"`` or a policy such as
+        ``{"pypi": True, "allow": ["10.1.2.3:443"]}`` (see ``NetworkPolicy``). Atomic: on
+        error the previous policy stays."""
+        req = _validated(NetworkRequest, network=network)
+        self.info = SandboxInfo.model_validate(
+            await self._t.json("PUT", f"{self._path}/network", json=req.model_dump()))
         return self.info
 
     async def stop(self) -> None:

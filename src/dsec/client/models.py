@@ -9,7 +9,9 @@ from __future__ import annotations
 import base64
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+
+from ..network.rules import parse_rule
 
 Substrate = Literal["container", "fn", "microvm", "vm"]
 Runtime = Literal["crun", "runc", "runsc"]
@@ -26,6 +28,45 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class NetworkPolicy(_Model):
+    """Egress a sandbox may open (everything else is refused; replies always pass).
+
+    ``services`` names entries of the edge's service table (``{"pypi": True, "npm": False}``:
+    only true ones open anything); ``allow`` holds raw rules: ``"10.1.2.3:443"``,
+    ``"192.168.0.0/24"``, ``"10.1.2.3"`` (any port), ``"host.name:80"`` (resolved on the
+    host when the policy is applied and pinned in the sandbox's /etc/hosts). As a shorthand,
+    service names may be given at the top level: ``{"pypi": True, "allow": [...]}``."""
+
+    services: dict[str, StrictBool] = Field(default_factory=dict)
+    allow: list[str] = Field(default_factory=list, max_length=256)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: Any) -> Any:
+        if isinstance(data, list):
+            return {"allow": data}
+        if isinstance(data, dict):
+            named = {k: v for k, v in data.items() if k not in ("services", "allow")}
+            if named:
+                rest = {k: v for k, v in data.items() if k in ("services", "allow")}
+                return {**rest, "services": {**rest.get("services", {}), **named}}
+        return data
+
+    @field_validator("allow")
+    @classmethod
+    def _rules(cls, rules: list[str]) -> list[str]:
+        for rule in rules:
+            parse_rule(rule)  # ValueError: a validation error naming the rule
+        return rules
+
+
+Network = Literal["none"] | NetworkPolicy
+
+
+class NetworkRequest(_Model):
+    network: Network = Field(description="'none' (loopback only) or a NetworkPolicy")
+
+
 class CreateRequest(_Model):
     substrate: Substrate = "container"
     image: str = "debian-minbase"
@@ -34,7 +75,8 @@ class CreateRequest(_Model):
     pids: int = Field(512, ge=16, le=1 << 16, description="maximum number of processes")
     disk_mb: int = Field(1024, ge=16, le=1 << 20, description="size of the writable layer")
     ttl_s: int = Field(600, ge=1, le=7 * 86400)
-    network: str = Field("none", description="only 'none' (loopback only) is served so far")
+    network: Network = Field("none", description="'none' (loopback only, the default) or a "
+                                                 "NetworkPolicy (egress allowlist)")
     env: dict[str, str] = Field(default_factory=dict)
     runtime: Runtime | None = Field(None, description="container runtime; the edge default if unset")
     labels: dict[str, str] = Field(default_factory=dict)
@@ -57,6 +99,7 @@ class SandboxInfo(_Model):
     labels: dict[str, str] = Field(default_factory=dict)
     reason: str | None = Field(None, description="why the sandbox is no longer running")
     trajectory: str | None = None
+    network: Network = "none"
 
 
 class TtlRequest(_Model):

@@ -135,6 +135,7 @@ class Sandbox:
     download = _blocking("download")
     refresh = _blocking("refresh")
     set_ttl = _blocking("set_ttl")
+    set_network = _blocking("set_network")
     stop = _blocking("stop")
 
 

@@ -23,9 +23,11 @@ from ..agent.client import AgentClient, AgentError, AgentUnavailable, Exit, Outp
 from ..client.errors import (CapacityExhausted, DSecError, FileNotFound, InvalidRequest,
                              NotSupported, ProcessNotFound, SandboxDied, SandboxError,
                              SandboxNotFound)
-from ..client.models import (CreateRequest, ExecRequest, ExecResult, FileEntry, ProcessInfo,
-                             SandboxInfo, b64)
+from ..client.models import (CreateRequest, ExecRequest, ExecResult, FileEntry, Network,
+                             ProcessInfo, SandboxInfo, b64)
 from ..images.store import Image, ImageStore
+from ..network.hosts import pin_in_sandbox
+from ..network.policy import Egress, ServiceTable, resolve
 from ..store.sqlite import SandboxRow, StateStore
 from ..substrates.base import StartPlan, Substrate
 from .commands import check_env, exec_argv, sandbox_path
@@ -54,9 +56,11 @@ class EdgeConfig:
     capacity: int = 256
     warm_pool: int = 2
     reap_interval_s: float = 0.5
+    network_services: Path | None = None  # the operator's service table (TOML)
 
     def __post_init__(self) -> None:
         self.edge_id = self.edge_id or default_edge_id(self.state_dir)
+        self.network_services = self.network_services or self.state_dir / "network-services.toml"
 
 
 @dataclass
@@ -76,6 +80,7 @@ class Edge:
         self.images = images
         self.substrates = substrates
         self.metrics = metrics
+        self.services = ServiceTable(config.network_services)
         metrics.watch(self)
         self.pools = {name: WarmPool(substrate, self.id, config.warm_pool)
                       for name, substrate in substrates.items()}
@@ -157,8 +162,7 @@ class Edge:
         if substrate is None:
             raise NotSupported(f"substrate {req.substrate!r} is not served by edge {self.id}",
                                served=sorted(self.substrates))
-        if req.network != "none":
-            raise NotSupported("only network='none' is served so far", network=req.network)
+        egress = await self._egress(substrate, req.network)
         check_env(req.env)
         if self.load() >= self.config.capacity:
             raise CapacityExhausted(f"edge {self.id} is at its capacity of "
@@ -170,8 +174,8 @@ class Edge:
             req = req.model_copy(update={"env": {**BASE_ENV, **image_env, **req.env}})
             pool = self.pools.get(req.substrate)
             pooled = pool.take(image) if pool and pool.fits(req) else None
-            row = await (self._claim(substrate, req, pooled) if pooled
-                         else self._start(substrate, req, image))
+            row = await (self._claim(substrate, req, pooled, egress) if pooled
+                         else self._start(substrate, req, image, egress))
             self._adopt(row, substrate)
             if pool:
                 pool.refill(image)
@@ -186,22 +190,31 @@ class Edge:
                           image_digest=image_digest, state=state, request=req.model_dump(),
                           created_at=now, expires_at=now + req.ttl_s)
 
-    async def _start(self, substrate: Substrate, req: CreateRequest, image: Image) -> SandboxRow:
+    async def _start(self, substrate: Substrate, req: CreateRequest, image: Image,
+                     egress: Egress | None) -> SandboxRow:
         """Record the sandbox as starting first, so a crash mid-start leaves a trace to clean."""
         row = self._row(f"sb-{self.id}-{secrets.token_hex(6)}", req, image.digest, "starting")
         self.store.insert_sandbox(row)
         try:
             row.runtime = await substrate.start(StartPlan(row.id, req, image))
+            if egress is not None:
+                await self._apply_network(substrate, row.id, row.runtime, egress, fresh=True)
         except BaseException as exc:
             self.store.mark_ended(row.id, "died", f"failed to start: {exc}")
+            if row.runtime:
+                await substrate.destroy(row.id)
             raise
         row.state = "running"
         self.store.mark_running(row.id, row.runtime)
         return row
 
-    async def _claim(self, substrate: Substrate, req: CreateRequest, pooled: Pooled) -> SandboxRow:
+    async def _claim(self, substrate: Substrate, req: CreateRequest, pooled: Pooled,
+                     egress: Egress | None) -> SandboxRow:
         try:
             await substrate.claim(pooled.sandbox_id, pooled.runtime, req)
+            if egress is not None:  # pooled sandboxes start with no network: wired on claim
+                await self._apply_network(substrate, pooled.sandbox_id, pooled.runtime, egress,
+                                          fresh=True)
         except BaseException as exc:
             await substrate.destroy(pooled.sandbox_id)
             if isinstance(exc, OSError):
@@ -235,6 +248,36 @@ class Edge:
         self.store.set_expiry(sandbox_id, live.row.expires_at)
         return self.info(live.row)
 
+    # network
+    async def _egress(self, substrate: Substrate, network: Network) -> Egress | None:
+        """The policy resolved to concrete rules, refused if the substrate cannot enforce it."""
+        if network != "none" and not substrate.network_policies:
+            raise NotSupported(f"the {substrate.name} substrate cannot enforce network "
+                               "policies yet; use network='none'", substrate=substrate.name)
+        return await resolve(network, self.services)
+
+    async def _apply_network(self, substrate: Substrate, sandbox_id: str,
+                             runtime: dict[str, Any], egress: Egress | None,
+                             fresh: bool = False) -> None:
+        """Rules first, then the sandbox's /etc/hosts pins. A ``fresh`` sandbox has none yet."""
+        await substrate.set_network(sandbox_id, runtime, egress)
+        if not fresh or (egress is not None and egress.hosts):
+            await pin_in_sandbox(substrate.agent(sandbox_id, runtime),
+                                 egress.hosts if egress is not None else ())
+
+    async def set_network(self, sandbox_id: str, network: Network) -> SandboxInfo:
+        """Replace a running sandbox's policy. Rules that cannot be applied leave the previous
+        ones in force (one atomic nft batch)."""
+        live = self._get(sandbox_id)
+        egress = await self._egress(live.substrate, network)
+        try:
+            await self._apply_network(live.substrate, sandbox_id, live.row.runtime, egress)
+        except AgentUnavailable as exc:
+            raise await self._agent_failed(live, exc) from None
+        live.row.request["network"] = network if network == "none" else network.model_dump()
+        self.store.set_request(sandbox_id, live.row.request)
+        return self.info(live.row)
+
     # queries
     def info(self, row: SandboxRow) -> SandboxInfo:
         req = row.request
@@ -242,7 +285,8 @@ class Edge:
                            image_digest=row.image_digest, state=row.state, edge=row.edge,  # type: ignore[arg-type]
                            created_at=row.created_at, expires_at=row.expires_at, cpu=req["cpu"],
                            memory_mb=req["memory_mb"], labels=req.get("labels", {}),
-                           reason=row.reason, trajectory=req.get("trajectory"))
+                           reason=row.reason, trajectory=req.get("trajectory"),
+                           network=req.get("network", "none"))
 
     def get_row(self, sandbox_id: str) -> SandboxRow:
         row = self.store.get_sandbox(sandbox_id)

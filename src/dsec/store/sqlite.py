@@ -119,6 +119,11 @@ class StateStore:
     def set_expiry(self, sandbox_id: str, expires_at: float) -> None:
         self._db.execute("UPDATE sandboxes SET expires_at=? WHERE id=?", (expires_at, sandbox_id))
 
+    def set_request(self, sandbox_id: str, request: dict[str, Any]) -> None:
+        """A live sandbox's request after a change in place (its network policy)."""
+        self._db.execute("UPDATE sandboxes SET request=? WHERE id=?",
+                         (json.dumps(request), sandbox_id))
+
     def get_sandbox(self, sandbox_id: str) -> SandboxRow | None:
         r = self._db.execute("SELECT * FROM sandboxes WHERE id=?", (sandbox_id,)).fetchone()
         return _row(r) if r else None

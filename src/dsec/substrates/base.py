@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..agent.client import AgentClient
+from ..client.errors import NotSupported
 from ..client.models import CreateRequest
 from ..images.store import Image
+from ..network.policy import Egress
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,9 @@ class StartPlan:
 
 class Substrate(ABC):
     name: str
+    # Whether ``set_network`` can enforce an egress policy; the edge refuses a policy for a
+    # substrate that cannot, before starting anything.
+    network_policies: bool = False
 
     async def prepare(self) -> None:
         """One-time host preparation when the edge starts."""
@@ -63,6 +68,13 @@ class Substrate(ABC):
 
     @abstractmethod
     def oom_kills(self, sandbox_id: str, runtime: dict[str, Any]) -> int: ...
+
+    async def set_network(self, sandbox_id: str, runtime: dict[str, Any],
+                          egress: Egress | None) -> None:
+        """Make ``egress`` the running sandbox's policy, replacing any earlier one atomically;
+        None takes it back to no network (loopback only). ``destroy`` removes the wiring."""
+        raise NotSupported(f"the {self.name} substrate cannot enforce network policies yet; "
+                           "use network='none'")
 
     @abstractmethod
     async def destroy(self, sandbox_id: str) -> None:

@@ -25,6 +25,8 @@ from ..agent.client import AgentClient
 from ..client.errors import NotSupported, SandboxError
 from ..client.models import CreateRequest
 from ..images.mount import LayerMounter, overlay_mount, unmount
+from ..network.policy import Egress
+from ..network.wiring import Slot, Wiring
 from . import cgroups, spawn
 from .base import StartPlan, Substrate
 from .disk import DiskPool, release
@@ -36,7 +38,12 @@ START_TIMEOUT_S = 30.0
 
 
 class ContainerSubstrate(Substrate):
+    """Network policies: a sandbox starts with loopback only (warm-pool ones too);
+    ``set_network`` wires its netns to the host when a policy is first applied, at create
+    or claim time or later (see ``dsec.network.wiring``)."""
+
     name = "container"
+    network_policies = True
 
     def __init__(self, state_dir: Path, edge_id: str, runtime: str = "crun",
                  mounter: LayerMounter | None = None) -> None:
@@ -46,6 +53,10 @@ class ContainerSubstrate(Substrate):
         self.root = state_dir / "sandboxes"
         self.runtime_root = state_dir / "runtime"
         self.cgroup_parent = f"/dsec-{edge_id}"
+        self.edge_id = edge_id
+        self.wiring = Wiring()
+        self._wired: dict[str, Slot] = {}  # sandbox id -> its network slot, if it has one
+        self._net_locks: dict[str, asyncio.Lock] = {}
         self.mounter = mounter or LayerMounter()
         self.disks = DiskPool(state_dir / "disks", (CreateRequest.model_fields["disk_mb"].default,))
         self._agent_binary: Path | None = None
@@ -62,6 +73,8 @@ class ContainerSubstrate(Substrate):
         if self.default_runtime == "crun":
             cgroups.prepare_hybrid_host()
         self._agent_binary = await asyncio.to_thread(agent_binary)
+        self._wired = await asyncio.to_thread(self.wiring.owned, f"{self.edge_id}/")
+        await asyncio.to_thread(self.wiring.sweep)
 
     async def close(self) -> None:
         cgroups.remove_parent_if_unused(self.cgroup_parent)
@@ -115,6 +128,46 @@ class ContainerSubstrate(Substrate):
         cgroups.set_limits(self.cgroup_parent, sandbox_id, request.cpu, request.memory_mb << 20,
                            request.pids)
         os.sched_setscheduler(runtime["pid"], os.SCHED_OTHER, os.sched_param(0))
+
+    async def set_network(self, sandbox_id: str, runtime: dict[str, Any],
+                          egress: Egress | None) -> None:
+        if egress is not None and runtime.get("runtime") == "runsc":
+            raise NotSupported("network policies need a runtime that uses the host kernel's "
+                               "network stack (crun or runc), not runsc")
+        async with self._net_lock(sandbox_id):  # one change at a time per sandbox
+            loop = asyncio.get_running_loop()
+            slot = self._wired.get(sandbox_id)
+            if egress is None:
+                if slot is not None:
+                    await loop.run_in_executor(self._io, self.wiring.detach, slot)
+                    del self._wired[sandbox_id]
+                return
+            if slot is None:
+                netns = self._netns(sandbox_id, runtime)
+                try:
+                    slot = await loop.run_in_executor(self._io, self.wiring.attach,
+                                                      f"{self.edge_id}/{sandbox_id}", netns)
+                finally:
+                    os.close(netns)
+                self._wired[sandbox_id] = slot
+            await loop.run_in_executor(self._io, self.wiring.apply, slot, egress)
+
+    def _netns(self, sandbox_id: str, runtime: dict[str, Any]) -> int:
+        """An fd on the sandbox's network namespace. Its init must still be alive once the
+        fd is open (its pidfd says so), or the pid may name another process by now."""
+        try:
+            fd = os.open(f"/proc/{runtime['pid']}/ns/net", os.O_RDONLY)
+        except OSError:
+            fd = -1
+        if fd < 0 or not self.alive(sandbox_id, runtime):
+            if fd >= 0:
+                os.close(fd)
+            raise SandboxError(f"sandbox {sandbox_id}'s init is gone: no network to wire",
+                               sandbox_id=sandbox_id)
+        return fd
+
+    def _net_lock(self, sandbox_id: str) -> asyncio.Lock:
+        return self._net_locks.setdefault(sandbox_id, asyncio.Lock())
 
     def _bundle(self, plan: StartPlan, d: Path) -> None:
         """The OCI bundle: the overlay rootfs and config.json (in a worker thread)."""
@@ -195,6 +248,12 @@ class ContainerSubstrate(Substrate):
         for runtime in RUNTIMES:
             if (self.runtime_root / runtime / sandbox_id).exists():
                 await spawn.run([*self._runtime_cmd(runtime), "delete", "--force", sandbox_id])
+        async with self._net_lock(sandbox_id):
+            slot = self._wired.pop(sandbox_id, None)
+            if slot is not None:
+                await asyncio.get_running_loop().run_in_executor(self._io, self.wiring.detach,
+                                                                 slot)
+        self._net_locks.pop(sandbox_id, None)
         await asyncio.get_running_loop().run_in_executor(self._io, self._teardown, sandbox_id, d)
 
     def _teardown(self, sandbox_id: str, d: Path) -> None:
@@ -213,6 +272,7 @@ class ContainerSubstrate(Substrate):
                 ids.update(p.name for p in rt.iterdir() if p.is_dir())
         ids.update(cgroups.sandbox_cgroups(self.cgroup_parent))
         ids.update(m.relative_to(self.root).parts[0] for m in _mounts_under(self.root))
+        ids.update(self._wired)
         return ids
 
 
