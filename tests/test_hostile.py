@@ -372,6 +372,10 @@ async def test_oversized_and_malformed_requests_are_typed(server: Server, sandbo
                            content=chunks())
         assert chunked.status_code == 413 and chunked.json()["error"]["code"] == "payload_too_large"
         assert not await sandbox.exists("/work/big")
+        chunked_json = http.post(f"/v1/sandboxes/{sandbox.id}/exec", content=chunks(),
+                                 headers={"content-type": "application/json"})
+        assert chunked_json.status_code == 413, chunked_json.text  # also where FastAPI parses it
+        assert chunked_json.json()["error"]["details"] == {"limit": MAX_BODY_BYTES}
 
         for body in (b"{", b"[]", b"null", b'{"command": 5}', b"\xff\xfe", b'{"command": "x", "bogus": 1}'):
             r = http.post(f"/v1/sandboxes/{sandbox.id}/exec", content=body,

@@ -25,8 +25,14 @@ _BY_STATUS: dict[int, type[DSecError]] = {400: InvalidRequest, 401: Unauthorized
                                           413: PayloadTooLarge}
 
 
-class _TooLarge(Exception):
-    pass
+class _TooLarge(HTTPException):
+    """Raised from ``receive`` past the limit. An HTTPException, because FastAPI turns any
+    other exception raised while it parses a JSON body into a 400; the app's handler for
+    HTTPException (``typed_http_error``) answers it."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413)
+        self.limit = limit
 
 
 class BodyLimit:
@@ -45,36 +51,31 @@ class BodyLimit:
             await self._refuse(scope, receive, send)
             return
         received = 0
-        started = False
 
         async def counted() -> Message:
             nonlocal received
             message = await receive()
             received += len(message.get("body", b""))
             if received > self.limit:
-                raise _TooLarge()
+                raise _TooLarge(self.limit)
             return message
 
-        async def watched(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, counted, watched)
-        except _TooLarge:
-            if started:
-                raise
-            await self._refuse(scope, receive, send)
+        await self.app(scope, counted, send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        err = PayloadTooLarge(f"request body exceeds {self.limit} bytes", limit=self.limit)
-        await JSONResponse(err.to_json(), status_code=err.status)(scope, receive, send)
+        await _payload_too_large(self.limit)(scope, receive, send)
+
+
+def _payload_too_large(limit: int) -> JSONResponse:
+    err = PayloadTooLarge(f"request body exceeds {limit} bytes", limit=limit)
+    return JSONResponse(err.to_json(), status_code=err.status)
 
 
 async def typed_http_error(request: Request, exc: Exception) -> JSONResponse:
     """Starlette's own errors (404 for an unknown path, 405, ...) as dsec errors."""
     assert isinstance(exc, HTTPException)
+    if isinstance(exc, _TooLarge):
+        return _payload_too_large(exc.limit)
     cls = _BY_STATUS.get(exc.status_code)
     err = (cls or DSecError)(str(exc.detail), status=exc.status_code)
     body = err.to_json()
