@@ -381,10 +381,12 @@ async def test_oversized_and_malformed_requests_are_typed(server: Server, sandbo
             r = http.post(f"/v1/sandboxes/{sandbox.id}/exec", content=body,
                           headers={"content-type": "application/json"})
             assert r.status_code in (400, 422) and r.json()["error"]["code"] == "invalid_request", body
-        for method, path in (("GET", "/v1/nope"), ("PATCH", "/v1/sandboxes"), ("GET", "/v1/sandboxes/x/y/z")):
+        for method, path, status, code in (("GET", "/v1/nope", 404, "route_not_found"),
+                                           ("GET", "/v1/sandboxes/x/y/z", 404, "route_not_found"),
+                                           ("PATCH", "/v1/sandboxes", 405, "method_not_allowed")):
             r = http.request(method, path)
-            assert r.status_code in (404, 405) and r.json()["error"]["code"] in (
-                "route_not_found", "method_not_allowed"), (method, path, r.text)
+            assert r.status_code == status and r.json()["error"]["code"] == code, (method, path, r.text)
+            assert r.json()["error"]["details"] == {}
         r = http.get("/v1/sandboxes", headers={"authorization": "Bearer nope"})
         assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"
     assert (await sandbox.run("echo fine")).stdout == "fine\n"

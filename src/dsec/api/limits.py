@@ -8,8 +8,6 @@ the sandbox in one frame, so a larger body could never be delivered anyway. It i
 
 from __future__ import annotations
 
-import json
-
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -48,7 +46,7 @@ class BodyLimit:
             return
         declared = dict(scope["headers"]).get(b"content-length", b"0")
         if declared.isdigit() and int(declared) > self.limit:
-            await self._refuse(scope, receive, send)
+            await _payload_too_large(self.limit)(scope, receive, send)
             return
         received = 0
 
@@ -62,9 +60,6 @@ class BodyLimit:
 
         await self.app(scope, counted, send)
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await _payload_too_large(self.limit)(scope, receive, send)
-
 
 def _payload_too_large(limit: int) -> JSONResponse:
     err = PayloadTooLarge(f"request body exceeds {limit} bytes", limit=limit)
@@ -77,9 +72,7 @@ async def typed_http_error(request: Request, exc: Exception) -> JSONResponse:
     if isinstance(exc, _TooLarge):
         return _payload_too_large(exc.limit)
     cls = _BY_STATUS.get(exc.status_code)
-    err = (cls or DSecError)(str(exc.detail), status=exc.status_code)
-    body = err.to_json()
+    body = (cls or DSecError)(str(exc.detail)).to_json()
     if cls is None:
         body["error"]["code"] = f"http_{exc.status_code}"
-    return JSONResponse(json.loads(json.dumps(body, default=str)), status_code=exc.status_code,
-                        headers=exc.headers)
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
