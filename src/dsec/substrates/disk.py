@@ -160,12 +160,16 @@ def loop_devices_of(image: Path) -> list[str]:
 
 def release(image: Path) -> None:
     """Detach loop devices still backed by ``image`` (once its file system is unmounted), and
-    wait until they are gone: an autoclear may still be under way when the unmount returns."""
+    wait until they are gone: an autoclear may still be under way when the unmount returns.
+    Each device is detached once: on a device still open or mounted, ``losetup -d`` only sets
+    autoclear and returns, so asking again would fork for nothing."""
+    asked: set[str] = set()
     for _ in range(RELEASE_TRIES):
         devices = loop_devices_of(image)
         if not devices:
             return
-        for dev in devices:
+        for dev in set(devices) - asked:
             subprocess.run(["losetup", "-d", dev], capture_output=True)
+            asked.add(dev)
         time.sleep(0.002)
     log.warning("loop devices of %s still attached: %s", image, loop_devices_of(image))
