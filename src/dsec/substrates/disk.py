@@ -145,9 +145,10 @@ def _free_loop(backing: int, image: Path) -> tuple[int, str]:
 
 
 def loop_devices_of(image: Path) -> list[str]:
-    """Loop devices whose backing file is ``image`` (from sysfs, without a fork)."""
+    """Loop devices whose backing file is ``image`` (from sysfs, without a fork). Sysfs names
+    the file by its real path, so a state directory reached through a symlink still matches."""
     found = []
-    target = str(image)
+    target = os.path.realpath(image)
     for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
         try:
             name = backing.read_text().strip().removesuffix(" (deleted)")
