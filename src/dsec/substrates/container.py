@@ -23,7 +23,7 @@ from typing import Any, Callable
 from ..agent.build import agent_binary
 from ..agent.client import AgentClient
 from ..client.errors import NotSupported, SandboxError
-from ..client.models import CreateRequest
+from ..client.models import DEFAULT_DISK_MB, CreateRequest
 from ..images.mount import LayerMounter, overlay_mount, unmount
 from . import cgroups, spawn
 from .base import StartPlan, Substrate
@@ -47,7 +47,7 @@ class ContainerSubstrate(Substrate):
         self.runtime_root = state_dir / "runtime"
         self.cgroup_parent = f"/dsec-{edge_id}"
         self.mounter = mounter or LayerMounter()
-        self.disks = DiskPool(state_dir / "disks", (CreateRequest.model_fields["disk_mb"].default,))
+        self.disks = DiskPool(state_dir / "disks", (DEFAULT_DISK_MB,))
         self._agent_binary: Path | None = None
         self._pidfds: dict[str, int] = {}
         # Bundle set-up and teardown wait on kernel locks (mounts, cgroups) under load: in
