@@ -277,7 +277,7 @@ async def test_a_fake_agent_socket_gets_no_token(client, hostile, server) -> Non
 
 # --- file APIs -----------------------------------------------------------------------------
 
-async def test_path_traversal_and_symlinks_stay_inside(client, hostile, tmp_path) -> None:
+async def test_path_traversal_and_symlinks_stay_inside(client, hostile) -> None:
     sb = await create(client, hostile)
     marker = Path("/tmp") / f"dsec-host-marker-{sb.id}"
     marker.write_text("host secret")
