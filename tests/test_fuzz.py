@@ -24,7 +24,7 @@ import pytest
 import dsec
 
 from conftest import Server, make_tcp_server, stop_server
-from test_recovery import host_traces
+from test_recovery import first_edge_id, host_traces
 
 SEED = int(os.environ.get("DSEC_FUZZ_SEED", "20260"))  # fixed; the variable explores others
 EXAMPLES_PER_OPERATION = 20
@@ -71,7 +71,7 @@ async def test_openapi_fuzz(fuzz_server: Server, tmp_path: Path) -> None:
                 await (await client.get(info.id)).stop()
             except dsec.SandboxNotFound:  # a fuzzed create with a TTL of a second or so
                 pass
-    edge_id = fuzz_server.http().get("/v1/health").json()["edges"][0]["id"]
+    edge_id = first_edge_id(fuzz_server)
     deadline = time.monotonic() + 60
     while any((traces := host_traces(fuzz_server, edge_id)).values()):
         assert time.monotonic() < deadline, traces

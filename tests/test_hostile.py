@@ -24,20 +24,15 @@ from dsec.api.limits import MAX_BODY_BYTES
 from dsec.client.models import DEFAULT_MAX_OUTPUT
 from dsec.images.mount import unmount
 from dsec.substrates.disk import DiskPool, loop_devices_of, release
-from test_recovery import host_traces
+from test_recovery import first_edge_id, host_traces
 
 PROBE = Path(__file__).with_name("hostile_probe.py")
-
-
-def _edge_id(server: Server) -> str:
-    with server.http() as http:
-        return http.get("/v1/health").json()["edges"][0]["id"]
 
 
 async def assert_no_trace(server: Server, sandbox_id: str) -> None:
     """Nothing of a stopped sandbox is left on the host (mounts, loops, cgroups, processes,
     runtime state, dirs). Polls: a killed init is reaped by the host's init in its own time."""
-    edge_id = _edge_id(server)
+    edge_id = first_edge_id(server)
     deadline = time.monotonic() + 60
     while True:
         traces = host_traces(server, edge_id)
