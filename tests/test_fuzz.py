@@ -62,6 +62,9 @@ async def test_openapi_fuzz(fuzz_server: Server, tmp_path: Path) -> None:
         generated = re.search(r"(\d+) generated, (\d+) passed", run.stdout)
         assert generated and generated[1] == generated[2], run.stdout[-5000:]
         assert int(generated[1]) >= EXAMPLES_PER_OPERATION * OPERATIONS, run.stdout[-5000:]
+        operations = re.search(r"Selected: (\d+)/(\d+)\s+Tested: (\d+)", run.stdout)
+        assert operations and int(operations[3]) == int(operations[2]) >= OPERATIONS, \
+            run.stdout[-5000:]  # every route of the schema, not just many cases on a few
 
         # The server and the sandbox under fire are fine, and nothing of anything the fuzzer
         # created is left once it is all stopped.

@@ -81,16 +81,25 @@ class DiskPool:
 
     def _fill(self, size_mb: int) -> None:
         try:
-            while len(list(self.dir.glob(f"{size_mb}mb-*.img"))) < SPARES_PER_SIZE:
+            while self._short_of_spares(size_mb):
                 name = f"{size_mb}mb-{secrets.token_hex(4)}"
                 tmp = self.dir / f"{name}.tmp"
                 _format(tmp, size_mb)
                 os.rename(tmp, self.dir / f"{name}.img")  # only whole spares are ever taken
-        except OSError:
+        except Exception:
             log.exception("could not format a spare disk of %d MB", size_mb)
-        finally:
             with self._lock:
                 self._filling.discard(size_mb)
+
+    def _short_of_spares(self, size_mb: int) -> bool:
+        """Whether the filler must make another spare; if not, it is done. Counted and marked
+        done under the lock: a take between the count and the mark would otherwise find the
+        filler still running, start none, and its spare would not be replaced."""
+        with self._lock:
+            short = len(list(self.dir.glob(f"{size_mb}mb-*.img"))) < SPARES_PER_SIZE
+            if not short:
+                self._filling.discard(size_mb)
+            return short
 
 
 def _format(image: Path, size_mb: int) -> None:
