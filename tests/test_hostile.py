@@ -273,25 +273,18 @@ async def test_a_fake_agent_socket_gets_no_token(client, hostile, server) -> Non
 # --- file APIs -----------------------------------------------------------------------------
 
 async def test_path_traversal_and_symlinks_stay_inside(client, hostile) -> None:
+    """Links to directories out of the sandbox; ``..`` paths and a link to a host file are
+    test_sandbox.py's test_paths_never_escape."""
     sb = await create(client, hostile)
     marker = Path("/tmp") / f"dsec-host-marker-{sb.id}"
     marker.write_text("host secret")
     try:
-        for path in ("../../etc/shadow", "/work/../../etc/shadow", "a/../../b", "/.."):
-            with pytest.raises(dsec.InvalidRequest):
-                await sb.read_file(path)
-            with pytest.raises(dsec.InvalidRequest):
-                await sb.write_file(path, b"x")
-        await sb.run(f"ln -s / /work/root && ln -s {marker} /work/marker && "
-                     f"ln -s /tmp /work/tmp && ln -s ../../.. /work/up")
+        await sb.run("ln -s / /work/root && ln -s /tmp /work/tmp && ln -s ../../.. /work/up")
         with pytest.raises(dsec.FileNotFound):  # resolved in the sandbox, where it is absent
-            await sb.read_file("/work/marker")
-        with pytest.raises(dsec.FileNotFound):
             await sb.read_file(f"/work/tmp/{marker.name}")
         names = {e.name for e in await sb.list_files("/work/root")}
         assert ".dsec" in names and "work" in names  # the sandbox's root, not the host's
         assert {e.name for e in await sb.list_files("/work/up")} == names
-        await sb.write_file("/work/marker", b"overwritten")  # replaces the link itself
         await sb.write_file("/work/tmp/through-link", b"x")  # lands in the sandbox's /tmp
         assert marker.read_text() == "host secret"
         assert not (Path("/tmp") / "through-link").exists()
