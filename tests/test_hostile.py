@@ -82,10 +82,11 @@ async def with_probe(client: dsec.DSecClient, made: list[dsec.AsyncSandbox]) -> 
     return sb
 
 
-async def probe(sb: dsec.AsyncSandbox, *args: str) -> str:
+async def probe(sb: dsec.AsyncSandbox, *args: str) -> dict[str, str]:
+    """What the probe found, from its ``key=value`` lines."""
     r = await sb.run(["python3", "/work/probe.py", *args], timeout_s=120)
     assert r.exit_code == 0, r.stderr
-    return r.stdout
+    return dict(line.split("=", 1) for line in r.stdout.splitlines())
 
 
 # --- resource bombs ---------------------------------------------------------------------
@@ -193,8 +194,7 @@ def test_disk_pool_hands_out_preformatted_spares(tmp_path: Path) -> None:
 
 async def test_proc_and_sys_show_nothing_of_the_host(client, hostile) -> None:
     sb = await with_probe(client, hostile)
-    report = await probe(sb, "proc")
-    facts = dict(line.split("=", 1) for line in report.splitlines())
+    facts = await probe(sb, "proc")
     assert int(facts["pids"]) < 10  # the agent, the probe and its children: no host processes
     assert facts["host_cmdlines"] == ""  # no dsec server, pytest or systemd in sight
     assert facts["pid1"] == "/.dsec/agent --listen /.dsec/run/agent.sock"
@@ -207,8 +207,7 @@ async def test_proc_and_sys_show_nothing_of_the_host(client, hostile) -> None:
 async def test_ptrace_and_signals_cannot_reach_the_host(client, hostile, server) -> None:
     sb = await with_probe(client, hostile)
     assert server.proc is not None
-    report = await probe(sb, "ptrace", str(server.proc.pid), str(os.getpid()))
-    facts = dict(line.split("=", 1) for line in report.splitlines())
+    facts = await probe(sb, "ptrace", str(server.proc.pid), str(os.getpid()))
     assert facts["agent"] == "EPERM"  # pid 1, non-dumpable, no CAP_SYS_PTRACE
     for pid in (server.proc.pid, os.getpid()):  # host pids do not exist in the sandbox
         assert facts[f"attach_{pid}"] in ("ESRCH", "EPERM") and facts[f"kill_{pid}"] == "ESRCH"
@@ -222,7 +221,7 @@ async def test_mounts_and_namespaces_are_denied(client, hostile) -> None:
         r = await sb.run(command)
         assert r.exit_code != 0, command
     assert "/mnt" not in (await sb.run("cat /proc/mounts")).stdout
-    assert (await probe(sb, "mount")).strip() == "mount=EPERM"
+    assert await probe(sb, "mount") == {"mount": "EPERM"}
 
 
 async def test_overwritten_image_tools_come_back_in_the_next_sandbox(client, hostile) -> None:
@@ -243,8 +242,7 @@ async def test_overwritten_image_tools_come_back_in_the_next_sandbox(client, hos
 
 async def test_forged_agent_requests_from_inside_are_refused(client, hostile) -> None:
     sb = await with_probe(client, hostile)
-    report = await probe(sb, "agent")
-    facts = dict(line.split("=", 1) for line in report.splitlines())
+    facts = await probe(sb, "agent")
     assert facts["claim"] == "X EPERM agent already claimed"
     assert facts["exec_without_token"] == "X EACCES bad token"
     assert facts["exec_with_guess"] == "X EACCES bad token"
