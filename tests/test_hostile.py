@@ -167,17 +167,22 @@ def test_disk_pool_hands_out_preformatted_spares(tmp_path: Path) -> None:
     pool.prepare()
     assert not list((tmp_path / "spares").iterdir())
     mounted = []
-    try:
-        pool.attach(tmp_path / "a.img", tmp_path / "a", 16)  # no spare yet: formatted now
-        mounted.append(tmp_path / "a")
+
+    def refilled() -> list[Path]:
         deadline = time.monotonic() + 60
         while len(spares := sorted((tmp_path / "spares").glob("16mb-*.img"))) < 2:
             assert time.monotonic() < deadline, "the pool was not refilled"
             time.sleep(0.05)
-        inodes = {spare.stat().st_ino for spare in spares}
+        return spares
+
+    try:
+        pool.attach(tmp_path / "a.img", tmp_path / "a", 16)  # no spare yet: formatted now
+        mounted.append(tmp_path / "a")
+        inodes = {spare.stat().st_ino for spare in refilled()}
         pool.attach(tmp_path / "b.img", tmp_path / "b", 16)
         mounted.append(tmp_path / "b")
         assert (tmp_path / "b.img").stat().st_ino in inodes  # a spare, not a fresh mkfs
+        refilled()  # the spare taken is replaced (and no filler outlives the test)
         fs = os.statvfs(tmp_path / "b")
         assert 12 << 20 < fs.f_blocks * fs.f_frsize <= 16 << 20
         pool.attach(tmp_path / "c.img", tmp_path / "c", 20)  # not pooled: no spares kept
