@@ -103,12 +103,16 @@ class DiskPool:
 
 
 def _format(image: Path, size_mb: int) -> None:
-    with open(image, "wb") as f:
-        f.truncate(size_mb << 20)  # sparse: the host pays only for blocks written
-    done = subprocess.run([*MKFS, str(image)], capture_output=True, text=True)
-    if done.returncode != 0:
+    """A fresh file system in a new sparse file ``image``; on any failure, no file is left."""
+    try:
+        with open(image, "wb") as f:
+            f.truncate(size_mb << 20)  # sparse: the host pays only for blocks written
+        done = subprocess.run([*MKFS, str(image)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise OSError(f"mkfs.ext4 {image}: {done.stderr.strip()}")
+    except BaseException:
         image.unlink(missing_ok=True)
-        raise OSError(f"mkfs.ext4 {image}: {done.stderr.strip()}")
+        raise
 
 
 def _loop_mount(image: Path, target: Path) -> None:
