@@ -15,12 +15,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..agent.protocol import MAX_FRAME
 from ..client.errors import (DSecError, InvalidRequest, MethodNotAllowed, PayloadTooLarge,
-                             RouteNotFound, Unauthorized)
+                             RouteNotFound)
 
 MAX_BODY_BYTES = MAX_FRAME - (1 << 16)  # room for the frame's other fields (path, mode, ...)
-_BY_STATUS: dict[int, type[DSecError]] = {400: InvalidRequest, 401: Unauthorized,
-                                          404: RouteNotFound, 405: MethodNotAllowed,
-                                          413: PayloadTooLarge}
+# What Starlette and FastAPI raise themselves: an unreadable body, no such route, no such method.
+_BY_STATUS: dict[int, type[DSecError]] = {400: InvalidRequest, 404: RouteNotFound,
+                                          405: MethodNotAllowed}
 
 
 class _TooLarge(HTTPException):
