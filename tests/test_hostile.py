@@ -352,6 +352,9 @@ async def test_oversized_and_malformed_requests_are_typed(server: Server, sandbo
     with pytest.raises(dsec.PayloadTooLarge) as refused:
         await sandbox.write_file("/work/big", b"\0" * (MAX_BODY_BYTES + 1))
     assert refused.value.details["limit"] == MAX_BODY_BYTES
+    await sandbox.write_file("/work/max", b"\1" * MAX_BODY_BYTES)  # the limit itself gets through
+    assert (await sandbox.stat("/work/max")).size == MAX_BODY_BYTES
+    await sandbox.remove("/work/max")
     with server.http(authenticated=True) as http:
 
         def chunks():  # no Content-Length: counted as it arrives
