@@ -127,7 +127,8 @@ async def test_unclaimed_agent_runs_nothing(tmp_path):
     try:
         assert proc.stdout is not None and proc.stdout.read(1) == b"R"
         with pytest.raises(AgentError, match="not claimed"):
-            await AgentClient(sock).ping()
+            await AgentClient(sock).run(["touch", str(tmp_path / "ran")], env=ENV)
+        assert not (tmp_path / "ran").exists()
         with pytest.raises(AgentError, match="16 to 256"):
             await AgentClient(sock, "short").claim()
         await AgentClient(sock, TOKEN).claim()

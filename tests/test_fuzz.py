@@ -24,7 +24,7 @@ import pytest
 import dsec
 
 from conftest import Server, make_tcp_server, stop_server
-from test_recovery import host_traces
+from test_recovery import first_edge_id, host_traces
 
 SEED = int(os.environ.get("DSEC_FUZZ_SEED", "20260"))  # fixed; the variable explores others
 EXAMPLES_PER_OPERATION = 20
@@ -62,6 +62,9 @@ async def test_openapi_fuzz(fuzz_server: Server, tmp_path: Path) -> None:
         generated = re.search(r"(\d+) generated, (\d+) passed", run.stdout)
         assert generated and generated[1] == generated[2], run.stdout[-5000:]
         assert int(generated[1]) >= EXAMPLES_PER_OPERATION * OPERATIONS, run.stdout[-5000:]
+        operations = re.search(r"Selected: (\d+)/(\d+)\s+Tested: (\d+)", run.stdout)
+        assert operations and int(operations[3]) == int(operations[2]) >= OPERATIONS, \
+            run.stdout[-5000:]  # every route of the schema, not just many cases on a few
 
         # The server and the sandbox under fire are fine, and nothing of anything the fuzzer
         # created is left once it is all stopped.
@@ -71,7 +74,7 @@ async def test_openapi_fuzz(fuzz_server: Server, tmp_path: Path) -> None:
                 await (await client.get(info.id)).stop()
             except dsec.SandboxNotFound:  # a fuzzed create with a TTL of a second or so
                 pass
-    edge_id = fuzz_server.http().get("/v1/health").json()["edges"][0]["id"]
+    edge_id = first_edge_id(fuzz_server)
     deadline = time.monotonic() + 60
     while any((traces := host_traces(fuzz_server, edge_id)).values()):
         assert time.monotonic() < deadline, traces

@@ -24,20 +24,15 @@ from dsec.api.limits import MAX_BODY_BYTES
 from dsec.client.models import DEFAULT_MAX_OUTPUT
 from dsec.images.mount import unmount
 from dsec.substrates.disk import DiskPool, loop_devices_of, release
-from test_recovery import host_traces
+from test_recovery import first_edge_id, host_traces
 
 PROBE = Path(__file__).with_name("hostile_probe.py")
-
-
-def _edge_id(server: Server) -> str:
-    with server.http() as http:
-        return http.get("/v1/health").json()["edges"][0]["id"]
 
 
 async def assert_no_trace(server: Server, sandbox_id: str) -> None:
     """Nothing of a stopped sandbox is left on the host (mounts, loops, cgroups, processes,
     runtime state, dirs). Polls: a killed init is reaped by the host's init in its own time."""
-    edge_id = _edge_id(server)
+    edge_id = first_edge_id(server)
     deadline = time.monotonic() + 60
     while True:
         traces = host_traces(server, edge_id)
@@ -87,10 +82,11 @@ async def with_probe(client: dsec.DSecClient, made: list[dsec.AsyncSandbox]) -> 
     return sb
 
 
-async def probe(sb: dsec.AsyncSandbox, *args: str) -> str:
+async def probe(sb: dsec.AsyncSandbox, *args: str) -> dict[str, str]:
+    """What the probe found, from its ``key=value`` lines."""
     r = await sb.run(["python3", "/work/probe.py", *args], timeout_s=120)
     assert r.exit_code == 0, r.stderr
-    return r.stdout
+    return dict(line.split("=", 1) for line in r.stdout.splitlines())
 
 
 # --- resource bombs ---------------------------------------------------------------------
@@ -171,17 +167,22 @@ def test_disk_pool_hands_out_preformatted_spares(tmp_path: Path) -> None:
     pool.prepare()
     assert not list((tmp_path / "spares").iterdir())
     mounted = []
-    try:
-        pool.attach(tmp_path / "a.img", tmp_path / "a", 16)  # no spare yet: formatted now
-        mounted.append(tmp_path / "a")
+
+    def refilled() -> list[Path]:
         deadline = time.monotonic() + 60
         while len(spares := sorted((tmp_path / "spares").glob("16mb-*.img"))) < 2:
             assert time.monotonic() < deadline, "the pool was not refilled"
             time.sleep(0.05)
-        inodes = {spare.stat().st_ino for spare in spares}
+        return spares
+
+    try:
+        pool.attach(tmp_path / "a.img", tmp_path / "a", 16)  # no spare yet: formatted now
+        mounted.append(tmp_path / "a")
+        inodes = {spare.stat().st_ino for spare in refilled()}
         pool.attach(tmp_path / "b.img", tmp_path / "b", 16)
         mounted.append(tmp_path / "b")
         assert (tmp_path / "b.img").stat().st_ino in inodes  # a spare, not a fresh mkfs
+        refilled()  # the spare taken is replaced (and no filler outlives the test)
         fs = os.statvfs(tmp_path / "b")
         assert 12 << 20 < fs.f_blocks * fs.f_frsize <= 16 << 20
         pool.attach(tmp_path / "c.img", tmp_path / "c", 20)  # not pooled: no spares kept
@@ -198,8 +199,7 @@ def test_disk_pool_hands_out_preformatted_spares(tmp_path: Path) -> None:
 
 async def test_proc_and_sys_show_nothing_of_the_host(client, hostile) -> None:
     sb = await with_probe(client, hostile)
-    report = await probe(sb, "proc")
-    facts = dict(line.split("=", 1) for line in report.splitlines())
+    facts = await probe(sb, "proc")
     assert int(facts["pids"]) < 10  # the agent, the probe and its children: no host processes
     assert facts["host_cmdlines"] == ""  # no dsec server, pytest or systemd in sight
     assert facts["pid1"] == "/.dsec/agent --listen /.dsec/run/agent.sock"
@@ -212,8 +212,7 @@ async def test_proc_and_sys_show_nothing_of_the_host(client, hostile) -> None:
 async def test_ptrace_and_signals_cannot_reach_the_host(client, hostile, server) -> None:
     sb = await with_probe(client, hostile)
     assert server.proc is not None
-    report = await probe(sb, "ptrace", str(server.proc.pid), str(os.getpid()))
-    facts = dict(line.split("=", 1) for line in report.splitlines())
+    facts = await probe(sb, "ptrace", str(server.proc.pid), str(os.getpid()))
     assert facts["agent"] == "EPERM"  # pid 1, non-dumpable, no CAP_SYS_PTRACE
     for pid in (server.proc.pid, os.getpid()):  # host pids do not exist in the sandbox
         assert facts[f"attach_{pid}"] in ("ESRCH", "EPERM") and facts[f"kill_{pid}"] == "ESRCH"
@@ -227,7 +226,7 @@ async def test_mounts_and_namespaces_are_denied(client, hostile) -> None:
         r = await sb.run(command)
         assert r.exit_code != 0, command
     assert "/mnt" not in (await sb.run("cat /proc/mounts")).stdout
-    assert (await probe(sb, "mount")).strip() == "mount=EPERM"
+    assert await probe(sb, "mount") == {"mount": "EPERM"}
 
 
 async def test_overwritten_image_tools_come_back_in_the_next_sandbox(client, hostile) -> None:
@@ -248,8 +247,7 @@ async def test_overwritten_image_tools_come_back_in_the_next_sandbox(client, hos
 
 async def test_forged_agent_requests_from_inside_are_refused(client, hostile) -> None:
     sb = await with_probe(client, hostile)
-    report = await probe(sb, "agent")
-    facts = dict(line.split("=", 1) for line in report.splitlines())
+    facts = await probe(sb, "agent")
     assert facts["claim"] == "X EPERM agent already claimed"
     assert facts["exec_without_token"] == "X EACCES bad token"
     assert facts["exec_with_guess"] == "X EACCES bad token"
@@ -277,26 +275,19 @@ async def test_a_fake_agent_socket_gets_no_token(client, hostile, server) -> Non
 
 # --- file APIs -----------------------------------------------------------------------------
 
-async def test_path_traversal_and_symlinks_stay_inside(client, hostile, tmp_path) -> None:
+async def test_path_traversal_and_symlinks_stay_inside(client, hostile) -> None:
+    """Links to directories out of the sandbox; ``..`` paths and a link to a host file are
+    test_sandbox.py's test_paths_never_escape."""
     sb = await create(client, hostile)
     marker = Path("/tmp") / f"dsec-host-marker-{sb.id}"
     marker.write_text("host secret")
     try:
-        for path in ("../../etc/shadow", "/work/../../etc/shadow", "a/../../b", "/.."):
-            with pytest.raises(dsec.InvalidRequest):
-                await sb.read_file(path)
-            with pytest.raises(dsec.InvalidRequest):
-                await sb.write_file(path, b"x")
-        await sb.run(f"ln -s / /work/root && ln -s {marker} /work/marker && "
-                     f"ln -s /tmp /work/tmp && ln -s ../../.. /work/up")
+        await sb.run("ln -s / /work/root && ln -s /tmp /work/tmp && ln -s ../../.. /work/up")
         with pytest.raises(dsec.FileNotFound):  # resolved in the sandbox, where it is absent
-            await sb.read_file("/work/marker")
-        with pytest.raises(dsec.FileNotFound):
             await sb.read_file(f"/work/tmp/{marker.name}")
         names = {e.name for e in await sb.list_files("/work/root")}
         assert ".dsec" in names and "work" in names  # the sandbox's root, not the host's
         assert {e.name for e in await sb.list_files("/work/up")} == names
-        await sb.write_file("/work/marker", b"overwritten")  # replaces the link itself
         await sb.write_file("/work/tmp/through-link", b"x")  # lands in the sandbox's /tmp
         assert marker.read_text() == "host secret"
         assert not (Path("/tmp") / "through-link").exists()
@@ -338,9 +329,7 @@ async def test_upload_tar_with_escaping_members_stays_inside(client, hostile, se
     await sb.mkdir("/work/up")
     with server.http(authenticated=True) as http:  # the raw route: the SDK only uploads dirs
         resp = http.put(f"/v1/sandboxes/{sb.id}/archive", params={"path": "/work/up"}, content=archive)
-    assert resp.status_code in (204, 400), resp.text
-    if resp.status_code == 400:
-        assert resp.json()["error"]["code"] == "invalid_request"
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_request", resp.text
     passwd = (await sb.read_file("/etc/passwd")).decode()
     assert passwd.startswith("root:") and "owned" not in passwd
     for escaped in ("/escaped-dotdot", "/escaped-absolute", "/work/escaped-dotdot"):
@@ -363,6 +352,9 @@ async def test_oversized_and_malformed_requests_are_typed(server: Server, sandbo
     with pytest.raises(dsec.PayloadTooLarge) as refused:
         await sandbox.write_file("/work/big", b"\0" * (MAX_BODY_BYTES + 1))
     assert refused.value.details["limit"] == MAX_BODY_BYTES
+    await sandbox.write_file("/work/max", b"\1" * MAX_BODY_BYTES)  # the limit itself gets through
+    assert (await sandbox.stat("/work/max")).size == MAX_BODY_BYTES
+    await sandbox.remove("/work/max")
     with server.http(authenticated=True) as http:
 
         def chunks():  # no Content-Length: counted as it arrives
@@ -372,15 +364,21 @@ async def test_oversized_and_malformed_requests_are_typed(server: Server, sandbo
                            content=chunks())
         assert chunked.status_code == 413 and chunked.json()["error"]["code"] == "payload_too_large"
         assert not await sandbox.exists("/work/big")
+        chunked_json = http.post(f"/v1/sandboxes/{sandbox.id}/exec", content=chunks(),
+                                 headers={"content-type": "application/json"})
+        assert chunked_json.status_code == 413, chunked_json.text  # also where FastAPI parses it
+        assert chunked_json.json()["error"]["details"] == {"limit": MAX_BODY_BYTES}
 
         for body in (b"{", b"[]", b"null", b'{"command": 5}', b"\xff\xfe", b'{"command": "x", "bogus": 1}'):
             r = http.post(f"/v1/sandboxes/{sandbox.id}/exec", content=body,
                           headers={"content-type": "application/json"})
             assert r.status_code in (400, 422) and r.json()["error"]["code"] == "invalid_request", body
-        for method, path in (("GET", "/v1/nope"), ("PATCH", "/v1/sandboxes"), ("GET", "/v1/sandboxes/x/y/z")):
+        for method, path, status, code in (("GET", "/v1/nope", 404, "route_not_found"),
+                                           ("GET", "/v1/sandboxes/x/y/z", 404, "route_not_found"),
+                                           ("PATCH", "/v1/sandboxes", 405, "method_not_allowed")):
             r = http.request(method, path)
-            assert r.status_code in (404, 405) and r.json()["error"]["code"] in (
-                "route_not_found", "method_not_allowed"), (method, path, r.text)
+            assert r.status_code == status and r.json()["error"]["code"] == code, (method, path, r.text)
+            assert r.json()["error"]["details"] == {}
         r = http.get("/v1/sandboxes", headers={"authorization": "Bearer nope"})
         assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"
     assert (await sandbox.run("echo fine")).stdout == "fine\n"

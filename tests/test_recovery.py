@@ -14,7 +14,7 @@ import dsec
 from conftest import Server, make_server, stop_server
 
 
-def _edge_id(server: Server) -> str:
+def first_edge_id(server: Server) -> str:
     with server.http() as http:
         return http.get("/v1/health").json()["edges"][0]["id"]
 
@@ -90,7 +90,7 @@ async def test_sandboxes_survive_a_server_crash(fresh_server: Server) -> None:
 
 
 async def test_crash_mid_burst_leaks_nothing(fresh_server: Server) -> None:
-    edge_id = _edge_id(fresh_server)
+    edge_id = first_edge_id(fresh_server)
     async with fresh_server.client() as client:
         burst = asyncio.ensure_future(client.create_many(50, concurrency=25, ttl_s=300))
         while len(await client.list()) < 5:  # kill it once the burst is well under way
@@ -132,7 +132,7 @@ async def test_imported_oci_image_runs_with_its_env(client: dsec.DSecClient,
 
 
 async def test_failed_create_leaks_nothing(fresh_server: Server, oci_images: dict[str, str]) -> None:
-    edge_id = _edge_id(fresh_server)
+    edge_id = first_edge_id(fresh_server)
     async with fresh_server.client() as client:
         with pytest.raises(dsec.SandboxError, match="failed to start"):
             await client.create(image=oci_images["bad"], ttl_s=60)

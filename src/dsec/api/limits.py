@@ -8,8 +8,6 @@ the sandbox in one frame, so a larger body could never be delivered anyway. It i
 
 from __future__ import annotations
 
-import json
-
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -17,16 +15,22 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..agent.protocol import MAX_FRAME
 from ..client.errors import (DSecError, InvalidRequest, MethodNotAllowed, PayloadTooLarge,
-                             RouteNotFound, Unauthorized)
+                             RouteNotFound)
 
 MAX_BODY_BYTES = MAX_FRAME - (1 << 16)  # room for the frame's other fields (path, mode, ...)
-_BY_STATUS: dict[int, type[DSecError]] = {400: InvalidRequest, 401: Unauthorized,
-                                          404: RouteNotFound, 405: MethodNotAllowed,
-                                          413: PayloadTooLarge}
+# What Starlette and FastAPI raise themselves: an unreadable body, no such route, no such method.
+_BY_STATUS: dict[int, type[DSecError]] = {400: InvalidRequest, 404: RouteNotFound,
+                                          405: MethodNotAllowed}
 
 
-class _TooLarge(Exception):
-    pass
+class _TooLarge(HTTPException):
+    """Raised from ``receive`` past the limit. An HTTPException, because FastAPI turns any
+    other exception raised while it parses a JSON body into a 400; the app's handler for
+    HTTPException (``typed_http_error``) answers it."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413)
+        self.limit = limit
 
 
 class BodyLimit:
@@ -42,43 +46,33 @@ class BodyLimit:
             return
         declared = dict(scope["headers"]).get(b"content-length", b"0")
         if declared.isdigit() and int(declared) > self.limit:
-            await self._refuse(scope, receive, send)
+            await _payload_too_large(self.limit)(scope, receive, send)
             return
         received = 0
-        started = False
 
         async def counted() -> Message:
             nonlocal received
             message = await receive()
             received += len(message.get("body", b""))
             if received > self.limit:
-                raise _TooLarge()
+                raise _TooLarge(self.limit)
             return message
 
-        async def watched(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
+        await self.app(scope, counted, send)
 
-        try:
-            await self.app(scope, counted, watched)
-        except _TooLarge:
-            if started:
-                raise
-            await self._refuse(scope, receive, send)
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        err = PayloadTooLarge(f"request body exceeds {self.limit} bytes", limit=self.limit)
-        await JSONResponse(err.to_json(), status_code=err.status)(scope, receive, send)
+def _payload_too_large(limit: int) -> JSONResponse:
+    err = PayloadTooLarge(f"request body exceeds {limit} bytes", limit=limit)
+    return JSONResponse(err.to_json(), status_code=err.status)
 
 
 async def typed_http_error(request: Request, exc: Exception) -> JSONResponse:
     """Starlette's own errors (404 for an unknown path, 405, ...) as dsec errors."""
     assert isinstance(exc, HTTPException)
+    if isinstance(exc, _TooLarge):
+        return _payload_too_large(exc.limit)
     cls = _BY_STATUS.get(exc.status_code)
-    err = (cls or DSecError)(str(exc.detail), status=exc.status_code)
-    body = err.to_json()
+    body = (cls or DSecError)(str(exc.detail)).to_json()
     if cls is None:
         body["error"]["code"] = f"http_{exc.status_code}"
-    return JSONResponse(json.loads(json.dumps(body, default=str)), status_code=exc.status_code,
-                        headers=exc.headers)
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)

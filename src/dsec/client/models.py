@@ -18,6 +18,7 @@ Runtime = Literal["crun", "runc", "runsc"]
 SandboxState = Literal["starting", "running", "stopped", "expired", "died"]
 
 DEFAULT_MAX_OUTPUT = 16 << 20
+DEFAULT_DISK_MB = 1024  # the size warm-pool sandboxes and spare disk files have
 # A trajectory id: path-like segments ("run-7/ep-123"), each starting with a letter, digit or
 # underscore, so no segment is "-", "." or "..": "/-/" separates an id from a sub-resource.
 TRAJECTORY_ID = r"^[A-Za-z0-9_][A-Za-z0-9_.@+=-]*(/[A-Za-z0-9_][A-Za-z0-9_.@+=-]*)*$"
@@ -73,7 +74,7 @@ class CreateRequest(_Model):
     cpu: float = Field(1.0, gt=0, le=64)
     memory_mb: int = Field(512, ge=32, le=1 << 20)
     pids: int = Field(512, ge=16, le=1 << 16, description="maximum number of processes")
-    disk_mb: int = Field(1024, ge=16, le=1 << 20, description="size of the writable layer")
+    disk_mb: int = Field(DEFAULT_DISK_MB, ge=16, le=1 << 20, description="size of the writable layer")
     ttl_s: int = Field(600, ge=1, le=7 * 86400)
     network: Network = Field("none", description="'none' (loopback only, the default) or a "
                                                  "NetworkPolicy (egress allowlist)")

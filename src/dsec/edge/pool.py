@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from ..client.models import CreateRequest
+from ..client.models import DEFAULT_DISK_MB, CreateRequest
 from ..images.store import Image
 from ..substrates.base import StartPlan, Substrate
 
@@ -41,7 +41,7 @@ class WarmPool:
     def fits(req: CreateRequest) -> bool:
         """Whether a pooled sandbox (default runtime and disk size) can serve ``req``: a claim
         changes cpu, memory and pids in place, not the runtime or the writable layer's size."""
-        return req.runtime is None and req.disk_mb == CreateRequest.model_fields["disk_mb"].default
+        return req.runtime is None and req.disk_mb == DEFAULT_DISK_MB
 
     def take(self, image: Image) -> Pooled | None:
         """A live pooled sandbox of exactly this image (same digest), if one is ready."""

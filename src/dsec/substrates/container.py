@@ -23,7 +23,7 @@ from typing import Any, Callable
 from ..agent.build import agent_binary
 from ..agent.client import AgentClient
 from ..client.errors import NotSupported, SandboxError
-from ..client.models import CreateRequest
+from ..client.models import DEFAULT_DISK_MB, CreateRequest
 from ..images.mount import LayerMounter, overlay_mount, unmount
 from ..network.policy import Egress
 from ..network.wiring import Slot, Wiring
@@ -58,7 +58,7 @@ class ContainerSubstrate(Substrate):
         self._wired: dict[str, Slot] = {}  # sandbox id -> its network slot, if it has one
         self._net_locks: dict[str, asyncio.Lock] = {}
         self.mounter = mounter or LayerMounter()
-        self.disks = DiskPool(state_dir / "disks", (CreateRequest.model_fields["disk_mb"].default,))
+        self.disks = DiskPool(state_dir / "disks", (DEFAULT_DISK_MB,))
         self._agent_binary: Path | None = None
         self._pidfds: dict[str, int] = {}
         # Bundle set-up and teardown wait on kernel locks (mounts, cgroups) under load: in

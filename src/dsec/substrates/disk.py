@@ -81,25 +81,38 @@ class DiskPool:
 
     def _fill(self, size_mb: int) -> None:
         try:
-            while len(list(self.dir.glob(f"{size_mb}mb-*.img"))) < SPARES_PER_SIZE:
+            while self._short_of_spares(size_mb):
                 name = f"{size_mb}mb-{secrets.token_hex(4)}"
                 tmp = self.dir / f"{name}.tmp"
                 _format(tmp, size_mb)
                 os.rename(tmp, self.dir / f"{name}.img")  # only whole spares are ever taken
-        except OSError:
+        except Exception:
             log.exception("could not format a spare disk of %d MB", size_mb)
-        finally:
             with self._lock:
                 self._filling.discard(size_mb)
 
+    def _short_of_spares(self, size_mb: int) -> bool:
+        """Whether the filler must make another spare; if not, it is done. Counted and marked
+        done under the lock: a take between the count and the mark would otherwise find the
+        filler still running, start none, and its spare would not be replaced."""
+        with self._lock:
+            short = len(list(self.dir.glob(f"{size_mb}mb-*.img"))) < SPARES_PER_SIZE
+            if not short:
+                self._filling.discard(size_mb)
+            return short
+
 
 def _format(image: Path, size_mb: int) -> None:
-    with open(image, "wb") as f:
-        f.truncate(size_mb << 20)  # sparse: the host pays only for blocks written
-    done = subprocess.run([*MKFS, str(image)], capture_output=True, text=True)
-    if done.returncode != 0:
+    """A fresh file system in a new sparse file ``image``; on any failure, no file is left."""
+    try:
+        with open(image, "wb") as f:
+            f.truncate(size_mb << 20)  # sparse: the host pays only for blocks written
+        done = subprocess.run([*MKFS, str(image)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise OSError(f"mkfs.ext4 {image}: {done.stderr.strip()}")
+    except BaseException:
         image.unlink(missing_ok=True)
-        raise OSError(f"mkfs.ext4 {image}: {done.stderr.strip()}")
+        raise
 
 
 def _loop_mount(image: Path, target: Path) -> None:
@@ -145,9 +158,10 @@ def _free_loop(backing: int, image: Path) -> tuple[int, str]:
 
 
 def loop_devices_of(image: Path) -> list[str]:
-    """Loop devices whose backing file is ``image`` (from sysfs, without a fork)."""
+    """Loop devices whose backing file is ``image`` (from sysfs, without a fork). Sysfs names
+    the file by its real path, so a state directory reached through a symlink still matches."""
     found = []
-    target = str(image)
+    target = os.path.realpath(image)
     for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
         try:
             name = backing.read_text().strip().removesuffix(" (deleted)")
@@ -160,12 +174,16 @@ def loop_devices_of(image: Path) -> list[str]:
 
 def release(image: Path) -> None:
     """Detach loop devices still backed by ``image`` (once its file system is unmounted), and
-    wait until they are gone: an autoclear may still be under way when the unmount returns."""
+    wait until they are gone: an autoclear may still be under way when the unmount returns.
+    Each device is detached once: on a device still open or mounted, ``losetup -d`` only sets
+    autoclear and returns, so asking again would fork for nothing."""
+    asked: set[str] = set()
     for _ in range(RELEASE_TRIES):
         devices = loop_devices_of(image)
         if not devices:
             return
-        for dev in devices:
+        for dev in set(devices) - asked:
             subprocess.run(["losetup", "-d", dev], capture_output=True)
+            asked.add(dev)
         time.sleep(0.002)
     log.warning("loop devices of %s still attached: %s", image, loop_devices_of(image))
