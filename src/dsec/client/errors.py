@@ -108,6 +108,21 @@ class StepInterrupted(TrajectoryDiverged):
     code, status = "step_interrupted", 409
 
 
+class RemoteError(DSecError):
+    """The function of an fn call raised. ``remote_type`` is the exception's qualified type
+    name (``builtins.ZeroDivisionError``), ``traceback`` its formatted remote traceback."""
+
+    code, status = "remote_error", 422
+
+    @property
+    def remote_type(self) -> str:
+        return str(self.details.get("remote_type", ""))
+
+    @property
+    def traceback(self) -> str:
+        return str(self.details.get("traceback", ""))
+
+
 ERRORS: dict[str, type[DSecError]] = {
     cls.code: cls
     for cls in (
@@ -129,6 +144,7 @@ ERRORS: dict[str, type[DSecError]] = {
         TrajectoryExists,
         TrajectoryDiverged,
         StepInterrupted,
+        RemoteError,
     )
 }
 
