@@ -11,9 +11,10 @@ from .client.aio import Replay as AsyncReplay
 from .client.aio import Sandbox as AsyncSandbox
 from .client.errors import (CapacityExhausted, CommandTimeout, DSecError, FileNotFound,
                             ImageBuildError, ImageNotFound, InvalidRequest, NotSupported,
-                            ProcessNotFound, SandboxDied, SandboxError, SandboxNotFound,
+                            ProcessNotFound, RemoteError, SandboxDied, SandboxError, SandboxNotFound,
                             ServerUnavailable, StepInterrupted, TrajectoryDiverged,
                             TrajectoryExists, TrajectoryNotFound, Unauthorized)
+from .client.fn import CodeResult
 from .client.models import (FileEntry, ProcessInfo, SandboxInfo, StepDiff, StepRecord,
                             TrajectoryInfo)
 from .client.sync import Client, OutputStream, Process, Replay, Sandbox
@@ -25,6 +26,7 @@ __all__ = [
     "ImageBuildError", "ImageNotFound", "InvalidRequest", "NotSupported", "ProcessNotFound",
     "SandboxDied", "SandboxError", "SandboxNotFound", "ServerUnavailable", "Unauthorized",
     "TrajectoryDiverged", "StepInterrupted", "TrajectoryExists", "TrajectoryNotFound",
-    "TrajectoryInfo", "StepRecord", "StepDiff", "Replay", "AsyncReplay",
+    "TrajectoryInfo", "StepRecord", "StepDiff", "Replay", "AsyncReplay", "RemoteError",
+    "CodeResult",
 ]
 __version__ = "0.1.0"

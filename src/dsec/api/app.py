@@ -27,6 +27,7 @@ from ..client.models import (CreateRequest, ExecRequest, ExecResult, FileEntry, 
                              SandboxInfo, SignalRequest, TtlRequest, b64)
 from ..store.sqlite import StateStore
 from ..trajectory.recorder import Call
+from .fn_routes import fn_routes
 from .routing import Router
 from .trajectories import trajectory_routes
 
@@ -201,6 +202,7 @@ def create_app(router: Router, store: StateStore, registry: CollectorRegistry) -
         return Response(status_code=204)
 
     app.include_router(trajectory_routes(router, store), dependencies=auth)
+    app.include_router(fn_routes(router), dependencies=auth)
     app.add_middleware(CallHeaders)
     return app
 
