@@ -3,7 +3,8 @@ plus cloudpickle from /.dsec/fn/lib), with the chosen libraries already imported
 
 It forks workers ahead of demand and jails each one before it takes a call: new pid, mount,
 net, ipc and uts namespaces (by a raw clone, so the worker is pid 1 of its own pid namespace
-in one fork), its own cgroup (cpu, memory, pids), a private /proc, /tmp and /work (tmpfs),
+in one fork), its own cgroup (cpu, memory, pids), its own /proc and /sys (read-only), a
+private /tmp, /work and /dev/shm (tmpfs),
 loopback only, rlimits, no capabilities, no new privileges, and a seccomp filter last. A
 jailed worker says ``R`` on its socket; the template then hands the socket (and a pidfd) to
 the server over the control socket, so a call never passes through the template. The server
@@ -44,7 +45,7 @@ libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype = ctypes.c_long
 SYS_CLONE = 56
 CLONE_FLAGS = 0x20000 | 0x4000000 | 0x8000000 | 0x20000000 | 0x40000000  # NS UTS IPC PID NET
-MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 4096, 16384, 1 << 18
 PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP = 1, 24, 38, 22
 SECCOMP_MODE_FILTER = 2
 SIOCSIFFLAGS, IFF_UP, IFF_LOOPBACK, IFF_RUNNING = 0x8914, 0x1, 0x8, 0x40
@@ -82,6 +83,7 @@ def jail(wid, sock_fd):
     signal.set_wakeup_fd(-1)
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    _mount("sysfs", "/sys", "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)  # its own net
     tmp = f"size={CFG['tmp_mb']}m"
     _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, tmp + ",mode=1777")
     _mount("tmpfs", "/work", "tmpfs", MS_NOSUID | MS_NODEV, tmp + ",mode=755")
