@@ -309,7 +309,11 @@ def key_create(name: str, state_dir: Path | None) -> None:
               help="also write the figures as JSON here")
 @click.option("--only-trajectory", is_flag=True,
               help="only the trajectory series (log overhead, fast-forward)")
-def bench(quick: bool, json_out: Path | None, only_trajectory: bool) -> None:
+@click.option("--only", type=click.Choice(["fn"]), default=None, help="only one series")
+def bench(quick: bool, json_out: Path | None, only_trajectory: bool, only: str | None) -> None:
     """Run the benchmark against bare crun and print the figures (see docs/BENCHMARKS.md)."""
+    if only == "fn":
+        from .bench_fn import main as fn_main
+        return fn_main(quick=quick, json_out=json_out)
     from .bench import main as bench_main
     bench_main(quick=quick, json_out=json_out, only_trajectory=only_trajectory)
