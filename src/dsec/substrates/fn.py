@@ -176,9 +176,6 @@ class FnSubstrate(Substrate):
             worker.close()
         return reply[:1], reply[1:]
 
-    def pool_counts(self) -> dict[str, int]:
-        return {key: t.ready_count() for key, t in self._templates.items()}
-
     # sandboxes: a worker running the agent as its init ------------------------------------
     async def start(self, plan: StartPlan) -> dict[str, Any]:
         if plan.request.runtime is not None:

@@ -149,9 +149,6 @@ class Template:
         if self._ctl is not None and not self._exited:
             self._ctl.send(str(n).encode())
 
-    def ready_count(self) -> int:
-        return len(self._ready)
-
     async def take(self) -> Worker:
         """A jailed worker, waiting for one if the pool is empty; asks for a replacement."""
         deadline = asyncio.get_running_loop().time() + START_TIMEOUT_S

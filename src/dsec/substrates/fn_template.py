@@ -208,37 +208,50 @@ class Template:
         signal.signal(signal.SIGCHLD, lambda *_: None)
 
     def loop(self):
-        poll = select.poll()
-        poll.register(self.ctl, select.POLLIN)
-        poll.register(self.wake_r, select.POLLIN)
+        """Spawn what the server asks for, hand each worker over once it says it is jailed
+        (several jail themselves at once), report ends, remove what ended."""
+        self.poll = select.poll()
+        self.poll.register(self.ctl, select.POLLIN)
+        self.poll.register(self.wake_r, select.POLLIN)
+        self.jailing = {}  # socket fd -> (wid, pid, socket)
         while True:
-            events = dict(poll.poll(100 if self.unremoved else None))
-            if self.ctl.fileno() in events:
-                message = self.ctl.recv(64)
-                if not message:
-                    return  # the server is gone; workers follow by their parent-death signal
-                self.spawn(int(message))
-            if self.wake_r in events:
-                while True:
-                    try:
-                        os.read(self.wake_r, 512)
-                    except BlockingIOError:
-                        break
+            for fd, _ in self.poll.poll(100 if self.unremoved else None):
+                if fd == self.ctl.fileno():
+                    if not self.take_requests():
+                        return  # the server is gone; workers follow by their parent-death signal
+                elif fd == self.wake_r:
+                    _drain(self.wake_r)
+                else:
+                    self.hand_over(*self.jailing.pop(fd))
             self.reap()
             self.remove_cgroups()
 
-    def spawn(self, n):
-        pending = [self.spawn_one() for _ in range(n)]
-        for wid, pid, sock in pending:
-            ready, _, _ = select.select([sock], [], [], 30)
-            if ready and sock.recv(1) == b"R":
-                pidfd = os.pidfd_open(pid)
-                socket.send_fds(self.ctl, [json.dumps({"wid": wid, "pid": pid}).encode()],
-                                [sock.fileno(), pidfd])
-                os.close(pidfd)
-            else:
-                os.kill(pid, signal.SIGKILL)  # failed its jail: reaped and reported like any end
-            sock.close()
+    def take_requests(self):
+        wanted = 0
+        while True:
+            try:
+                message = self.ctl.recv(64, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                break
+            if not message:
+                return False
+            wanted += int(message)
+        for _ in range(wanted):
+            wid, pid, sock = self.spawn_one()
+            self.jailing[sock.fileno()] = (wid, pid, sock)
+            self.poll.register(sock, select.POLLIN)
+        return True
+
+    def hand_over(self, wid, pid, sock):
+        self.poll.unregister(sock)
+        if sock.recv(1) == b"R":
+            pidfd = os.pidfd_open(pid)
+            socket.send_fds(self.ctl, [json.dumps({"wid": wid, "pid": pid}).encode()],
+                            [sock.fileno(), pidfd])
+            os.close(pidfd)
+        else:
+            os.kill(pid, signal.SIGKILL)  # failed its jail: reaped and reported like any end
+        sock.close()
 
     def spawn_one(self):
         self.seq += 1
@@ -315,6 +328,14 @@ class Template:
                 os.unlink(f"{RUN}/{wid}/{name}")
             os.rmdir(f"{RUN}/{wid}")
         self.unremoved = busy
+
+
+def _drain(fd):
+    while True:
+        try:
+            os.read(fd, 512)
+        except BlockingIOError:
+            return
 
 
 def _write_at(dir_fd, path, value):
