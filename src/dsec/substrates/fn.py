@@ -164,7 +164,6 @@ class FnSubstrate(Substrate):
         try:
             reply = await asyncio.wait_for(worker.exchange(frame), timeout_s)
         except asyncio.TimeoutError:
-            worker.kill()
             raise CommandTimeout(f"the call did not return within {timeout_s}s; its worker "
                                  "was killed", timeout_s=timeout_s) from None
         except WorkerGone:
@@ -173,6 +172,7 @@ class FnSubstrate(Substrate):
             raise SandboxDied(f"fn worker died: {reason}", reason=reason,
                               oom_killed=bool(death and death.oom_kills)) from None
         finally:
+            worker.kill()  # it ends by itself after answering; whatever it left behind goes too
             worker.close()
         return reply[:1], reply[1:]
 

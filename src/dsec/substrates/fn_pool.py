@@ -30,6 +30,7 @@ log = logging.getLogger("dsec.fn")
 LAUNCHER = Path(__file__).with_name("fn_launch.py")
 DEATH_REPORT_TIMEOUT_S = 5.0
 START_TIMEOUT_S = 60.0
+MAX_REPLY = 1 << 30  # a reply is held in memory once on the server
 
 
 class WorkerGone(Exception):
@@ -82,6 +83,8 @@ class Worker:
         try:
             await self.send(frame)
             size = struct.unpack(">I", await self.recv_exact(4))[0]
+            if size > MAX_REPLY:
+                raise SandboxError(f"the worker's reply of {size} bytes exceeds {MAX_REPLY}")
             return await self.recv_exact(size)
         except (ConnectionError, BrokenPipeError):
             raise WorkerGone from None
