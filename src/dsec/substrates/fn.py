@@ -47,7 +47,7 @@ COMPILE_TIMEOUT_S = 30.0
 class FnSubstrate(Substrate):
     name = "fn"
 
-    def __init__(self, state_dir: Path, edge_id: str, pool_size: int = 4,
+    def __init__(self, state_dir: Path, edge_id: str, pool_size: int = 8,
                  preload: tuple[str, ...] = ("numpy",), cpu: float = 1.0, memory_mb: int = 512,
                  pids: int = 64, tmp_mb: int = 256, mounter: LayerMounter | None = None) -> None:
         self.root = state_dir / "fn"

@@ -208,7 +208,6 @@ class Template:
         if self._exited:
             return
         self._exited = True
-        self._reap(os.WNOHANG)
         loop = asyncio.get_running_loop()
         loop.remove_reader(self._pidfd)
         if self._ctl is not None:
@@ -224,9 +223,9 @@ class Template:
     def alive(self) -> bool:
         return not self._exited
 
-    def _reap(self, flags: int) -> None:
+    def _reap(self) -> None:
         try:
-            os.waitpid(self.pid, flags)
+            os.waitpid(self.pid, 0)
         except ChildProcessError:
             pass
 
@@ -237,8 +236,8 @@ class Template:
             worker.close()
         if not self._exited:
             os.kill(self.pid, signal.SIGKILL)
-            self._reap(0)
             self._on_exit()
+        self._reap()
         os.close(self._pidfd)
         if self._ctl is not None:
             self._ctl.close()

@@ -74,10 +74,6 @@ def jail(wid, sock_fd):
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     os.closerange(3, sock_fd)
     os.closerange(sock_fd + 1, 1 << 16)
-    null = os.open("/dev/null", os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(null, fd)
-    os.close(null)
     for sig in (signal.SIGCHLD, signal.SIGPIPE, signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_DFL)
     signal.set_wakeup_fd(-1)
@@ -96,6 +92,10 @@ def jail(wid, sock_fd):
     resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     os.chdir("/work")
+    null = os.open("/dev/null", os.O_RDWR)  # from here on, errors are no longer the template's
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.close(null)
     for cap in range(64):  # empty bounding set: even an exec as root gains nothing
         if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
             break
