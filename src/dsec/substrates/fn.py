@@ -48,12 +48,14 @@ class FnSubstrate(Substrate):
     name = "fn"
 
     def __init__(self, state_dir: Path, edge_id: str, pool_size: int = 8,
-                 preload: tuple[str, ...] = ("numpy",), cpu: float = 1.0, memory_mb: int = 512,
+                 preload: tuple[str, ...] | None = None, cpu: float = 1.0, memory_mb: int = 512,
                  pids: int = 64, tmp_mb: int = 256, mounter: LayerMounter | None = None) -> None:
         self.root = state_dir / "fn"
         self.cgroup_parent = f"/dsec-fn-{edge_id}"
         self.pool_size = pool_size
-        self.preload = preload
+        # Modules every template imports before it forks (those the image lacks are skipped).
+        self.preload = preload if preload is not None else tuple(
+            m for m in os.environ.get("DSEC_FN_PRELOAD", "numpy").split(",") if m)
         self.limits = (cpu, memory_mb, pids)
         self.tmp_mb = tmp_mb
         self.mounter = mounter or LayerMounter()

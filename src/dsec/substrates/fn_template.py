@@ -19,6 +19,7 @@ agent as its init (it prints ``R`` on the socket once it listens).
 
 import ctypes
 import fcntl
+import gc
 import json
 import os
 import resource
@@ -347,4 +348,6 @@ def _write_at(dir_fd, path, value):
 
 
 if __name__ == "__main__":
-    Template().loop()
+    template = Template()
+    gc.freeze()  # what is loaded now stays out of every collection: workers share its pages
+    template.loop()
