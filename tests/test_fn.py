@@ -191,6 +191,24 @@ async def test_map(client: dsec.DSecClient) -> None:
         await client.call(lambda: 1, substrate="container")
 
 
+async def test_images_without_python_are_refused(client: dsec.DSecClient) -> None:
+    with pytest.raises(dsec.NotSupported):
+        await client.call(lambda: 1, image="debian-minbase")
+    with pytest.raises(dsec.NotSupported):
+        await client.create(substrate="fn", image="debian-minbase")
+    with pytest.raises(dsec.ImageNotFound):
+        await client.call(lambda: 1, image="no-such-image")
+
+
+async def test_a_dead_template_is_replaced(client: dsec.DSecClient) -> None:
+    assert await client.call(lambda: 1) == 1
+    templates = _fn_pids((await client.health())["edges"][0]["id"], template_only=True)
+    assert templates
+    for pid in templates:
+        os.kill(pid, signal.SIGKILL)
+    assert await client.call(lambda: "again") == "again"
+
+
 def test_sync_facade(server: Server) -> None:
     with dsec.Client(server.url, server.key, autostart=False) as client:
         assert client.call(lambda: "sync") == "sync"
@@ -202,14 +220,17 @@ def _edge_cgroups(edge: str) -> list[Path]:
     return [p for p in Path("/sys/fs/cgroup").glob(f"*/dsec-fn-{edge}") if p.exists()]
 
 
-def _template_pids(state_dir: Path) -> list[int]:
+def _fn_pids(edge: str, template_only: bool = False) -> list[int]:
+    """Processes in the edge's fn cgroups: templates (``.../template``) and workers."""
     found = []
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and str(state_dir) in (proc / "cmdline").read_text():
-                found.append(int(proc.name))
+            cgroup = (proc / "cgroup").read_text() if proc.name.isdigit() else ""
         except OSError:
-            pass
+            continue
+        mine = [line for line in cgroup.splitlines() if f"/dsec-fn-{edge}/" in line]
+        if mine and (not template_only or any(line.endswith("/template") for line in mine)):
+            found.append(int(proc.name))
     return found
 
 
@@ -221,12 +242,12 @@ async def test_nothing_leaks_after_stop_or_crash(images) -> None:  # type: ignor
             await client.map(lambda x: x, range(10), concurrency=4)
             async with await client.create(substrate="fn", image="python-3.11", ttl_s=60) as sb:
                 assert (await sb.run("echo up")).stdout == "up\n"
-            assert _edge_cgroups(edge) and _template_pids(srv.state_dir)
+            assert _edge_cgroups(edge) and _fn_pids(edge, template_only=True)
         srv.kill(signal.SIGKILL)  # a crash: templates and workers follow their parent
         deadline = time.monotonic() + 30
-        while _template_pids(srv.state_dir) and time.monotonic() < deadline:
+        while _fn_pids(edge) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-        assert not _template_pids(srv.state_dir)
+        assert not _fn_pids(edge)
         srv.start()  # the next server sweeps what the crash left
         srv.kill(signal.SIGTERM)
         assert not _edge_cgroups(edge), "cgroups left behind"

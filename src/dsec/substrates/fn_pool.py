@@ -163,7 +163,7 @@ class Template:
                     return worker
                 worker.close()
                 self.request(1)
-            if self._exited:
+            if not self.alive():
                 raise SandboxError(f"the fn template of image {self.key} exited; see {self._log_path}")
             waiter = asyncio.get_running_loop().create_future()
             self._waiting.append(waiter)
@@ -221,7 +221,9 @@ class Template:
         log.warning("fn template %s exited; see %s", self.key, self._log_path)
 
     def alive(self) -> bool:
-        return not self._exited
+        """Asks the pidfd, so a template that just died is known dead before the event loop
+        has run its exit callback."""
+        return not self._exited and not select.select([self._pidfd], [], [], 0)[0]
 
     def _reap(self) -> None:
         try:
