@@ -34,7 +34,7 @@ from ..client.errors import (CommandTimeout, NotSupported, RemoteError, SandboxD
 from ..client.models import CreateRequest
 from ..images.mount import LayerMounter
 from ..images.store import Image
-from . import cgroups
+from . import cgroups, spawn
 from .base import StartPlan, Substrate
 from .fn_pool import START_TIMEOUT_S, Template, Worker, WorkerGone
 from .seccomp import fn_filter_bpf
@@ -187,6 +187,10 @@ class FnSubstrate(Substrate):
         try:
             cgroups.set_limits(self._cgroup_of(template.key), worker.wid, plan.request.cpu,
                                plan.request.memory_mb << 20, plan.request.pids)
+            # A sandbox's loopback works, as a container's does (a call's stays down).
+            if await spawn.run(["nsenter", f"--net=/proc/{worker.pid}/ns/net",
+                                "ip", "link", "set", "lo", "up"]) != 0:
+                raise SandboxError("could not bring up the fn sandbox's loopback")
             await worker.send(b"A")
             ready = await asyncio.wait_for(worker.recv_exact(1), START_TIMEOUT_S)
             if ready != b"R":
