@@ -11,9 +11,10 @@ from .client.aio import Replay as AsyncReplay
 from .client.aio import Sandbox as AsyncSandbox
 from .client.errors import (CapacityExhausted, CommandTimeout, DSecError, FileNotFound,
                             ImageBuildError, ImageNotFound, InvalidRequest, NotSupported,
-                            ProcessNotFound, RemoteError, SandboxDied, SandboxError, SandboxNotFound,
+                            ProcessNotFound, SandboxDied, SandboxError, SandboxNotFound,
                             ServerUnavailable, StepInterrupted, TrajectoryDiverged,
                             TrajectoryExists, TrajectoryNotFound, Unauthorized)
+from .client.errors import RemoteError
 from .client.fn import CodeResult
 from .client.models import (FileEntry, ProcessInfo, SandboxInfo, StepDiff, StepRecord,
                             TrajectoryInfo)
