@@ -30,6 +30,14 @@ async def test_call_returns_the_value(client: dsec.DSecClient) -> None:
     assert big == b"x" * (3 << 20)
 
 
+async def test_functions_of_the_callers_own_modules(client: dsec.DSecClient, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "my_rewards.py").write_text("SCALE = 10\n\ndef score(x):\n    return x * SCALE\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import my_rewards  # type: ignore[import-not-found]  # not in the image: shipped by value
+    assert await client.map(my_rewards.score, [1, 2]) == [10, 20]
+
+
 async def test_libraries_are_preloaded(client: dsec.DSecClient, oj_image) -> None:  # type: ignore[no-untyped-def]
     def loaded() -> tuple[bool, float]:
         import sys

@@ -9,6 +9,9 @@ you would unpickle anyway (the sandbox runs the code; the caller trusts its resu
 from __future__ import annotations
 
 import asyncio
+import sys
+import sysconfig
+from pathlib import Path
 from typing import Any, Callable, Iterable, Literal
 
 import cloudpickle
@@ -61,8 +64,28 @@ def check_substrate(substrate: str) -> None:
                            substrate=substrate)
 
 
+def _ship_by_value(fn: Callable[..., Any]) -> None:
+    """cloudpickle pickles a function of an importable module by reference, and the image
+    has no copy of the caller's own modules: those (not the standard library's or installed
+    packages') go by value."""
+    module = sys.modules.get(getattr(fn, "__module__", None) or "")
+    path = getattr(module, "__file__", None)
+    if module is None or path is None or module.__name__ in _BY_VALUE:
+        return
+    resolved = Path(path).resolve()
+    if not any(resolved.is_relative_to(root) for root in _INSTALLED):
+        cloudpickle.register_pickle_by_value(module)
+        _BY_VALUE.add(module.__name__)
+
+
+_BY_VALUE: set[str] = set()
+_INSTALLED = {Path(sysconfig.get_paths()[k]).resolve()
+              for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+
+
 async def call(transport: Transport, fn: Callable[..., Any], args: tuple[Any, ...],
                kwargs: dict[str, Any], image: str, timeout_s: float) -> Any:
+    _ship_by_value(fn)
     payload = cloudpickle.dumps((fn, args, kwargs))
     response = await transport.request("POST", "/v1/call", content=payload,
                                        params={"image": image, "timeout_s": timeout_s})
