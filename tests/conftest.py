@@ -21,6 +21,9 @@ import dsec
 from dsec.images.store import ImageStore
 
 TEST_ROOT = Path("/run/dsec-test")
+SUBSTRATES = ["container", "fn"]
+# fn runs the image's own Python as its template: it needs an image that has python3.
+NEEDS_PYTHON = {"fn"}
 LOG_DIR = Path("/tmp/dsec-test-logs")  # server logs outlive the state dirs, for post-mortems
 HTTP_TIMEOUT_S = 120  # a loaded host (shared CPUs) can keep a server busy well beyond httpx's 5 s
 
@@ -127,8 +130,21 @@ async def client(server: Server) -> AsyncIterator[dsec.DSecClient]:
         yield c
 
 
-async def _sandbox(client: dsec.DSecClient, image: str, memory_mb: int) -> AsyncIterator[dsec.AsyncSandbox]:
-    sb = await client.create(image=image, memory_mb=memory_mb, ttl_s=300)
+@pytest.fixture(params=SUBSTRATES)
+def substrate(request: pytest.FixtureRequest) -> str:
+    """Each test that takes it runs once per substrate."""
+    return request.param
+
+
+def image_for(substrate: str, image: str = "debian-minbase") -> str:
+    """The image a test asks for, or the smallest one the substrate can run."""
+    return "python-3.11" if substrate in NEEDS_PYTHON and image == "debian-minbase" else image
+
+
+async def _sandbox(client: dsec.DSecClient, image: str, memory_mb: int,
+                   substrate: str = "container") -> AsyncIterator[dsec.AsyncSandbox]:
+    sb = await client.create(substrate=substrate, image=image_for(substrate, image),
+                             memory_mb=memory_mb, ttl_s=300)
     yield sb
     try:
         await sb.stop()
@@ -137,12 +153,12 @@ async def _sandbox(client: dsec.DSecClient, image: str, memory_mb: int) -> Async
 
 
 @pytest.fixture
-async def sandbox(client: dsec.DSecClient) -> AsyncIterator[dsec.AsyncSandbox]:
-    async for sb in _sandbox(client, "debian-minbase", 256):
+async def sandbox(client: dsec.DSecClient, substrate: str) -> AsyncIterator[dsec.AsyncSandbox]:
+    async for sb in _sandbox(client, "debian-minbase", 256, substrate):
         yield sb
 
 
 @pytest.fixture
-async def py_sandbox(client: dsec.DSecClient) -> AsyncIterator[dsec.AsyncSandbox]:
-    async for sb in _sandbox(client, "python-3.11", 512):
+async def py_sandbox(client: dsec.DSecClient, substrate: str) -> AsyncIterator[dsec.AsyncSandbox]:
+    async for sb in _sandbox(client, "python-3.11", 512, substrate):
         yield sb

@@ -1,4 +1,5 @@
-"""The sandbox API end to end: a real server, real crun containers, the public SDK."""
+"""The sandbox API end to end: a real server, real sandboxes, the public SDK; each test that
+takes ``substrate`` runs on every substrate in ``conftest.SUBSTRATES``."""
 
 from __future__ import annotations
 
@@ -10,10 +11,28 @@ from pathlib import Path
 import pytest
 
 import dsec
+from conftest import image_for
 
 
-async def test_issue_example(client: dsec.DSecClient) -> None:
-    sb = await client.create(substrate="container", image="python-3.11", cpu=1, memory_mb=512,
+def _init_pid(sandbox_hostname: str) -> int:
+    """The host pid of a sandbox's init: the process of its cgroup that is pid 1 inside."""
+    for proc in Path("/proc").iterdir():
+        try:
+            if (proc.name.isdigit() and f"/{sandbox_hostname}\n" in (proc / "cgroup").read_text()
+                    and (proc / "status").read_text().split("NSpid:")[1].split("\n")[0].split()[-1] == "1"):
+                return int(proc.name)
+        except (OSError, IndexError):
+            pass
+    raise AssertionError(f"no init process for {sandbox_hostname}")
+
+
+async def _hostname(sb: dsec.AsyncSandbox) -> str:
+    """Both substrates name a sandbox's cgroup after its hostname (container: the sandbox id)."""
+    return (await sb.run("cat /proc/sys/kernel/hostname")).stdout.strip()
+
+
+async def test_issue_example(client: dsec.DSecClient, substrate: str) -> None:
+    sb = await client.create(substrate=substrate, image="python-3.11", cpu=1, memory_mb=512,
                              ttl_s=300, network="none")
     r = await sb.run("python3 -c 'print(6*7)'", timeout_s=10)
     assert r.stdout == "42\n" and r.exit_code == 0
@@ -160,30 +179,31 @@ async def test_loopback_works_and_caps_are_dropped(py_sandbox: dsec.AsyncSandbox
     assert (await py_sandbox.run("mount -t tmpfs x /mnt")).exit_code != 0
 
 
-async def test_fork_bomb_hits_pids_limit(client: dsec.DSecClient) -> None:
-    async with await client.create(pids=64, memory_mb=256) as sb:
+async def test_fork_bomb_hits_pids_limit(client: dsec.DSecClient, substrate: str) -> None:
+    async with await client.create(substrate=substrate, image=image_for(substrate), pids=64,
+                                   memory_mb=256) as sb:
+        name = await _hostname(sb)
         try:
             await sb.run("bomb() { bomb | bomb & }; bomb; sleep 1", timeout_s=5)
         except dsec.CommandTimeout:
             pass
-        (events,) = Path("/sys/fs/cgroup/pids").glob(f"dsec-*/{sb.id}/pids.events")
+        (events,) = Path("/sys/fs/cgroup/pids").glob(f"dsec-*/**/{name}/pids.events")
         refused_forks = int(events.read_text().split()[1])
         assert refused_forks > 0  # the kernel refused forks at the limit...
         assert (await sb.run("echo still here")).stdout == "still here\n"  # ...and we live
 
 
-async def test_memory_hog_is_oom_killed_and_reported(client: dsec.DSecClient) -> None:
-    async with await client.create(memory_mb=64) as sb:
+async def test_memory_hog_is_oom_killed_and_reported(client: dsec.DSecClient, substrate: str) -> None:
+    async with await client.create(substrate=substrate, image=image_for(substrate), memory_mb=64) as sb:
         r = await sb.run("head -c 500000000 /dev/zero | tail", timeout_s=30)
         assert r.oom_killed and r.exit_code != 0
         assert (await sb.run("echo alive")).stdout == "alive\n"
 
 
-async def test_dead_sandbox_is_reported_died(client: dsec.DSecClient) -> None:
-    sb = await client.create()
+async def test_dead_sandbox_is_reported_died(client: dsec.DSecClient, substrate: str) -> None:
+    sb = await client.create(substrate=substrate, image=image_for(substrate))
     # Kill the sandbox's init (the agent) from the host, as a crash would.
-    pid_file = next(Path("/run/dsec-test").glob(f"*/sandboxes/{sb.id}/pid"))
-    os.kill(int(pid_file.read_text()), 9)
+    os.kill(_init_pid(await _hostname(sb)), 9)
     await asyncio.sleep(0.2)
     with pytest.raises(dsec.SandboxDied) as info:
         await sb.run("true")
@@ -191,8 +211,8 @@ async def test_dead_sandbox_is_reported_died(client: dsec.DSecClient) -> None:
     assert (await sb.refresh()).state == "died"
 
 
-async def test_ttl_expiry(client: dsec.DSecClient) -> None:
-    sb = await client.create(ttl_s=1)
+async def test_ttl_expiry(client: dsec.DSecClient, substrate: str) -> None:
+    sb = await client.create(substrate=substrate, image=image_for(substrate), ttl_s=1)
     assert (await sb.run("echo up")).stdout == "up\n"
     await asyncio.sleep(2.5)
     with pytest.raises(dsec.SandboxDied) as info:
@@ -200,28 +220,29 @@ async def test_ttl_expiry(client: dsec.DSecClient) -> None:
     assert "TTL" in str(info.value)
 
 
-async def test_bad_requests_are_typed(client: dsec.DSecClient) -> None:
+async def test_bad_requests_are_typed(client: dsec.DSecClient, substrate: str) -> None:
     with pytest.raises(dsec.ImageNotFound):
-        await client.create(image="no-such-image")
+        await client.create(substrate=substrate, image="no-such-image")
     with pytest.raises(dsec.InvalidRequest):  # "none" or a NetworkPolicy (docs/NETWORK.md)
-        await client.create(network="host")
+        await client.create(substrate=substrate, image=image_for(substrate), network="host")
     with pytest.raises(dsec.InvalidRequest):
-        await client.create(memory_mb=1)
+        await client.create(substrate=substrate, memory_mb=1)
     with pytest.raises(dsec.SandboxNotFound):
         await client.get("sb-e000000-000000000000")
 
 
-async def test_create_many(client: dsec.DSecClient) -> None:
-    made = await client.create_many(10, concurrency=5, ttl_s=120)
+async def test_create_many(client: dsec.DSecClient, substrate: str) -> None:
+    made = await client.create_many(10, concurrency=5, ttl_s=120, substrate=substrate,
+                                    image=image_for(substrate))
     assert all(isinstance(s, dsec.AsyncSandbox) for s in made)
     results = await asyncio.gather(*(s.run("cat /proc/sys/kernel/hostname") for s in made))  # type: ignore[union-attr]
     assert len({r.stdout for r in results}) == 10
     await asyncio.gather(*(s.stop() for s in made))  # type: ignore[union-attr]
 
 
-def test_sync_facade(server) -> None:  # type: ignore[no-untyped-def]
+def test_sync_facade(server, substrate: str) -> None:  # type: ignore[no-untyped-def]
     with dsec.Client(server.url, server.key, autostart=False) as client:
-        with client.create(image="debian-minbase") as sb:
+        with client.create(substrate=substrate, image=image_for(substrate)) as sb:
             assert sb.run("echo sync").stdout == "sync\n"
             sb.write_file("/work/s.txt", "text")
             assert sb.read_file("/work/s.txt") == b"text"
@@ -239,7 +260,11 @@ async def test_api_key_is_required(server) -> None:  # type: ignore[no-untyped-d
 
 
 @pytest.mark.parametrize("runtime", ["runc", "runsc"])
-async def test_other_runtimes(client: dsec.DSecClient, runtime: str) -> None:
+async def test_other_runtimes(client: dsec.DSecClient, runtime: str, substrate: str) -> None:
+    if substrate != "container":  # OCI runtimes are a container matter
+        with pytest.raises(dsec.NotSupported):
+            await client.create(substrate=substrate, image=image_for(substrate), runtime=runtime)
+        return
     async with await client.create(runtime=runtime, ttl_s=120) as sb:
         kernel = (await sb.run("cat /proc/version")).stdout
         assert ("Linux version 4.4.0" in kernel) == (runtime == "runsc")  # gVisor's own kernel
@@ -249,16 +274,20 @@ async def test_other_runtimes(client: dsec.DSecClient, runtime: str) -> None:
         assert routes[1:] == []  # no route out, under either runtime
 
 
-async def test_warm_pool_sandboxes_run_at_normal_priority(client: dsec.DSecClient) -> None:
-    await (await client.create(ttl_s=60)).stop()  # asks for the image: its warm pool fills
-    while not (await client.health())["edges"][0]["warm"]["container"].get("debian-minbase"):
+async def test_warm_pool_sandboxes_run_at_normal_priority(client: dsec.DSecClient,
+                                                         substrate: str) -> None:
+    image = image_for(substrate)
+    await (await client.create(substrate=substrate, image=image, ttl_s=60)).stop()  # its pool fills
+    while not (await client.health())["edges"][0]["warm"][substrate].get(image):
         await asyncio.sleep(0.05)
-    async with await client.create(ttl_s=60, memory_mb=96, pids=40) as sb:
+    async with await client.create(substrate=substrate, image=image, ttl_s=60, memory_mb=96,
+                                   pids=40) as sb:
+        name = await _hostname(sb)
         # The pool starts sandboxes at idle CPU priority; a claimed one runs at normal priority
         # with the limits asked for.
         r = await sb.run("grep -h '^policy' /proc/1/sched /proc/self/sched")
         assert [line.split()[-1] for line in r.stdout.splitlines()] == ["0", "0"]  # SCHED_OTHER
         limits = Path("/sys/fs/cgroup")
-        (mem,) = limits.glob(f"memory/dsec-*/{sb.id}/memory.limit_in_bytes")
-        (pids,) = limits.glob(f"pids/dsec-*/{sb.id}/pids.max")
+        (mem,) = limits.glob(f"memory/dsec-*/**/{name}/memory.limit_in_bytes")
+        (pids,) = limits.glob(f"pids/dsec-*/**/{name}/pids.max")
         assert int(mem.read_text()) == 96 << 20 and pids.read_text().strip() == "40"

@@ -17,6 +17,8 @@ from .client.errors import (CapacityExhausted, CommandTimeout, DelegationExceede
                             TrajectoryDiverged, TrajectoryExists, TrajectoryNotFound,
                             Unauthorized)
 from .client.project_models import ProjectInfo, ProjectKey, Quota
+from .client.errors import RemoteError
+from .client.fn import CodeResult
 from .client.models import (FileEntry, ProcessInfo, SandboxInfo, StepDiff, StepRecord,
                             TrajectoryInfo)
 from .client.models import NetworkPolicy
@@ -34,5 +36,6 @@ __all__ = [
     "QuotaExceeded", "DelegationExceeded", "ProjectNotFound", "ProjectExists", "Forbidden",
     "ProjectInfo", "ProjectKey", "Quota",
     "NetworkPolicy",
+    "RemoteError", "CodeResult",
 ]
 __version__ = "0.1.0"

@@ -399,10 +399,14 @@ def project_quota(name: str, sandboxes: int | None, cpu: float | None,
               help="also write the figures as JSON here")
 @click.option("--only-trajectory", is_flag=True,
               help="only the trajectory series (log overhead, fast-forward)")
-@click.option("--only", type=click.Choice(["projects", "network"]), default=None,
-              help="run one series alone: projects (nested-project key against the admin key), "
-                   "network (policy cost on create, set_network)")
+@click.option("--only", type=click.Choice(["fn", "projects", "network"]), default=None,
+              help="run one series alone: fn (call latency and throughput), projects "
+                   "(nested-project key against the admin key), network (policy cost on create, "
+                   "set_network)")
 def bench(quick: bool, json_out: Path | None, only_trajectory: bool, only: str | None) -> None:
     """Run the benchmark against bare crun and print the figures (see docs/BENCHMARKS.md)."""
+    if only == "fn":
+        from .bench_fn import main as fn_main
+        return fn_main(quick=quick, json_out=json_out)
     from .bench import main as bench_main
     bench_main(quick=quick, json_out=json_out, only_trajectory=only_trajectory, only=only)

@@ -30,6 +30,7 @@ from ..client.models import (CreateRequest, ExecRequest, ExecResult, FileEntry, 
 from ..store.sqlite import StateStore
 from ..trajectory.recorder import Call
 from .limits import BodyLimit, typed_http_error
+from .fn_routes import fn_routes
 from .dashboard import dashboard_routes
 from .project_routes import project_routes
 from .projects import Projects
@@ -220,6 +221,7 @@ def create_app(router: Router, store: StateStore, registry: CollectorRegistry) -
     app.include_router(trajectory_routes(router, store), dependencies=auth)
     app.include_router(project_routes(projects), dependencies=auth)
     app.include_router(dashboard_routes(router, projects, registry, auth))
+    app.include_router(fn_routes(router), dependencies=auth)
     app.add_middleware(CallHeaders)
     app.add_middleware(BodyLimit)
     return app

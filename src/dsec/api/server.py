@@ -21,6 +21,7 @@ from ..images.store import ImageStore
 from ..store.blobs import BlobStore
 from ..store.sqlite import StateStore
 from ..substrates.container import ContainerSubstrate
+from ..substrates.fn import FnSubstrate
 from ..trajectory.log import TrajectoryLog
 from .app import create_app
 from .logs import configure as configure_logging
@@ -72,7 +73,8 @@ def build_app(config: ServerConfig) -> FastAPI:
                              capacity=config.capacity, warm_pool=config.warm_pool,
                              network_services=config.network_services)
     substrates = {"container": ContainerSubstrate(config.state_dir, edge_config.edge_id,
-                                                  runtime=config.runtime)}
+                                                  runtime=config.runtime),
+                  "fn": FnSubstrate(config.state_dir, edge_config.edge_id)}
     registry = CollectorRegistry()
     edge = Edge(edge_config, store, ImageStore(config.image_store), substrates,
                 EdgeMetrics(registry))

@@ -11,18 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import builtins
 import io
 import tarfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Literal, TypeVar
+from typing import Any, AsyncIterator, Callable, Iterable, Literal, TypeVar
 
 import httpx
 from pydantic import BaseModel, ValidationError
 
 from ..trajectory.digest import StepRequest, call_request, exec_request
 from ..trajectory.outcome import decode, output_chunks
+from . import fn as fn_calls
 from .errors import CommandTimeout, DSecError, FileNotFound, InvalidRequest, ServerUnavailable
 from .models import (CreateRequest, ExecRequest, ExecResult, FileEntry, NetworkRequest, ProcessInfo,
                      ReplayReport, ReplayRequest, SandboxInfo, StepDiff, StepPage, StepRecord,
@@ -579,3 +581,34 @@ class DSecClient:
     def projects(self) -> Projects:
         """Projects, quotas and project keys (see docs/PROJECTS.md)."""
         return Projects(self._t)
+
+    # fn substrate: calls into pre-warmed, jailed workers (see docs/FN.md)
+    async def call(self, fn: Callable[..., V], *args: Any, substrate: str = "fn",
+                   image: str = fn_calls.DEFAULT_IMAGE, timeout_s: float = 60.0,
+                   kwargs: dict[str, Any] | None = None) -> V:
+        """``fn(*args, **kwargs)`` in a fresh jailed worker of ``image``; its return value.
+        Raises ``RemoteError`` (``remote_type``, ``traceback``) if it raised,
+        ``CommandTimeout`` past ``timeout_s``, ``SandboxDied`` if the worker died (OOM, signal)."""
+        fn_calls.check_substrate(substrate)
+        return await fn_calls.call(self._t, fn, args, kwargs or {}, image, timeout_s)
+
+    async def run_code(self, language: fn_calls.Language, code: str, *, stdin: str = "",
+                       image: str = fn_calls.DEFAULT_IMAGE, timeout_s: float = 10.0,
+                       max_output_bytes: int | None = None,
+                       substrate: str = "fn") -> fn_calls.CodeResult:
+        """Run a python, bash, c or cpp program (compiled with gcc/g++ where the image has
+        them, else ``NotSupported``) with ``stdin``; a time-out is ``result.timed_out``."""
+        fn_calls.check_substrate(substrate)
+        req = _validated(fn_calls.RunCodeRequest, language=language, code=code, stdin=stdin,
+                         image=image, timeout_s=timeout_s,
+                         **({} if max_output_bytes is None else {"max_output_bytes": max_output_bytes}))
+        return await fn_calls.run_code(self._t, req)
+
+    async def map(self, fn: Callable[..., V], items: Iterable[Any], *, concurrency: int = 16,
+                  substrate: str = "fn", image: str = fn_calls.DEFAULT_IMAGE,
+                  timeout_s: float = 60.0, return_exceptions: bool = False) -> builtins.list[Any]:
+        """``[fn(item) for item in items]``, each in its own worker, ``concurrency`` at a
+        time, in order. With ``return_exceptions`` a failed item is its typed error."""
+        fn_calls.check_substrate(substrate)
+        return await fn_calls.map_calls(self._t, fn, items, concurrency, image, timeout_s,
+                                        return_exceptions)

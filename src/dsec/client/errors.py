@@ -153,6 +153,20 @@ class DelegationExceeded(DSecError):
 
     code, status = "delegation_exceeded", 409
 
+class RemoteError(DSecError):
+    """The function of an fn call raised. ``remote_type`` is the exception's qualified type
+    name (``builtins.ZeroDivisionError``), ``traceback`` its formatted remote traceback."""
+
+    code, status = "remote_error", 422
+
+    @property
+    def remote_type(self) -> str:
+        return str(self.details.get("remote_type", ""))
+
+    @property
+    def traceback(self) -> str:
+        return str(self.details.get("traceback", ""))
+
 
 ERRORS: dict[str, type[DSecError]] = {
     cls.code: cls
@@ -183,6 +197,7 @@ ERRORS: dict[str, type[DSecError]] = {
         ProjectExists,
         QuotaExceeded,
         DelegationExceeded,
+        RemoteError,
     )
 }
 

@@ -187,6 +187,9 @@ class Client:
 
     list = _blocking("list")
     health = _blocking("health")
+    call = _blocking("call")
+    run_code = _blocking("run_code")
+    map = _blocking("map")
     trajectory = _blocking("trajectory")
     trajectories = _blocking("trajectories")
 

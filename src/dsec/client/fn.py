@@ -1,0 +1,113 @@
+"""The fn substrate's calls, for the SDK and the server: a function call (cloudpickle over
+``POST /v1/call``), ``run_code`` for OJ-style checks (``POST /v1/run_code``), and ``map``.
+
+A call's body is ``cloudpickle.dumps((fn, args, kwargs))`` and its answer the pickled return
+value: the caller unpickles what its function returned, so only call functions whose results
+you would unpickle anyway (the sandbox runs the code; the caller trusts its result's pickle).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Any, Callable, Iterable, Literal
+
+import cloudpickle
+from pydantic import Field
+
+from .errors import DSecError, NotSupported
+from .models import DEFAULT_MAX_OUTPUT, _Model
+from .transport import Transport
+
+Language = Literal["python", "bash", "c", "cpp"]
+DEFAULT_IMAGE = "python-3.11"
+
+
+class RunCodeRequest(_Model):
+    language: Language
+    code: str
+    stdin: str = ""
+    image: str = DEFAULT_IMAGE
+    timeout_s: float = Field(10.0, gt=0, le=3600, description="wall time of the run (a compile gets 30 s more)")
+    max_output_bytes: int = Field(DEFAULT_MAX_OUTPUT, ge=0, le=1 << 30, description="cap per stream")
+
+
+class CodeResult(_Model):
+    """What a program did. ``timed_out`` is a verdict here (the program was killed at its
+    time limit), not an exception: OJ-style checks grade it like any other outcome."""
+
+    exit_code: int
+    signal: int = 0
+    stdout: str = ""
+    stderr: str = ""
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    timed_out: bool = False
+    duration_ms: int = 0
+    compile_exit_code: int | None = Field(None, description="None for interpreted languages")
+    compile_stderr: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+    @property
+    def compile_error(self) -> bool:
+        return self.compile_exit_code not in (None, 0)
+
+
+def check_substrate(substrate: str) -> None:
+    if substrate != "fn":
+        raise NotSupported(f"function calls run on the fn substrate, not {substrate!r}",
+                           substrate=substrate)
+
+
+def _ship_by_value(fn: Callable[..., Any]) -> None:
+    """cloudpickle pickles a function of an importable module by reference, and the image
+    has no copy of the caller's own modules: those (not the standard library's or installed
+    packages') go by value."""
+    module = sys.modules.get(getattr(fn, "__module__", None) or "")
+    path = getattr(module, "__file__", None)
+    if module is None or path is None or module.__name__ in _BY_VALUE:
+        return
+    resolved = Path(path).resolve()
+    if not any(resolved.is_relative_to(root) for root in _INSTALLED):
+        cloudpickle.register_pickle_by_value(module)
+        _BY_VALUE.add(module.__name__)
+
+
+_BY_VALUE: set[str] = set()
+_INSTALLED = {Path(sysconfig.get_paths()[k]).resolve()
+              for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+
+
+async def call(transport: Transport, fn: Callable[..., Any], args: tuple[Any, ...],
+               kwargs: dict[str, Any], image: str, timeout_s: float) -> Any:
+    _ship_by_value(fn)
+    payload = cloudpickle.dumps((fn, args, kwargs))
+    response = await transport.request("POST", "/v1/call", content=payload,
+                                       params={"image": image, "timeout_s": timeout_s})
+    return cloudpickle.loads(response.content)
+
+
+async def run_code(transport: Transport, req: RunCodeRequest) -> CodeResult:
+    return CodeResult.model_validate(await transport.json("POST", "/v1/run_code", json=req.model_dump()))
+
+
+async def map_calls(transport: Transport, fn: Callable[..., Any], items: Iterable[Any],
+                    concurrency: int, image: str, timeout_s: float,
+                    return_exceptions: bool) -> list[Any]:
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(item: Any) -> Any:
+        async with gate:
+            try:
+                return await call(transport, fn, (item,), {}, image, timeout_s)
+            except DSecError as exc:
+                if return_exceptions:
+                    return exc
+                raise
+
+    return list(await asyncio.gather(*(one(item) for item in items)))
