@@ -195,6 +195,9 @@ class FnSubstrate(Substrate):
             ready = await asyncio.wait_for(worker.recv_exact(1), START_TIMEOUT_S)
             if ready != b"R":
                 raise WorkerGone
+            facts = {"pid": worker.pid, "worker": worker.wid, "template": template.key,
+                     "token": secrets.token_hex(32)}
+            await self.agent(plan.sandbox_id, facts).claim()  # before any user command can run
         except BaseException as exc:
             worker.kill()
             worker.close()
@@ -202,9 +205,6 @@ class FnSubstrate(Substrate):
                 raise SandboxError("the fn worker did not start the agent") from None
             raise
         self._sandboxes[plan.sandbox_id] = worker
-        facts = {"pid": worker.pid, "worker": worker.wid, "template": template.key,
-                 "token": secrets.token_hex(32)}
-        await self.agent(plan.sandbox_id, facts).claim()  # before any user command can run
         return facts
 
     async def claim(self, sandbox_id: str, runtime: dict[str, Any], request: CreateRequest) -> None:
