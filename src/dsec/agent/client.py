@@ -1,4 +1,5 @@
-"""Asyncio client for the in-sandbox agent: one Unix-socket connection per request.
+"""Asyncio client for the in-sandbox agent: one connection per request, over a Unix socket
+(containers) or TCP (VMs: a loopback port forwarded into the guest).
 
 Streams (``exec``, ``attach``) are async generators. Closing one early (``aclose()``, or leaving
 an ``aclosing`` block) closes its connection; the agent then stops streaming to it but does
@@ -114,17 +115,24 @@ def _exec_fields(
 
 
 class AgentClient:
-    def __init__(self, socket_path: str | os.PathLike[str]) -> None:
-        self.socket_path = os.fspath(socket_path)
+    """``address`` is a Unix socket path, or a ``(host, port)`` pair for TCP."""
+
+    def __init__(self, address: str | os.PathLike[str] | tuple[str, int]) -> None:
+        self.address = address if isinstance(address, tuple) else os.fspath(address)
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if isinstance(self.address, tuple):
+            return await asyncio.open_connection(*self.address, limit=_READ_LIMIT)
+        return await asyncio.open_unix_connection(self.address, limit=_READ_LIMIT)
 
     async def _frames(self, kind: str, fields: Iterable[tuple[str, Value]], until: str) -> AsyncGenerator[Frame, None]:
         """Send one request and yield reply frames up to and including one whose type is in
         ``until``; an ``X`` reply raises AgentError. The connection is closed on exit."""
         request = encode(kind, fields)
         try:
-            reader, writer = await asyncio.open_unix_connection(self.socket_path, limit=_READ_LIMIT)
+            reader, writer = await self._connect()
         except OSError as e:
-            raise AgentUnavailable(f"agent socket {self.socket_path}: {e}") from e
+            raise AgentUnavailable(f"agent at {self.address}: {e}") from e
         try:
             writer.write(request)
             await writer.drain()
