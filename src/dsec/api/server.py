@@ -19,6 +19,8 @@ from ..images.store import ImageStore
 from ..store.blobs import BlobStore
 from ..store.sqlite import StateStore
 from ..substrates.container import ContainerSubstrate
+from ..substrates.microvm import MicroVMSubstrate
+from ..substrates.vm import VMSubstrate
 from ..trajectory.log import TrajectoryLog
 from .app import create_app
 from .routing import Router
@@ -34,6 +36,9 @@ class ServerConfig:
     warm_pool: int = 2
     runtime: str = "crun"
     image_store: Path | None = None
+    vm_accel: str = "kvm"  # or "tcg": emulated VMs where KVM is missing or unusable
+    kvm_device: Path = Path("/dev/kvm")
+    vm_warm_pool: int = 0  # booted VMs kept per image (each holds its guest's memory)
 
     @property
     def socket_path(self) -> Path:
@@ -67,9 +72,14 @@ def build_app(config: ServerConfig) -> FastAPI:
                              capacity=config.capacity, warm_pool=config.warm_pool)
     substrates = {"container": ContainerSubstrate(config.state_dir, edge_config.edge_id,
                                                   runtime=config.runtime)}
+    for vm in (MicroVMSubstrate, VMSubstrate):
+        substrates[vm.name] = vm(config.state_dir, edge_config.edge_id, config.vm_accel,
+                                 config.kvm_device)
     registry = CollectorRegistry()
     edge = Edge(edge_config, store, ImageStore(config.image_store), substrates,
                 EdgeMetrics(registry))
+    for vm in (MicroVMSubstrate, VMSubstrate):
+        edge.pools[vm.name].size = config.vm_warm_pool
     trajectories = TrajectoryLog(store.path, BlobStore(config.state_dir / "blobs"),
                                  owner=secrets.token_hex(8))
     router = Router([edge], trajectories)

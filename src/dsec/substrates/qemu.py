@@ -1,0 +1,232 @@
+"""What the two VM substrates share: one QEMU process per sandbox, booting the guest of
+``guest.py`` with the image's layers as read-only disks and an ext4 disk of its own.
+
+Per sandbox, under ``<state>/vms/<id>/``: ``disk.ext4`` (the writable layer, ``disk_mb``
+big: a real size limit), ``qemu.pid``, ``qemu.log`` (QEMU's own errors) and ``console.log``
+(the guest's serial console). QEMU daemonizes once it is set up (like ``crun run
+--detach``), so a failed set-up is its exit code and a live VM outlives a restarted edge.
+QEMU runs in the cgroup ``/dsec-<edge>-<substrate>/<id>``: host-side cpu and memory limits,
+OOM counts, and the proof of ownership of a stored pid.
+
+The agent is reached over TCP: QEMU user networking with ``restrict=on`` (the guest can reach
+nothing outside) forwards one loopback port of the host to the agent's port in the guest.
+Acceleration is KVM, or TCG (full emulation: slower, still a hardware-level VM boundary) by
+choice; KVM without ``/dev/kvm`` is refused, never replaced by something unisolated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from ..agent.client import AgentClient, AgentUnavailable
+from ..client.errors import NotSupported, SandboxError
+from ..client.models import CreateRequest
+from . import cgroups, spawn
+from .base import StartPlan, Substrate
+from .guest import AGENT_PORT, GuestBoot, guest_boot, host_tsc_khz
+from .pidwatch import PidWatch
+from .spawn import Spawned
+
+ACCELS = ("kvm", "tcg")
+START_TIMEOUT_S = 180.0  # a TCG boot on a loaded host takes tens of seconds
+QEMU_OVERHEAD_MB = 256  # QEMU itself (device model, TCG translation cache) above guest RAM
+TCG_CACHE_MB = 64  # translation cache; QEMU's default of 1 GiB would dwarf small guests
+PORT_ATTEMPTS = 5  # a freshly chosen free port can be taken before QEMU binds it
+
+
+class QemuSubstrate(Substrate):
+    """Subclasses say which machine QEMU emulates and which devices carry disks and network."""
+
+    machine: str
+    disk_device: str
+    net_device: str
+
+    def __init__(self, state_dir: Path, edge_id: str, accel: str = "kvm",
+                 kvm_device: Path = Path("/dev/kvm")) -> None:
+        if accel not in ACCELS:
+            raise NotSupported(f"unknown VM acceleration {accel!r}; choose one of {ACCELS}")
+        self.accel = accel
+        self.kvm_device = kvm_device
+        self.root = state_dir / "vms"
+        self.cgroup_parent = f"/dsec-{edge_id}-{self.name}"
+        self._pids = PidWatch(self.cgroup_parent)
+        self._boot: GuestBoot | None = None
+
+    async def prepare(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self._boot = await asyncio.to_thread(guest_boot)
+        except NotSupported:  # the edge still serves its other substrates; creates say why
+            self._boot = None
+
+    async def close(self) -> None:
+        cgroups.remove_parent_if_unused(self.cgroup_parent)
+
+    def _dir(self, sandbox_id: str) -> Path:
+        return self.root / sandbox_id
+
+    def _check_host(self) -> GuestBoot:
+        if self.accel == "kvm" and not self.kvm_device.exists():
+            raise NotSupported(f"{self.kvm_device} missing: this host cannot run KVM VMs "
+                               "(a server started with --vm-accel tcg emulates them instead)",
+                               device=str(self.kvm_device))
+        spawn.resolve("qemu-system-x86_64")
+        return self._boot or guest_boot()  # raises the NotSupported that prepare() swallowed
+
+    # start
+    async def start(self, plan: StartPlan) -> dict[str, Any]:
+        boot = self._check_host()
+        if plan.request.runtime is not None:
+            raise NotSupported(f"runtime={plan.request.runtime!r} is a container option; "
+                               f"a {self.name} sandbox has no OCI runtime")
+        try:
+            return await self._start(plan, boot, self._dir(plan.sandbox_id))
+        except BaseException:
+            await self.destroy(plan.sandbox_id)
+            raise
+
+    async def _start(self, plan: StartPlan, boot: GuestBoot, d: Path) -> dict[str, Any]:
+        req = plan.request
+        d.mkdir()
+        code = await spawn.run(["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-E",
+                                "root_owner=0:0", str(d / "disk.ext4"), f"{req.disk_mb}M"])
+        if code != 0:
+            raise SandboxError(f"mkfs.ext4 failed (exit {code}) for the writable disk")
+        for _ in range(PORT_ATTEMPTS):
+            port = _free_port()
+            qemu = Spawned(self._argv(plan, boot, d, port), capture_stdout=False,
+                           stderr=d / "qemu.log", idle_priority=plan.warm)
+            code = await qemu.wait()
+            log = (d / "qemu.log").read_text(errors="replace").strip()
+            if code == 0 or "host forwarding rule" not in log:
+                break
+        if code != 0:
+            raise SandboxError(f"QEMU failed to start the {self.name} (exit {code}): "
+                               f"{log[-2000:] or 'no output'}")
+        pid = int((d / "qemu.pid").read_text())
+        self._pids.adopt(plan.sandbox_id, pid)
+        cgroups.create_for_process(self.cgroup_parent, plan.sandbox_id, pid)
+        self._set_limits(plan.sandbox_id, req)
+        await self._wait_for_agent(plan.sandbox_id, pid, port, d)
+        return {"pid": pid, "port": port, "accel": self.accel}
+
+    def _argv(self, plan: StartPlan, boot: GuestBoot, d: Path, port: int) -> list[str]:
+        req, layers = plan.request, plan.image.layers
+        if any(layer.format != "erofs" for layer in layers):
+            raise NotSupported("VM sandboxes need EROFS image layers (this image store keeps "
+                               "plain directories)")
+        accel = "kvm" if self.accel == "kvm" else f"tcg,tb-size={TCG_CACHE_MB}"
+        cmdline = f"console=ttyS0 quiet panic=-1 dsec.layers={len(layers)} dsec.hostname={plan.sandbox_id}"
+        if self.accel == "tcg":
+            cmdline += f" tsc_early_khz={host_tsc_khz()} tsc=reliable"
+        argv = ["qemu-system-x86_64", "-name", plan.sandbox_id, "-M", self.machine,
+                "-accel", accel, "-cpu", "host" if self.accel == "kvm" else "max",
+                "-m", str(req.memory_mb), "-smp", str(max(1, math.ceil(req.cpu))),
+                "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
+                "-kernel", str(boot.kernel), "-initrd", str(boot.initramfs), "-append", cmdline,
+                "-serial", f"file:{d / 'console.log'}",
+                "-daemonize", "-pidfile", str(d / "qemu.pid")]
+        disks = [(layer.path, f"layer{i}", "on") for i, layer in enumerate(layers)]
+        for i, (path, serial, readonly) in enumerate([*disks, (d / "disk.ext4", "rw", "off")]):
+            argv += ["-drive", f"id=d{i},file={path},format=raw,if=none,readonly={readonly}",
+                     "-device", f"{self.disk_device},drive=d{i},serial={serial}"]
+        return argv + ["-netdev", f"user,id=n0,restrict=on,hostfwd=tcp:127.0.0.1:{port}-:{AGENT_PORT}",
+                       "-device", f"{self.net_device},netdev=n0"]
+
+    async def _wait_for_agent(self, sandbox_id: str, pid: int, port: int, d: Path) -> None:
+        """Until the agent answers: QEMU accepts on the forwarded port at once and drops the
+        connection while nothing listens in the guest, so this asks, a little apart."""
+        agent = AgentClient(("127.0.0.1", port))
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                await agent.ping()
+                return
+            except AgentUnavailable:
+                pass
+            if not self._pids.alive(sandbox_id, pid):
+                raise SandboxError(f"the {self.name} stopped while booting: {_tail(d / 'console.log')}")
+            if time.monotonic() > deadline:
+                raise SandboxError(f"the {self.name}'s agent did not answer within "
+                                   f"{START_TIMEOUT_S:.0f}s: {_tail(d / 'console.log')}")
+            await asyncio.sleep(0.05)
+
+    def _set_limits(self, sandbox_id: str, req: CreateRequest) -> None:
+        """Host-side limits on the QEMU process; the guest's own size is its -m and -smp."""
+        cgroups.set_limits(self.cgroup_parent, sandbox_id, req.cpu,
+                           (req.memory_mb + QEMU_OVERHEAD_MB) << 20, req.pids)
+
+    async def claim(self, sandbox_id: str, runtime: dict[str, Any], request: CreateRequest) -> None:
+        self._set_limits(sandbox_id, request)
+        os.sched_setscheduler(runtime["pid"], os.SCHED_OTHER, os.sched_param(0))
+
+    # inspection
+    def agent(self, sandbox_id: str, runtime: dict[str, Any]) -> AgentClient:
+        return AgentClient(("127.0.0.1", runtime["port"]))
+
+    def alive(self, sandbox_id: str, runtime: dict[str, Any]) -> bool:
+        return self._pids.alive(sandbox_id, runtime.get("pid"))
+
+    def watch(self, sandbox_id: str, runtime: dict[str, Any], on_exit: Callable[[], None]) -> None:
+        self._pids.watch(sandbox_id, runtime.get("pid"), on_exit)
+
+    def death_cause(self, sandbox_id: str, runtime: dict[str, Any]) -> str:
+        if self.oom_kills(sandbox_id, runtime):
+            return f"out of memory: the host killed the {self.name}'s QEMU process"
+        return f"the {self.name}'s QEMU process exited (guest console: {_tail(self._dir(sandbox_id) / 'console.log')})"
+
+    def oom_kills(self, sandbox_id: str, runtime: dict[str, Any]) -> int:
+        """Host OOM kills of QEMU; the guest kernel's own OOM kills are inside the VM."""
+        return cgroups.oom_kills(self.cgroup_parent, sandbox_id)
+
+    # teardown
+    async def destroy(self, sandbox_id: str) -> None:
+        self._pids.forget(sandbox_id)
+        d = self._dir(sandbox_id)
+        await asyncio.to_thread(self._teardown, sandbox_id, d)
+
+    def _teardown(self, sandbox_id: str, d: Path) -> None:
+        """Kill QEMU (through its cgroup, or its pid file if it never got one), then remove
+        its cgroups and directory."""
+        try:
+            pid = int((d / "qemu.pid").read_text())
+            if _is_our_qemu(pid, sandbox_id):
+                os.kill(pid, 9)
+        except (OSError, ValueError):
+            pass
+        cgroups.remove_cgroups(cgroups.sandbox_dirs(self.cgroup_parent, sandbox_id))
+        shutil.rmtree(d, ignore_errors=True)
+
+    async def leftovers(self) -> set[str]:
+        ids = {p.name for p in self.root.iterdir()} if self.root.exists() else set()
+        return ids | set(cgroups.sandbox_cgroups(self.cgroup_parent))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _is_our_qemu(pid: int, sandbox_id: str) -> bool:
+    """The pid is a QEMU named after this sandbox (pid files outlive their process)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"-name" in argv and sandbox_id.encode() in argv
+
+
+def _tail(path: Path, lines: int = 5) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "no console output"
+    return " | ".join(text[-lines:]) or "no console output"
