@@ -1,0 +1,109 @@
+"""The microvm and vm substrates end to end: real QEMU VMs (emulated with TCG unless
+DSEC_TEST_VM_ACCEL=kvm) behind a real server, through the public SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import platform
+from pathlib import Path
+
+import pytest
+
+import dsec
+from conftest import VM_SUBSTRATES, Server, make_server, stop_server
+
+
+def _traces(server: Server, sandbox_id: str) -> list[str]:
+    """Everything of the sandbox left on the host: its directory, cgroups, QEMU process."""
+    found = [str(p) for p in (server.state_dir / "vms").glob(sandbox_id)]
+    found += [str(p) for p in Path("/sys/fs/cgroup").glob(f"*/dsec-*/{sandbox_id}")]
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if sandbox_id.encode() in (proc / "cmdline").read_bytes():
+                found.append(f"process {proc.name}")
+        except OSError:
+            pass
+    return found
+
+
+def _qemu_pids() -> set[int]:
+    return {int(p.parent.name) for p in Path("/proc").glob("[0-9]*/comm")
+            if p.exists() and p.read_text().startswith("qemu-system")}
+
+
+async def _until_died(sb: dsec.AsyncSandbox) -> None:
+    for _ in range(600):
+        if (await sb.refresh()).state == "died":
+            return
+        await asyncio.sleep(0.1)
+
+
+@pytest.mark.parametrize("substrate", VM_SUBSTRATES)
+async def test_vm_runs_its_own_kernel_with_the_limits_asked(
+        client: dsec.DSecClient, server: Server, substrate: str) -> None:
+    sb = await client.create(substrate=substrate, image="debian-minbase", cpu=2, memory_mb=300,
+                             disk_mb=200, ttl_s=300)
+    try:
+        r = await sb.run("uname -r; nproc; grep MemTotal /proc/meminfo; df -m / | tail -1")
+        kernel, cpus, mem, disk = r.stdout.splitlines()
+        assert kernel != platform.release() and kernel.endswith("-amd64")  # the guest's kernel
+        assert cpus == "2"
+        assert 200_000 < int(mem.split()[1]) <= 300 * 1024  # kB: the guest has 300 MiB
+        assert 150 < int(disk.split()[1]) <= 200  # the writable disk is disk_mb big
+        await sb.write_file("/work/a.txt", b"in the guest")
+        assert (await sb.run("cat /work/a.txt")).stdout == "in the guest"
+        # The QEMU process runs under a host cgroup limit: guest memory plus QEMU's own.
+        (limit,) = Path("/sys/fs/cgroup").glob(f"memory/dsec-*-{substrate}/{sb.id}/memory.limit_in_bytes")
+        assert int(limit.read_text()) > 300 << 20
+    finally:
+        await sb.stop()
+    assert _traces(server, sb.id) == []
+    with pytest.raises(dsec.SandboxNotFound):
+        await sb.run("true")
+
+
+async def test_killed_qemu_is_reported_died_and_leaves_nothing(
+        client: dsec.DSecClient, server: Server) -> None:
+    sb = await client.create(substrate="microvm", image="debian-minbase", memory_mb=256, ttl_s=300)
+    assert (await sb.run("echo up")).stdout == "up\n"
+    pid = int((server.state_dir / "vms" / sb.id / "qemu.pid").read_text())
+    os.kill(pid, 9)  # the VM crashes, as seen from the host
+    await _until_died(sb)
+    with pytest.raises(dsec.SandboxDied) as info:
+        await sb.run("true")
+    assert "QEMU process exited" in str(info.value)
+    assert _traces(server, sb.id) == []
+
+
+async def test_guest_that_cannot_boot_fails_the_create_and_leaves_nothing(
+        client: dsec.DSecClient, server: Server) -> None:
+    def traces() -> set[Path]:
+        return {*(server.state_dir / "vms").iterdir(), *Path("/sys/fs/cgroup").glob("*/dsec-*-microvm/*")}
+    before, qemus = traces(), _qemu_pids()
+    with pytest.raises(dsec.SandboxError) as info:  # 32 MiB cannot hold this kernel's boot
+        await client.create(substrate="microvm", image="debian-minbase", memory_mb=32, ttl_s=60)
+    assert "stopped while booting" in str(info.value)
+    assert traces() == before and _qemu_pids() <= qemus
+
+
+async def test_kvm_missing_is_not_supported_never_unisolated(tmp_path: Path) -> None:
+    srv = make_server("--vm-accel", "kvm", "--kvm-device", str(tmp_path / "no-kvm"),
+                      "--warm-pool", "0").start()
+    try:
+        async with srv.client() as client:
+            for substrate in VM_SUBSTRATES:
+                with pytest.raises(dsec.NotSupported) as info:
+                    await client.create(substrate=substrate, image="debian-minbase")
+                assert "no-kvm missing" in str(info.value)
+            assert await client.list() == []
+        assert list((srv.state_dir / "vms").iterdir()) == []
+    finally:
+        stop_server(srv)
+
+
+async def test_container_options_are_not_supported_on_a_vm(client: dsec.DSecClient) -> None:
+    with pytest.raises(dsec.NotSupported):
+        await client.create(substrate="microvm", runtime="runsc")
+    with pytest.raises(dsec.NotSupported):
+        await client.create(substrate="vm", network="host")
