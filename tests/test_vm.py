@@ -28,8 +28,16 @@ def _traces(server: Server, sandbox_id: str) -> list[str]:
 
 
 def _qemu_pids() -> set[int]:
-    return {int(p.parent.name) for p in Path("/proc").glob("[0-9]*/comm")
-            if p.exists() and p.read_text().startswith("qemu-system")}
+    """Running (not zombie) QEMU processes."""
+    pids = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            comm, _, rest = stat.read_text().rpartition(")")
+        except OSError:
+            continue
+        if "(qemu-system" in comm and rest.split()[0] != "Z":
+            pids.add(int(stat.parent.name))
+    return pids
 
 
 async def _until_died(sb: dsec.AsyncSandbox) -> None:
