@@ -314,7 +314,13 @@ def key_create(name: str, state_dir: Path | None) -> None:
               help="also write the figures as JSON here")
 @click.option("--only-trajectory", is_flag=True,
               help="only the trajectory series (log overhead, fast-forward)")
-def bench(quick: bool, json_out: Path | None, only_trajectory: bool) -> None:
+@click.option("--only", type=click.Choice(["microvm", "vm"]), default=None,
+              help="only this substrate's series, against containers in the same run")
+def bench(quick: bool, json_out: Path | None, only_trajectory: bool, only: str | None) -> None:
     """Run the benchmark against bare crun and print the figures (see docs/BENCHMARKS.md)."""
+    if only in ("microvm", "vm"):
+        from .bench_vm import main as bench_vm_main
+        bench_vm_main(only, quick=quick, json_out=json_out)
+        return
     from .bench import main as bench_main
     bench_main(quick=quick, json_out=json_out, only_trajectory=only_trajectory)
