@@ -51,13 +51,17 @@ def main() -> None:
               help="microvm/vm acceleration: kvm, or tcg (emulation) where KVM is unusable")
 @click.option("--kvm-device", type=click.Path(path_type=Path), default=Path("/dev/kvm"))
 @click.option("--vm-warm-pool", type=int, default=0, help="booted VMs kept per image")
+@click.option("--vm-snapshots", is_flag=True,
+              help="start VMs by restoring a saved booted one (see docs/SUBSTRATES.md caveats)")
 def serve(state_dir: Path | None, host: str | None, port: int, capacity: int, warm_pool: int,
-          runtime: str, edge_id: str, vm_accel: str, kvm_device: Path, vm_warm_pool: int) -> None:
+          runtime: str, edge_id: str, vm_accel: str, kvm_device: Path, vm_warm_pool: int,
+          vm_snapshots: bool) -> None:
     """Run the API server with an embedded edge on this host."""
     from .api.server import DEFAULT_STATE_DIR, ServerConfig, serve as run_server
     config = ServerConfig(state_dir=state_dir or DEFAULT_STATE_DIR, capacity=capacity,
                           warm_pool=warm_pool, runtime=runtime, edge_id=edge_id,
-                          vm_accel=vm_accel, kvm_device=kvm_device, vm_warm_pool=vm_warm_pool)
+                          vm_accel=vm_accel, kvm_device=kvm_device, vm_warm_pool=vm_warm_pool,
+                          vm_snapshots=vm_snapshots)
     where = f"http://{host}:{port}" if host else f"unix://{config.socket_path}"
     console.print(f"dsec serving on {where} (state in {config.state_dir})")
     run_server(config, host, port if host else None)

@@ -39,6 +39,7 @@ class ServerConfig:
     vm_accel: str = "kvm"  # or "tcg": emulated VMs where KVM is missing or unusable
     kvm_device: Path = Path("/dev/kvm")
     vm_warm_pool: int = 0  # booted VMs kept per image (each holds its guest's memory)
+    vm_snapshots: bool = False  # restore saved booted VMs instead of booting (opt-in)
 
     @property
     def socket_path(self) -> Path:
@@ -74,7 +75,7 @@ def build_app(config: ServerConfig) -> FastAPI:
                                                   runtime=config.runtime)}
     for vm in (MicroVMSubstrate, VMSubstrate):
         substrates[vm.name] = vm(config.state_dir, edge_config.edge_id, config.vm_accel,
-                                 config.kvm_device)
+                                 config.kvm_device, config.vm_snapshots)
     registry = CollectorRegistry()
     edge = Edge(edge_config, store, ImageStore(config.image_store), substrates,
                 EdgeMetrics(registry))

@@ -2,7 +2,7 @@
 ``guest.py`` with the image's layers as read-only disks and an ext4 disk of its own.
 
 Per sandbox, under ``<state>/vms/<id>/``: ``disk.ext4`` (the writable layer, ``disk_mb``
-big: a real size limit), ``qemu.pid``, ``qemu.log`` (QEMU's own errors) and ``console.log``
+big: a real size limit; ``disk.qcow2`` over a template's disk when restoring a snapshot), ``qemu.pid``, ``qemu.log`` (QEMU's own errors) and ``console.log``
 (the guest's serial console). QEMU daemonizes once it is set up (like ``crun run
 --detach``), so a failed set-up is its exit code and a live VM outlives a restarted edge.
 QEMU runs in the cgroup ``/dsec-<edge>-<substrate>/<id>``: host-side cpu and memory limits,
@@ -28,7 +28,7 @@ from typing import Any, Callable
 from ..agent.client import AgentClient, AgentUnavailable
 from ..client.errors import NotSupported, SandboxError
 from ..client.models import CreateRequest
-from . import cgroups, spawn
+from . import cgroups, spawn, vmsnapshot
 from .base import StartPlan, Substrate
 from .guest import AGENT_PORT, GuestBoot, guest_boot, host_tsc_khz
 from .pidwatch import PidWatch
@@ -38,7 +38,8 @@ ACCELS = ("kvm", "tcg")
 START_TIMEOUT_S = 180.0  # a TCG boot on a loaded host takes tens of seconds
 QEMU_OVERHEAD_MB = 256  # QEMU itself (device model, TCG translation cache) above guest RAM
 TCG_CACHE_MB = 64  # translation cache; QEMU's default of 1 GiB would dwarf small guests
-PORT_ATTEMPTS = 5  # a freshly chosen free port can be taken before QEMU binds it
+PORT_ATTEMPTS = 5
+GUEST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # a freshly chosen free port can be taken before QEMU binds it
 
 
 class QemuSubstrate(Substrate):
@@ -49,11 +50,12 @@ class QemuSubstrate(Substrate):
     net_device: str
 
     def __init__(self, state_dir: Path, edge_id: str, accel: str = "kvm",
-                 kvm_device: Path = Path("/dev/kvm")) -> None:
+                 kvm_device: Path = Path("/dev/kvm"), snapshots: bool = False) -> None:
         if accel not in ACCELS:
             raise NotSupported(f"unknown VM acceleration {accel!r}; choose one of {ACCELS}")
         self.accel = accel
         self.kvm_device = kvm_device
+        self.snapshots = snapshots  # restore a saved booted VM instead of booting (vmsnapshot.py)
         self.root = state_dir / "vms"
         self.cgroup_parent = f"/dsec-{edge_id}-{self.name}"
         self._pids = PidWatch(self.cgroup_parent)
@@ -93,15 +95,34 @@ class QemuSubstrate(Substrate):
             raise
 
     async def _start(self, plan: StartPlan, boot: GuestBoot, d: Path) -> dict[str, Any]:
-        req = plan.request
         d.mkdir()
-        code = await spawn.run(["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-E",
-                                "root_owner=0:0", str(d / "disk.ext4"), f"{req.disk_mb}M"])
-        if code != 0:
-            raise SandboxError(f"mkfs.ext4 failed (exit {code}) for the writable disk")
+        if self.snapshots:
+            template = await self._template(plan, boot)
+            await vmsnapshot.overlay(template, d / "disk.qcow2")
+            disk, extra = (d / "disk.qcow2", "qcow2"), ["-incoming", f"exec:cat {template / 'state.bin'}",
+                                                         "-qmp", f"unix:{d / 'qmp.sock'},server=on,wait=off"]
+        else:
+            await _mkfs(d / "disk.ext4", plan.request.disk_mb)
+            disk, extra = (d / "disk.ext4", "raw"), []
+        pid, port = await self._launch(plan, boot, d, disk, extra)
+        self._pids.adopt(plan.sandbox_id, pid)
+        cgroups.create_for_process(self.cgroup_parent, plan.sandbox_id, pid)
+        self._set_limits(plan.sandbox_id, plan.request)
+        if self.snapshots:
+            await vmsnapshot.resume(d / "qmp.sock")
+        agent = await self._wait_for_agent(lambda: self._pids.alive(plan.sandbox_id, pid), port, d)
+        if self.snapshots:  # the template's hostname and clock came with its memory
+            await agent.write_file("/proc/sys/kernel/hostname", plan.sandbox_id.encode(), append=True)
+            await agent.run(["date", "-u", "-s", f"@{time.time():.3f}"], env={"PATH": GUEST_PATH},
+                            cwd="/", timeout_ms=10_000)
+        return {"pid": pid, "port": port, "accel": self.accel}
+
+    async def _launch(self, plan: StartPlan, boot: GuestBoot, d: Path, disk: tuple[Path, str],
+                      extra: list[str]) -> tuple[int, int]:
+        """Start QEMU (it daemonizes once set up); its pid and the host port of the agent."""
         for _ in range(PORT_ATTEMPTS):
             port = _free_port()
-            qemu = Spawned(self._argv(plan, boot, d, port), capture_stdout=False,
+            qemu = Spawned([*self._argv(plan, boot, d, port, disk), *extra], capture_stdout=False,
                            stderr=d / "qemu.log", idle_priority=plan.warm)
             code = await qemu.wait()
             log = (d / "qemu.log").read_text(errors="replace").strip()
@@ -110,14 +131,37 @@ class QemuSubstrate(Substrate):
         if code != 0:
             raise SandboxError(f"QEMU failed to start the {self.name} (exit {code}): "
                                f"{log[-2000:] or 'no output'}")
-        pid = int((d / "qemu.pid").read_text())
-        self._pids.adopt(plan.sandbox_id, pid)
-        cgroups.create_for_process(self.cgroup_parent, plan.sandbox_id, pid)
-        self._set_limits(plan.sandbox_id, req)
-        await self._wait_for_agent(plan.sandbox_id, pid, port, d)
-        return {"pid": pid, "port": port, "accel": self.accel}
+        return int((d / "qemu.pid").read_text()), port
 
-    def _argv(self, plan: StartPlan, boot: GuestBoot, d: Path, port: int) -> list[str]:
+    async def _template(self, plan: StartPlan, boot: GuestBoot) -> Path:
+        """The saved, booted VM that sandboxes of this shape restore; made on first use."""
+        req = plan.request
+        target = vmsnapshot.snapshot_dir([self.name, self.machine, self.accel, str(boot.kernel),
+                                          str(boot.initramfs), plan.image.digest, str(req.memory_mb),
+                                          str(_cpus(req)), str(req.disk_mb)])
+        async with vmsnapshot.TemplateLock(target):
+            if target.exists():
+                return target
+            scratch = vmsnapshot.scratch_for(target)
+            try:
+                await _mkfs(scratch / "disk.ext4", req.disk_mb)
+                qmp = scratch / "qmp.sock"
+                pid, port = await self._launch(plan, boot, scratch, (scratch / "disk.ext4", "raw"),
+                                               ["-qmp", f"unix:{qmp},server=on,wait=off"])
+                try:
+                    await self._wait_for_agent(lambda: _is_our_qemu(pid, plan.sandbox_id), port, scratch)
+                    await vmsnapshot.save(qmp, scratch / "state.bin")
+                finally:
+                    if _is_our_qemu(pid, plan.sandbox_id):
+                        os.kill(pid, 9)
+                vmsnapshot.commit(scratch, target)
+            except BaseException:
+                shutil.rmtree(scratch, ignore_errors=True)
+                raise
+        return target
+
+    def _argv(self, plan: StartPlan, boot: GuestBoot, d: Path, port: int,
+              disk: tuple[Path, str]) -> list[str]:
         req, layers = plan.request, plan.image.layers
         if any(layer.format != "erofs" for layer in layers):
             raise NotSupported("VM sandboxes need EROFS image layers (this image store keeps "
@@ -128,19 +172,19 @@ class QemuSubstrate(Substrate):
             cmdline += f" tsc_early_khz={host_tsc_khz()} tsc=reliable"
         argv = ["qemu-system-x86_64", "-name", plan.sandbox_id, "-M", self.machine,
                 "-accel", accel, "-cpu", "host" if self.accel == "kvm" else "max",
-                "-m", str(req.memory_mb), "-smp", str(max(1, math.ceil(req.cpu))),
+                "-m", str(req.memory_mb), "-smp", str(_cpus(req)),
                 "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
                 "-kernel", str(boot.kernel), "-initrd", str(boot.initramfs), "-append", cmdline,
                 "-serial", f"file:{d / 'console.log'}",
                 "-daemonize", "-pidfile", str(d / "qemu.pid")]
-        disks = [(layer.path, f"layer{i}", "on") for i, layer in enumerate(layers)]
-        for i, (path, serial, readonly) in enumerate([*disks, (d / "disk.ext4", "rw", "off")]):
-            argv += ["-drive", f"id=d{i},file={path},format=raw,if=none,readonly={readonly}",
+        disks = [(layer.path, "raw", f"layer{i}", "on") for i, layer in enumerate(layers)]
+        for i, (path, fmt, serial, readonly) in enumerate([*disks, (*disk, "rw", "off")]):
+            argv += ["-drive", f"id=d{i},file={path},format={fmt},if=none,readonly={readonly}",
                      "-device", f"{self.disk_device},drive=d{i},serial={serial}"]
         return argv + ["-netdev", f"user,id=n0,restrict=on,hostfwd=tcp:127.0.0.1:{port}-:{AGENT_PORT}",
                        "-device", f"{self.net_device},netdev=n0"]
 
-    async def _wait_for_agent(self, sandbox_id: str, pid: int, port: int, d: Path) -> None:
+    async def _wait_for_agent(self, alive: Callable[[], bool], port: int, d: Path) -> AgentClient:
         """Until the agent answers: QEMU accepts on the forwarded port at once and drops the
         connection while nothing listens in the guest, so this asks, a little apart."""
         agent = AgentClient(("127.0.0.1", port))
@@ -148,10 +192,10 @@ class QemuSubstrate(Substrate):
         while True:
             try:
                 await agent.ping()
-                return
+                return agent
             except AgentUnavailable:
                 pass
-            if not self._pids.alive(sandbox_id, pid):
+            if not alive():
                 raise SandboxError(f"the {self.name} stopped while booting: {_tail(d / 'console.log')}")
             if time.monotonic() > deadline:
                 raise SandboxError(f"the {self.name}'s agent did not answer within "
@@ -207,6 +251,18 @@ class QemuSubstrate(Substrate):
     async def leftovers(self) -> set[str]:
         ids = {p.name for p in self.root.iterdir()} if self.root.exists() else set()
         return ids | set(cgroups.sandbox_cgroups(self.cgroup_parent))
+
+
+def _cpus(req: CreateRequest) -> int:
+    return max(1, math.ceil(req.cpu))
+
+
+async def _mkfs(disk: Path, size_mb: int) -> None:
+    """An empty ext4 file system of ``size_mb`` (sparse: only its metadata takes space)."""
+    code = await spawn.run(["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-E", "root_owner=0:0",
+                            str(disk), f"{size_mb}M"])
+    if code != 0:
+        raise SandboxError(f"mkfs.ext4 failed (exit {code}) for the writable disk")
 
 
 def _free_port() -> int:
