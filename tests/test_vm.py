@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import os
 import platform
+import time
 from pathlib import Path
 
 import pytest
 
 import dsec
-from conftest import VM_SUBSTRATES, Server, make_server, stop_server
+from conftest import VM_ACCEL, VM_SUBSTRATES, Server, make_server, stop_server
 
 
 def _traces(server: Server, sandbox_id: str) -> list[str]:
@@ -116,3 +117,23 @@ async def test_container_options_are_not_supported_on_a_vm(client: dsec.DSecClie
         await client.create(substrate="microvm", runtime="runsc")
     with pytest.raises(dsec.NotSupported):
         await client.create(substrate="vm", network="host")
+
+
+async def test_snapshot_restores_are_separate_sandboxes_with_their_own_name_and_clock() -> None:
+    srv = make_server("--vm-accel", VM_ACCEL, "--vm-snapshots", "--warm-pool", "0").start()
+    try:
+        async with srv.client() as client:
+            # The first create boots and saves the template (cached by content); both restore it.
+            a = await client.create(substrate="microvm", image="debian-minbase", memory_mb=256)
+            b = await client.create(substrate="microvm", image="debian-minbase", memory_mb=256)
+            await a.write_file("/work/only-a", b"a")
+            assert (await b.run("ls /work")).stdout == ""
+            assert (await a.run("cat /work/only-a")).stdout == "a"
+            assert [(await sb.run("hostname")).stdout.strip() for sb in (a, b)] == [a.id, b.id]
+            guest_now = float((await b.run("date +%s")).stdout)
+            assert abs(guest_now - time.time()) < 120  # not the template's save time
+            await a.stop()
+            await b.stop()
+            assert _traces(srv, a.id) == [] and _traces(srv, b.id) == []
+    finally:
+        stop_server(srv)
