@@ -2,7 +2,8 @@
 
 Measured (ms, p50/p95/p99), alternating batches with the container baseline:
 - create-to-first-output: ``create`` + ``stream("echo hi")`` until its first byte, cold boot
-  (no warm pool), against the same for a container;
+  (no warm pool) and restored from a snapshot (``--vm-snapshots``), against the same for a
+  container;
 - exec round trip of ``true`` in a running VM, against a running container;
 - memory per idle VM: PSS and RSS of its QEMU process (MB), against an idle container's
   memory cgroup charge; and how many such idle VMs fit in this host's available memory.
@@ -76,15 +77,12 @@ async def run_vm_benchmark(console: Console, substrate: str, quick: bool) -> lis
                 await containers.stop_all()
                 await vms.stop_all()
 
-                async def clean_up() -> None:
-                    await containers.stop_all()
-                    await vms.stop_all()
-
                 with phase(console, f"{substrate} create-to-first-output ({accel}), cold boot"):
                     samples += await compare(Sample("container create: first output", []),
                                              containers.first_output,
                                              Sample(f"{substrate} create ({accel}, cold boot): first output", []),
-                                             vms.first_output, 2, n_boot // 2, between=clean_up)
+                                             vms.first_output, 2, n_boot // 2,
+                                             between=lambda: _stop(containers, vms))
                 with phase(console, f"{substrate} exec round trip of `true`"):
                     box = await containers.client.create(image=IMAGE, ttl_s=600)
                     vm = await vms.client.create(substrate=substrate, image=IMAGE, memory_mb=256,
@@ -98,9 +96,29 @@ async def run_vm_benchmark(console: Console, substrate: str, quick: bool) -> lis
                     samples += await idle_memory_series(containers, vms, n_boot)
             finally:
                 await vms.stop_all()
+        snap_state = root / f"{substrate}-snapshots"
+        async with bench_server(snap_state, "--warm-pool", "0", "--vm-accel", accel,
+                                "--vm-snapshots") as containers:
+            restored = VMCreated(containers, substrate, snap_state)
+            try:
+                await restored.first_output()  # boots and saves the template (cached by content)
+                await restored.stop_all()
+                with phase(console, f"{substrate} create-to-first-output ({accel}), snapshot restore"):
+                    samples += await compare(
+                        Sample("container create: first output (again)", []), containers.first_output,
+                        Sample(f"{substrate} create ({accel}, snapshot restore): first output", []),
+                        restored.first_output, 5, n_boot * 2 // 5 or 1,
+                        between=lambda: _stop(containers, restored))
+            finally:
+                await restored.stop_all()
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return samples
+
+
+async def _stop(*created: Created) -> None:
+    for c in created:
+        await c.stop_all()
 
 
 async def idle_memory_series(containers: Created, vms: VMCreated, n: int) -> list[Sample]:
