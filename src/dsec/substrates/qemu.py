@@ -209,7 +209,8 @@ class QemuSubstrate(Substrate):
 
     async def claim(self, sandbox_id: str, runtime: dict[str, Any], request: CreateRequest) -> None:
         self._set_limits(sandbox_id, request)
-        os.sched_setscheduler(runtime["pid"], os.SCHED_OTHER, os.sched_param(0))
+        for tid in os.listdir(f"/proc/{runtime['pid']}/task"):  # every vCPU and I/O thread
+            os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
 
     # inspection
     def agent(self, sandbox_id: str, runtime: dict[str, Any]) -> AgentClient:
