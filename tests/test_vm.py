@@ -137,3 +137,27 @@ async def test_snapshot_restores_are_separate_sandboxes_with_their_own_name_and_
             assert _traces(srv, a.id) == [] and _traces(srv, b.id) == []
     finally:
         stop_server(srv)
+
+
+async def test_vm_warm_pool_hands_out_a_booted_vm_at_normal_priority() -> None:
+    srv = make_server("--vm-accel", VM_ACCEL, "--vm-warm-pool", "1", "--warm-pool", "0").start()
+    try:
+        async with srv.client() as client:
+            await (await client.create(substrate="microvm", memory_mb=256)).stop()  # pool fills
+            for _ in range(1200):
+                if (await client.health())["edges"][0]["warm"]["microvm"].get("debian-minbase"):
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                pytest.fail("the microvm warm pool never filled")
+            sb = await client.create(substrate="microvm", memory_mb=256, cpu=0.5)
+            assert not (await client.health())["edges"][0]["warm"]["microvm"].get("debian-minbase")
+            assert (await sb.run("echo warm")).stdout == "warm\n"
+            pid = int((srv.state_dir / "vms" / sb.id / "qemu.pid").read_text())
+            policies = {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+            assert policies == {os.SCHED_OTHER}
+            (quota,) = Path("/sys/fs/cgroup").glob(f"cpu/dsec-*-microvm/{sb.id}/cpu.cfs_quota_us")
+            assert int(quota.read_text()) == 50_000  # the claim's cpu=0.5
+            await sb.stop()
+    finally:
+        stop_server(srv)
