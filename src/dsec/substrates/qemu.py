@@ -110,7 +110,8 @@ class QemuSubstrate(Substrate):
         self._set_limits(plan.sandbox_id, plan.request)
         if self.snapshots:
             await vmsnapshot.resume(d / "qmp.sock")
-        agent = await self._wait_for_agent(lambda: self._pids.alive(plan.sandbox_id, pid), port, d)
+        agent = await self._wait_for_agent(lambda: self._pids.alive(plan.sandbox_id, pid), port, d,
+                                           booting=not self.snapshots)
         if self.snapshots:  # the template's hostname and clock came with its memory
             await agent.write_file("/proc/sys/kernel/hostname", plan.sandbox_id.encode(), append=True)
             await agent.run(["date", "-u", "-s", f"@{time.time():.3f}"], env={"PATH": GUEST_PATH},
@@ -184,23 +185,30 @@ class QemuSubstrate(Substrate):
         return argv + ["-netdev", f"user,id=n0,restrict=on,hostfwd=tcp:127.0.0.1:{port}-:{AGENT_PORT}",
                        "-device", f"{self.net_device},netdev=n0"]
 
-    async def _wait_for_agent(self, alive: Callable[[], bool], port: int, d: Path) -> AgentClient:
-        """Until the agent answers: QEMU accepts on the forwarded port at once and drops the
-        connection while nothing listens in the guest, so this asks, a little apart."""
+    async def _wait_for_agent(self, alive: Callable[[], bool], port: int, d: Path,
+                              booting: bool = True) -> AgentClient:
+        """Until the agent answers. A booting guest's agent prints ``R`` on the console once it
+        listens; only then is it asked: QEMU accepts on the forwarded port at once, and a
+        connection made before the guest listens waits out the user-mode network's SYN
+        retransmission (seconds). Each ask has a time limit, growing, for the same reason."""
         agent = AgentClient(("127.0.0.1", port))
         deadline = time.monotonic() + START_TIMEOUT_S
+        attempt_s = 1.0
         while True:
-            try:
-                await agent.ping()
-                return agent
-            except AgentUnavailable:
-                pass
             if not alive():
                 raise SandboxError(f"the {self.name} stopped while booting: {_tail(d / 'console.log')}")
             if time.monotonic() > deadline:
                 raise SandboxError(f"the {self.name}'s agent did not answer within "
                                    f"{START_TIMEOUT_S:.0f}s: {_tail(d / 'console.log')}")
-            await asyncio.sleep(0.05)
+            if booting and b"R" not in _read(d / "console.log"):
+                await asyncio.sleep(0.02)
+                continue
+            try:
+                await asyncio.wait_for(agent.ping(), attempt_s)
+                return agent
+            except (AgentUnavailable, asyncio.TimeoutError):
+                attempt_s = min(attempt_s * 2, 8.0)
+            await asyncio.sleep(0.02)
 
     def _set_limits(self, sandbox_id: str, req: CreateRequest) -> None:
         """Host-side limits on the QEMU process; the guest's own size is its -m and -smp."""
@@ -279,6 +287,13 @@ def _is_our_qemu(pid: int, sandbox_id: str) -> bool:
     except OSError:
         return False
     return b"-name" in argv and sandbox_id.encode() in argv
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return b""
 
 
 def _tail(path: Path, lines: int = 5) -> str:
