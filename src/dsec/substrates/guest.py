@@ -7,7 +7,8 @@ writable layer is the sandbox's own ext4 disk, then becomes the agent (``switch_
 ``exec``), listening on TCP: the edge reaches it through QEMU's loopback port forward.
 
 Disks are found by their virtio serial (``layer0`` .. ``layerN-1``, ``rw``), not by probe order.
-Built artefacts are cached under ``$DSEC_CACHE/vm/<digest>/``, keyed by everything they hold.
+Built artefacts (the initramfs, and the kernel unpacked for PVH entry) are cached under
+``$DSEC_CACHE/vm/<digest>/``, keyed by everything they hold.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import fcntl
 import hashlib
 import os
 import shutil
+import struct
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -87,10 +89,16 @@ exec switch_root /newroot /.dsec/agent --listen tcp:@AGENT_PORT@
 """
 
 
+# A bzImage's payload, by its first bytes, and what unpacks it (lz4 for Debian's kernels).
+DECOMPRESSORS = {b"\x02\x21\x4c\x18": ["lz4", "-dc"], b"\x28\xb5\x2f\xfd": ["zstd", "-dc"],
+                 b"\xfd7zXZ\x00": ["xz", "-dc"], b"\x1f\x8b\x08": ["gzip", "-dc"]}
+
+
 @dataclass(frozen=True)
 class GuestBoot:
-    kernel: Path
+    kernel: Path  # the bzImage, booted through firmware
     initramfs: Path
+    pvh_kernel: Path | None  # the same kernel uncompressed, entered directly (PVH), if possible
 
 
 def find_kernel() -> Path:
@@ -110,18 +118,41 @@ def guest_boot() -> GuestBoot:
     init = (INIT.replace("@GUEST_IP@", GUEST_IP)
             .replace("@AGENT_PORT@", str(AGENT_PORT)))
     digest = hashlib.sha256()
-    for part in (kernel.read_bytes(), BUSYBOX.read_bytes(), agent.read_bytes(), init.encode(),
+    for part in (b"initramfs+pvh", kernel.read_bytes(), BUSYBOX.read_bytes(), agent.read_bytes(), init.encode(),
                  *(f"{name}\0".encode() + path.read_bytes() for name, path in modules)):
         digest.update(hashlib.sha256(part).digest())
     out_dir = Path(os.environ.get("DSEC_CACHE", "/var/cache/dsec")) / "vm" / digest.hexdigest()[:16]
-    initramfs = out_dir / "initramfs.cpio"
+    initramfs, vmlinux = out_dir / "initramfs.cpio", out_dir / "vmlinux"
     if not initramfs.exists():
         out_dir.mkdir(parents=True, exist_ok=True)
         with open(out_dir / ".lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not initramfs.exists():
+                _extract_pvh_kernel(kernel, release, vmlinux)
                 _build_initramfs(initramfs, init, agent, modules)
-    return GuestBoot(kernel, initramfs)
+    return GuestBoot(kernel, initramfs, vmlinux if vmlinux.exists() else None)
+
+
+def _extract_pvh_kernel(kernel: Path, release: str, target: Path) -> None:
+    """Unpack the bzImage's payload (an ELF vmlinux) when the kernel has a PVH entry point:
+    QEMU then jumps straight into it, with no firmware. Left absent when it cannot be done."""
+    config = Path("/boot") / f"config-{release}"
+    if not config.exists() or "CONFIG_PVH=y" not in config.read_text():
+        return
+    data = kernel.read_bytes()
+    setup_sects = data[0x1F1] or 4
+    offset, length = struct.unpack_from("<II", data, 0x248)  # payload_offset, payload_length
+    payload = data[(setup_sects + 1) * 512 + offset:][:length]
+    for magic, argv in DECOMPRESSORS.items():
+        if payload.startswith(magic) and shutil.which(argv[0]):
+            # The kernel appends the unpacked size after the stream: a decompressor may exit
+            # non-zero over that trailer after writing the whole image, so the ELF header decides.
+            done = subprocess.run(argv, input=payload, capture_output=True, check=False)
+            if done.stdout.startswith(b"\x7fELF"):
+                part = target.with_suffix(".part")
+                part.write_bytes(done.stdout)
+                os.replace(part, target)
+            return
 
 
 def _module_files(moddir: Path) -> list[tuple[str, Path]]:

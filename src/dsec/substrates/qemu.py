@@ -48,6 +48,7 @@ class QemuSubstrate(Substrate):
     machine: str
     disk_device: str
     net_device: str
+    pvh: bool  # enter the uncompressed kernel directly instead of through firmware
 
     def __init__(self, state_dir: Path, edge_id: str, accel: str = "kvm",
                  kvm_device: Path = Path("/dev/kvm"), snapshots: bool = False) -> None:
@@ -175,7 +176,8 @@ class QemuSubstrate(Substrate):
                 "-accel", accel, "-cpu", "host" if self.accel == "kvm" else "max",
                 "-m", str(req.memory_mb), "-smp", str(_cpus(req)),
                 "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
-                "-kernel", str(boot.kernel), "-initrd", str(boot.initramfs), "-append", cmdline,
+                "-kernel", str(boot.pvh_kernel if self.pvh and boot.pvh_kernel else boot.kernel),
+                "-initrd", str(boot.initramfs), "-append", cmdline,
                 "-serial", f"file:{d / 'console.log'}",
                 "-daemonize", "-pidfile", str(d / "qemu.pid")]
         disks = [(layer.path, "raw", f"layer{i}", "on") for i, layer in enumerate(layers)]

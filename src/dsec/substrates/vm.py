@@ -14,3 +14,4 @@ class VMSubstrate(QemuSubstrate):
     machine = "q35"
     disk_device = "virtio-blk-pci"
     net_device = "virtio-net-pci"
+    pvh = False  # a PC boots through its firmware
