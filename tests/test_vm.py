@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import dsec
+from dsec.edge.edge import default_edge_id
 from conftest import VM_ACCEL, VM_SUBSTRATES, Server, make_server, stop_server
 
 
@@ -28,16 +29,18 @@ def _traces(server: Server, sandbox_id: str) -> list[str]:
     return found
 
 
-def _qemu_pids() -> set[int]:
-    """Running (not zombie) QEMU processes."""
+def _qemu_pids(server: Server) -> set[int]:
+    """Running (not zombie) QEMU processes of the server's sandboxes."""
+    prefix = f"sb-{default_edge_id(server.state_dir)}-".encode()
     pids = set()
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             comm, _, rest = stat.read_text().rpartition(")")
+            if ("(qemu-system" in comm and rest.split()[0] != "Z"
+                    and prefix in (stat.parent / "cmdline").read_bytes()):
+                pids.add(int(stat.parent.name))
         except OSError:
             continue
-        if "(qemu-system" in comm and rest.split()[0] != "Z":
-            pids.add(int(stat.parent.name))
     return pids
 
 
@@ -82,6 +85,10 @@ async def test_killed_qemu_is_reported_died_and_leaves_nothing(
     with pytest.raises(dsec.SandboxDied) as info:
         await sb.run("true")
     assert "QEMU process exited" in str(info.value)
+    for _ in range(600):  # the edge records the death, then cleans up
+        if not _traces(server, sb.id):
+            break
+        await asyncio.sleep(0.1)
     assert _traces(server, sb.id) == []
 
 
@@ -90,11 +97,11 @@ async def test_guest_that_cannot_boot_fails_the_create_and_leaves_nothing(
     def traces() -> set[Path]:
         cgroups = [p for p in Path("/sys/fs/cgroup").glob("*/dsec-*-microvm/*") if p.is_dir()]
         return {*(server.state_dir / "vms").iterdir(), *cgroups}
-    before, qemus = traces(), _qemu_pids()
+    before, qemus = traces(), _qemu_pids(server)
     with pytest.raises(dsec.SandboxError) as info:  # 32 MiB cannot hold this kernel's boot
         await client.create(substrate="microvm", image="debian-minbase", memory_mb=32, ttl_s=60)
     assert "stopped while booting" in str(info.value)
-    assert traces() == before and _qemu_pids() <= qemus
+    assert traces() == before and _qemu_pids(server) <= qemus
 
 
 async def test_kvm_missing_is_not_supported_never_unisolated(tmp_path: Path) -> None:
