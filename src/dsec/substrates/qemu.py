@@ -64,10 +64,6 @@ class QemuSubstrate(Substrate):
 
     async def prepare(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
-        try:
-            self._boot = await asyncio.to_thread(guest_boot)
-        except NotSupported:  # the edge still serves its other substrates; creates say why
-            self._boot = None
 
     async def close(self) -> None:
         cgroups.remove_parent_if_unused(self.cgroup_parent)
@@ -75,17 +71,21 @@ class QemuSubstrate(Substrate):
     def _dir(self, sandbox_id: str) -> Path:
         return self.root / sandbox_id
 
-    def _check_host(self) -> GuestBoot:
+    async def _check_host(self) -> GuestBoot:
+        """The guest to boot, once this host can run it (else ``NotSupported`` saying why).
+        Found on the first create, not at edge start: servers that run no VM never pay."""
         if self.accel == "kvm" and not self.kvm_device.exists():
             raise NotSupported(f"{self.kvm_device} missing: this host cannot run KVM VMs "
                                "(a server started with --vm-accel tcg emulates them instead)",
                                device=str(self.kvm_device))
         spawn.resolve("qemu-system-x86_64")
-        return self._boot or guest_boot()  # raises the NotSupported that prepare() swallowed
+        if self._boot is None:
+            self._boot = await asyncio.to_thread(guest_boot)
+        return self._boot
 
     # start
     async def start(self, plan: StartPlan) -> dict[str, Any]:
-        boot = self._check_host()
+        boot = await self._check_host()
         if plan.request.runtime is not None:
             raise NotSupported(f"runtime={plan.request.runtime!r} is a container option; "
                                f"a {self.name} sandbox has no OCI runtime")
