@@ -98,7 +98,7 @@ class QemuSubstrate(Substrate):
     async def _start(self, plan: StartPlan, boot: GuestBoot, d: Path) -> dict[str, Any]:
         d.mkdir()
         if self.snapshots:
-            template = await self._template(plan, boot)
+            template = await self._template(plan, boot, d)
             await vmsnapshot.overlay(template, d / "disk.qcow2")
             disk, extra = (d / "disk.qcow2", "qcow2"), ["-incoming", f"exec:cat {template / 'state.bin'}",
                                                          "-qmp", f"unix:{d / 'qmp.sock'},server=on,wait=off"]
@@ -106,8 +106,15 @@ class QemuSubstrate(Substrate):
             await _mkfs(d / "disk.ext4", plan.request.disk_mb)
             disk, extra = (d / "disk.ext4", "raw"), []
         pid, port = await self._launch(plan, boot, d, disk, extra)
-        self._pids.adopt(plan.sandbox_id, pid)
-        cgroups.create_for_process(self.cgroup_parent, plan.sandbox_id, pid)
+        try:
+            self._pids.adopt(plan.sandbox_id, pid)
+            cgroups.create_for_process(self.cgroup_parent, plan.sandbox_id, pid)
+        except ProcessLookupError:  # adopt: QEMU exited already
+            raise self._stopped_booting(d) from None
+        except OSError as exc:  # the cgroup refuses a pid that exited
+            if self._pids.alive(plan.sandbox_id, pid):
+                raise
+            raise self._stopped_booting(d) from exc
         self._set_limits(plan.sandbox_id, plan.request)
         if self.snapshots:
             await vmsnapshot.resume(d / "qmp.sock")
@@ -133,10 +140,14 @@ class QemuSubstrate(Substrate):
         if code != 0:
             raise SandboxError(f"QEMU failed to start the {self.name} (exit {code}): "
                                f"{log[-2000:] or 'no output'}")
-        return int((d / "qemu.pid").read_text()), port
+        try:
+            return int((d / "qemu.pid").read_text()), port
+        except FileNotFoundError:  # QEMU removes its pid file when it exits: the guest stopped
+            raise self._stopped_booting(d) from None
 
-    async def _template(self, plan: StartPlan, boot: GuestBoot) -> Path:
-        """The saved, booted VM that sandboxes of this shape restore; made on first use."""
+    async def _template(self, plan: StartPlan, boot: GuestBoot, d: Path) -> Path:
+        """The saved, booted VM that sandboxes of this shape restore; made on first use, by
+        the sandbox ``d`` belongs to (which records the template QEMU's pid, for clean-up)."""
         req = plan.request
         target = vmsnapshot.snapshot_dir([self.name, self.machine, self.accel, str(boot.kernel),
                                           str(boot.initramfs), plan.image.digest, str(req.memory_mb),
@@ -150,6 +161,7 @@ class QemuSubstrate(Substrate):
                 qmp = scratch / "qmp.sock"
                 pid, port = await self._launch(plan, boot, scratch, (scratch / "disk.ext4", "raw"),
                                                ["-qmp", f"unix:{qmp},server=on,wait=off"])
+                (d / "template.pid").write_text(str(pid))
                 try:
                     await self._wait_for_agent(lambda: _is_our_qemu(pid, plan.sandbox_id), port, scratch)
                     await vmsnapshot.save(qmp, scratch / "state.bin")
@@ -198,7 +210,7 @@ class QemuSubstrate(Substrate):
         attempt_s = 1.0
         while True:
             if not alive():
-                raise SandboxError(f"the {self.name} stopped while booting: {_tail(d / 'console.log')}")
+                raise self._stopped_booting(d)
             if time.monotonic() > deadline:
                 raise SandboxError(f"the {self.name}'s agent did not answer within "
                                    f"{START_TIMEOUT_S:.0f}s: {_tail(d / 'console.log')}")
@@ -211,6 +223,9 @@ class QemuSubstrate(Substrate):
             except (AgentUnavailable, asyncio.TimeoutError):
                 attempt_s = min(attempt_s * 2, 8.0)
             await asyncio.sleep(0.02)
+
+    def _stopped_booting(self, d: Path) -> SandboxError:
+        return SandboxError(f"the {self.name} stopped while booting: {_tail(d / 'console.log')}")
 
     def _set_limits(self, sandbox_id: str, req: CreateRequest) -> None:
         """Host-side limits on the QEMU process; the guest's own size is its -m and -smp."""
@@ -248,14 +263,16 @@ class QemuSubstrate(Substrate):
         await asyncio.to_thread(self._teardown, sandbox_id, d)
 
     def _teardown(self, sandbox_id: str, d: Path) -> None:
-        """Kill QEMU (through its cgroup, or its pid file if it never got one), then remove
-        its cgroups and directory."""
-        try:
-            pid = int((d / "qemu.pid").read_text())
-            if _is_our_qemu(pid, sandbox_id):
-                os.kill(pid, 9)
-        except (OSError, ValueError):
-            pass
+        """Kill QEMU (through its cgroup, or its pid file if it never got one; also a
+        snapshot template's QEMU that this sandbox's start was booting), then remove its
+        cgroups and directory."""
+        for pid_file in ("qemu.pid", "template.pid"):
+            try:
+                pid = int((d / pid_file).read_text())
+                if _is_our_qemu(pid, sandbox_id):
+                    os.kill(pid, 9)
+            except (OSError, ValueError):
+                pass
         cgroups.remove_cgroups(cgroups.sandbox_dirs(self.cgroup_parent, sandbox_id))
         shutil.rmtree(d, ignore_errors=True)
 

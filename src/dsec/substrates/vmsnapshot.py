@@ -52,6 +52,11 @@ class TemplateLock:
 
 
 def scratch_for(target: Path) -> Path:
+    """A fresh build directory for ``target``; the caller holds its TemplateLock, so any
+    older one is what a builder that died left."""
+    for stale in target.parent.glob(f".{target.name}.*"):
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
     return Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
 
 
