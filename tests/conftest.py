@@ -21,9 +21,12 @@ import dsec
 from dsec.images.store import ImageStore
 
 TEST_ROOT = Path("/run/dsec-test")
-SUBSTRATES = ["container", "fn"]
+SUBSTRATES = ["container", "fn", "microvm", "vm"]
 # fn runs the image's own Python as its template: it needs an image that has python3.
 NEEDS_PYTHON = {"fn"}
+VM_SUBSTRATES = ("microvm", "vm")
+# VMs under test are emulated (TCG) unless told otherwise: this host's KVM cannot run them.
+VM_ACCEL = os.environ.get("DSEC_TEST_VM_ACCEL", "tcg")
 LOG_DIR = Path("/tmp/dsec-test-logs")  # server logs outlive the state dirs, for post-mortems
 HTTP_TIMEOUT_S = 120  # a loaded host (shared CPUs) can keep a server busy well beyond httpx's 5 s
 
@@ -119,7 +122,7 @@ def stop_server(server: Server) -> None:
 
 @pytest.fixture(scope="session")
 def server(images: ImageStore) -> Iterator[Server]:
-    srv = make_server("--capacity", "64").start()
+    srv = make_server("--capacity", "64", "--vm-accel", VM_ACCEL).start()
     yield srv
     stop_server(srv)
 
@@ -128,12 +131,6 @@ def server(images: ImageStore) -> Iterator[Server]:
 async def client(server: Server) -> AsyncIterator[dsec.DSecClient]:
     async with server.client() as c:
         yield c
-
-
-@pytest.fixture(params=SUBSTRATES)
-def substrate(request: pytest.FixtureRequest) -> str:
-    """Each test that takes it runs once per substrate."""
-    return request.param
 
 
 def image_for(substrate: str, image: str = "debian-minbase") -> str:
@@ -152,13 +149,58 @@ async def _sandbox(client: dsec.DSecClient, image: str, memory_mb: int,
         pass
 
 
+@pytest.fixture(scope="session", params=SUBSTRATES)
+def substrate(request: pytest.FixtureRequest) -> str:
+    """Each test that takes it runs once per substrate (session-scoped, so that pytest runs
+    a substrate's tests together and the shared VMs below are reused)."""
+    return request.param
+
+
+class SharedVMs:
+    """One VM sandbox per (substrate, image), reused by the tests that allow it: a VM boot
+    under emulation takes seconds. A test that ends one gets a new one next time."""
+
+    def __init__(self) -> None:
+        self._ids: dict[tuple[str, str], str] = {}
+
+    async def get(self, client: dsec.DSecClient, substrate: str, image: str,
+                  memory_mb: int) -> dsec.AsyncSandbox:
+        sandbox_id = self._ids.get((substrate, image))
+        if sandbox_id is not None:
+            try:
+                sb = await client.get(sandbox_id)
+                if sb.info.state == "running":
+                    return sb
+            except dsec.DSecError:
+                pass
+        sb = await client.create(substrate=substrate, image=image, memory_mb=memory_mb, ttl_s=3600)
+        self._ids[(substrate, image)] = sb.id
+        return sb
+
+
+@pytest.fixture(scope="session")
+def shared_vms() -> SharedVMs:
+    return SharedVMs()
+
+
+async def _any_sandbox(client: dsec.DSecClient, substrate: str, shared_vms: SharedVMs,
+                       image: str, memory_mb: int) -> AsyncIterator[dsec.AsyncSandbox]:
+    if substrate in VM_SUBSTRATES:
+        yield await shared_vms.get(client, substrate, image, memory_mb)
+    else:
+        async for sb in _sandbox(client, image, memory_mb, substrate):
+            yield sb
+
+
 @pytest.fixture
-async def sandbox(client: dsec.DSecClient, substrate: str) -> AsyncIterator[dsec.AsyncSandbox]:
-    async for sb in _sandbox(client, "debian-minbase", 256, substrate):
+async def sandbox(client: dsec.DSecClient, substrate: str,
+                  shared_vms: SharedVMs) -> AsyncIterator[dsec.AsyncSandbox]:
+    async for sb in _any_sandbox(client, substrate, shared_vms, "debian-minbase", 256):
         yield sb
 
 
 @pytest.fixture
-async def py_sandbox(client: dsec.DSecClient, substrate: str) -> AsyncIterator[dsec.AsyncSandbox]:
-    async for sb in _sandbox(client, "python-3.11", 512, substrate):
+async def py_sandbox(client: dsec.DSecClient, substrate: str,
+                     shared_vms: SharedVMs) -> AsyncIterator[dsec.AsyncSandbox]:
+    async for sb in _any_sandbox(client, substrate, shared_vms, "python-3.11", 512):
         yield sb

@@ -390,3 +390,27 @@ async def test_list_stat_mkdir_remove(client, tmp_path):
     await client.remove(str(root), recursive=True)
     assert not root.exists()
     assert (outside / "keep").read_text() == "keep"  # the symlink was not followed
+
+
+async def test_tcp_listen_mode_serves_the_same_protocol() -> None:
+    """What VM guests run: ``--listen tcp:PORT``, one request per TCP connection."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([agent_binary(), "--listen", f"tcp:{port}"], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdout.read(1) == b"R"
+        tcp = AgentClient(("127.0.0.1", port))
+        await tcp.ping()
+        r = await tcp.run(["sh", "-c", "echo out; echo err >&2; exit 3"], env=ENV)
+        assert (r.exit_code, r.stdout, r.stderr) == (3, b"out\n", b"err\n")
+    finally:
+        proc.terminate()
+        proc.wait(5)
+    with pytest.raises(AgentUnavailable):
+        await AgentClient(("127.0.0.1", port)).ping()
+
+
+def test_tcp_listen_mode_refuses_a_bad_port() -> None:
+    done = subprocess.run([agent_binary(), "--listen", "tcp:70000"], capture_output=True)
+    assert done.returncode == 2 and b"bad TCP port" in done.stderr

@@ -51,13 +51,22 @@ def main() -> None:
               help="json: one JSON object per log line, for log shippers")
 @click.option("--network-services", type=click.Path(path_type=Path), default=None,
               help="network service table, TOML (default: STATE_DIR/network-services.toml)")
+@click.option("--vm-accel", type=click.Choice(["kvm", "tcg"]), default="kvm",
+              help="microvm/vm acceleration: kvm, or tcg (emulation) where KVM is unusable")
+@click.option("--kvm-device", type=click.Path(path_type=Path), default=Path("/dev/kvm"))
+@click.option("--vm-warm-pool", type=int, default=0, help="booted VMs kept per image")
+@click.option("--vm-snapshots", is_flag=True,
+              help="start VMs by restoring a saved booted one (see docs/SUBSTRATES.md caveats)")
 def serve(state_dir: Path | None, host: str | None, port: int, capacity: int, warm_pool: int,
-          runtime: str, edge_id: str, log_format: str, network_services: Path | None) -> None:
+          runtime: str, edge_id: str, log_format: str, network_services: Path | None,
+          vm_accel: str, kvm_device: Path, vm_warm_pool: int, vm_snapshots: bool) -> None:
     """Run the API server with an embedded edge on this host."""
     from .api.server import DEFAULT_STATE_DIR, ServerConfig, serve as run_server
     config = ServerConfig(state_dir=state_dir or DEFAULT_STATE_DIR, capacity=capacity,
                           warm_pool=warm_pool, runtime=runtime, edge_id=edge_id,
-                          log_format=log_format, network_services=network_services)
+                          log_format=log_format, network_services=network_services,
+                          vm_accel=vm_accel, kvm_device=kvm_device, vm_warm_pool=vm_warm_pool,
+                          vm_snapshots=vm_snapshots)
     where = f"http://{host}:{port}" if host else f"unix://{config.socket_path}"
     if log_format == "text":
         console.print(f"dsec serving on {where} (state in {config.state_dir})")
@@ -399,14 +408,18 @@ def project_quota(name: str, sandboxes: int | None, cpu: float | None,
               help="also write the figures as JSON here")
 @click.option("--only-trajectory", is_flag=True,
               help="only the trajectory series (log overhead, fast-forward)")
-@click.option("--only", type=click.Choice(["fn", "projects", "network"]), default=None,
-              help="run one series alone: fn (call latency and throughput), projects "
-                   "(nested-project key against the admin key), network (policy cost on create, "
-                   "set_network)")
+@click.option("--only", type=click.Choice(["fn", "microvm", "vm", "projects", "network"]),
+              default=None,
+              help="run one series alone: fn (call latency and throughput), microvm or vm "
+                   "(against containers), projects (nested-project key against the admin key), "
+                   "network (policy cost on create, set_network)")
 def bench(quick: bool, json_out: Path | None, only_trajectory: bool, only: str | None) -> None:
     """Run the benchmark against bare crun and print the figures (see docs/BENCHMARKS.md)."""
     if only == "fn":
         from .bench_fn import main as fn_main
         return fn_main(quick=quick, json_out=json_out)
+    if only in ("microvm", "vm"):
+        from .bench_vm import main as bench_vm_main
+        return bench_vm_main(only, quick=quick, json_out=json_out)
     from .bench import main as bench_main
     bench_main(quick=quick, json_out=json_out, only_trajectory=only_trajectory, only=only)

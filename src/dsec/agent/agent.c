@@ -27,6 +27,8 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -979,6 +981,8 @@ static void accept_all(int lfd)
     int fd;
     while ((fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC)) >= 0) {
         struct conn *c = xcalloc(1, sizeof *c);
+        int one = 1; /* frames go out as written (fails harmlessly on a Unix socket) */
+        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
         c->fd = fd;
         c->file_fd = -1;
         c->next = conns;
@@ -1104,8 +1108,31 @@ static void handle(struct pollfd *pfd, struct watch *w)
     }
 }
 
+/* "tcp:PORT": every address of a VM guest, whose only peer is the host's port forward. */
+static int listen_tcp(const char *port)
+{
+    char *end;
+    long n = strtol(port, &end, 10);
+    struct sockaddr_in addr = {.sin_family = AF_INET, .sin_port = htons((uint16_t)n)};
+    int one = 1, fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (*port == 0 || *end || n < 1 || n > 65535) {
+        fprintf(stderr, "dsec-agent: bad TCP port: %s\n", port);
+        exit(2);
+    }
+    if (fd < 0 || setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) ||
+        bind(fd, (struct sockaddr *)&addr, sizeof addr) || listen(fd, 512)) {
+        fprintf(stderr, "dsec-agent: listen on TCP port %s: %s\n", port, strerror(errno));
+        exit(1);
+    }
+    return fd;
+}
+
+/* A Unix socket path, or "tcp:PORT" (VMs reach their agent through a TCP port forward). */
 static int listen_on(const char *path)
 {
+    if (!strncmp(path, "tcp:", 4))
+        return listen_tcp(path + 4);
+
     struct sockaddr_un addr = {.sun_family = AF_UNIX};
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (strlen(path) >= sizeof addr.sun_path) {
@@ -1129,7 +1156,7 @@ int main(int argc, char **argv)
     struct rlimit raised;
 
     if (argc != 3 || strcmp(argv[1], "--listen")) {
-        fprintf(stderr, "usage: dsec-agent --listen PATH\n");
+        fprintf(stderr, "usage: dsec-agent --listen PATH|tcp:PORT\n");
         return 2;
     }
     signal(SIGPIPE, SIG_IGN);

@@ -1,4 +1,5 @@
-"""Asyncio client for the in-sandbox agent: one Unix-socket connection per request.
+"""Asyncio client for the in-sandbox agent: one connection per request, over a Unix socket
+(containers) or TCP (VMs: a loopback port forwarded into the guest).
 
 Streams (``exec``, ``attach``) are async generators. Closing one early (``aclose()``, or leaving
 an ``aclosing`` block) closes its connection; the agent then stops streaming to it but does
@@ -117,15 +118,21 @@ def _exec_fields(
 
 
 class AgentClient:
-    """``token`` is sent with every request (see ``claim``). ``peer_pid``, when given, must be
-    the pid that listens on the socket (SO_PEERCRED): a process in the sandbox that replaced
-    the socket file with its own cannot receive the token or answer in the agent's name."""
+    """``address`` is a Unix socket path, or a ``(host, port)`` pair for TCP. ``token`` is sent
+    with every request (see ``claim``). ``peer_pid``, when given, must be the pid that listens
+    on the Unix socket (SO_PEERCRED): a process in the sandbox that replaced the socket file
+    with its own cannot receive the token or answer in the agent's name."""
 
-    def __init__(self, socket_path: str | os.PathLike[str], token: str | None = None,
+    def __init__(self, address: str | os.PathLike[str] | tuple[str, int], token: str | None = None,
                  peer_pid: int | None = None) -> None:
-        self.socket_path = os.fspath(socket_path)
+        self.address = address if isinstance(address, tuple) else os.fspath(address)
         self.token = token
         self.peer_pid = peer_pid
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if isinstance(self.address, tuple):
+            return await asyncio.open_connection(*self.address, limit=_READ_LIMIT)
+        return await asyncio.open_unix_connection(self.address, limit=_READ_LIMIT)
 
     async def claim(self) -> None:
         """Make the agent ours: it accepts one claim, then only requests with this token."""
@@ -140,7 +147,7 @@ class AgentClient:
         pid, _, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                      _PEERCRED.size))
         if pid != self.peer_pid:
-            raise AgentUnavailable(f"agent socket {self.socket_path} is served by pid {pid}, "
+            raise AgentUnavailable(f"agent socket {self.address} is served by pid {pid}, "
                                    f"not the agent's {self.peer_pid}")
 
     async def _frames(self, kind: str, fields: Iterable[tuple[str, Value]], until: str,
@@ -151,9 +158,9 @@ class AgentClient:
             fields = [("token", self.token), *fields]
         request = encode(kind, fields)
         try:
-            reader, writer = await asyncio.open_unix_connection(self.socket_path, limit=_READ_LIMIT)
+            reader, writer = await self._connect()
         except OSError as e:
-            raise AgentUnavailable(f"agent socket {self.socket_path}: {e}") from e
+            raise AgentUnavailable(f"agent at {self.address}: {e}") from e
         try:
             self._check_peer(writer)
             writer.write(request)

@@ -22,6 +22,8 @@ from ..store.blobs import BlobStore
 from ..store.sqlite import StateStore
 from ..substrates.container import ContainerSubstrate
 from ..substrates.fn import FnSubstrate
+from ..substrates.microvm import MicroVMSubstrate
+from ..substrates.vm import VMSubstrate
 from ..trajectory.log import TrajectoryLog
 from .app import create_app
 from .logs import configure as configure_logging
@@ -40,6 +42,10 @@ class ServerConfig:
     image_store: Path | None = None
     log_format: str = "text"  # or "json": one JSON object per line (see api/logs.py)
     network_services: Path | None = None  # default: <state_dir>/network-services.toml
+    vm_accel: str = "kvm"  # or "tcg": emulated VMs where KVM is missing or unusable
+    kvm_device: Path = Path("/dev/kvm")
+    vm_warm_pool: int = 0  # booted VMs kept per image (each holds its guest's memory)
+    vm_snapshots: bool = False  # restore saved booted VMs instead of booting (opt-in)
 
     @property
     def socket_path(self) -> Path:
@@ -75,9 +81,14 @@ def build_app(config: ServerConfig) -> FastAPI:
     substrates = {"container": ContainerSubstrate(config.state_dir, edge_config.edge_id,
                                                   runtime=config.runtime),
                   "fn": FnSubstrate(config.state_dir, edge_config.edge_id)}
+    for vm in (MicroVMSubstrate, VMSubstrate):
+        substrates[vm.name] = vm(config.state_dir, edge_config.edge_id, config.vm_accel,
+                                 config.kvm_device, config.vm_snapshots)
     registry = CollectorRegistry()
     edge = Edge(edge_config, store, ImageStore(config.image_store), substrates,
                 EdgeMetrics(registry))
+    for vm in (MicroVMSubstrate, VMSubstrate):
+        edge.pools[vm.name].size = config.vm_warm_pool
     trajectories = TrajectoryLog(store.path, BlobStore(config.state_dir / "blobs"),
                                  owner=secrets.token_hex(8))
     router = Router([edge], trajectories)

@@ -132,3 +132,18 @@ def set_limits(parent: str, sandbox_id: str, cpu: float, memory_bytes: int, pids
                   f"pids/{rel}/pids.max": str(pids)}
     for path, value in writes.items():
         (CGROUP_ROOT / path).write_text(value)
+
+
+def create_for_process(parent: str, sandbox_id: str, pid: int) -> None:
+    """Create the sandbox's cgroups (cpu, memory, pids) and move ``pid`` into them: for
+    substrates whose process no OCI runtime places (a VM's QEMU)."""
+    if is_cgroup2_only():
+        for d in (CGROUP_ROOT, CGROUP_ROOT / parent.strip("/")):
+            d.mkdir(exist_ok=True)
+            (d / "cgroup.subtree_control").write_text("+cpu +memory +pids")
+        dirs = [CGROUP_ROOT / parent.strip("/") / sandbox_id]
+    else:
+        dirs = [CGROUP_ROOT / c / parent.strip("/") / sandbox_id for c in ("cpu", "memory", "pids")]
+    for d in dirs:
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "cgroup.procs").write_text(str(pid))

@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import secrets
-import select
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,6 +30,7 @@ from . import cgroups, spawn
 from .base import StartPlan, Substrate
 from .disk import DiskPool, release
 from .oci_spec import container_config
+from .pidwatch import PidWatch
 from .spawn import Spawned
 
 RUNTIMES = ("crun", "runc", "runsc")
@@ -60,7 +60,7 @@ class ContainerSubstrate(Substrate):
         self.mounter = mounter or LayerMounter()
         self.disks = DiskPool(state_dir / "disks", (DEFAULT_DISK_MB,))
         self._agent_binary: Path | None = None
-        self._pidfds: dict[str, int] = {}
+        self._pids = PidWatch(self.cgroup_parent)
         # Bundle set-up and teardown wait on kernel locks (mounts, cgroups) under load: in
         # threads, they never stall the event loop.
         self._io = ThreadPoolExecutor(16, thread_name_prefix="dsec-fs")
@@ -118,7 +118,7 @@ class ContainerSubstrate(Substrate):
             raise SandboxError(f"{runtime} failed to start the sandbox (exit {code}): "
                                f"{log_text[-2000:] or 'no output'}")
         pid = int((d / "pid").read_text())
-        self._pidfds[plan.sandbox_id] = os.pidfd_open(pid)  # it is ours: it just said R
+        self._pids.adopt(plan.sandbox_id, pid)  # it is ours: it just said R
         facts = {"runtime": runtime, "pid": pid, "token": secrets.token_hex(32)}
         # Claimed before start() returns: no user command can have run yet to claim it first.
         await self.agent(plan.sandbox_id, facts).claim()
@@ -194,42 +194,11 @@ class ContainerSubstrate(Substrate):
         # No token: a sandbox started before agents were claimed (its agent takes none).
         return AgentClient(self._dir(sandbox_id) / "run" / "agent.sock", runtime.get("token"), peer)
 
-    def _pidfd(self, sandbox_id: str, runtime: dict[str, Any]) -> int | None:
-        """A pidfd on the sandbox's init, or None if it is gone. After an edge restart the
-        stored pid is checked to still be this sandbox's (its cgroup names it): pids are reused."""
-        fd = self._pidfds.get(sandbox_id)
-        if fd is None and runtime.get("pid") and self._owns(runtime["pid"], sandbox_id):
-            try:
-                fd = os.pidfd_open(runtime["pid"])
-            except ProcessLookupError:
-                return None
-            if not self._owns(runtime["pid"], sandbox_id):  # exited and reused in between
-                os.close(fd)
-                return None
-            self._pidfds[sandbox_id] = fd
-        return fd
-
-    def _owns(self, pid: int, sandbox_id: str) -> bool:
-        try:
-            return f"{self.cgroup_parent}/{sandbox_id}\n" in Path(f"/proc/{pid}/cgroup").read_text()
-        except OSError:
-            return False
-
     def alive(self, sandbox_id: str, runtime: dict[str, Any]) -> bool:
-        fd = self._pidfd(sandbox_id, runtime)
-        return fd is not None and not select.select([fd], [], [], 0)[0]  # readable once exited
+        return self._pids.alive(sandbox_id, runtime.get("pid"))
 
     def watch(self, sandbox_id: str, runtime: dict[str, Any], on_exit: Callable[[], None]) -> None:
-        fd = self._pidfd(sandbox_id, runtime)
-        if fd is None:
-            on_exit()
-            return
-        loop = asyncio.get_running_loop()
-
-        def exited() -> None:
-            loop.remove_reader(fd)
-            on_exit()
-        loop.add_reader(fd, exited)
+        self._pids.watch(sandbox_id, runtime.get("pid"), on_exit)
 
     def death_cause(self, sandbox_id: str, runtime: dict[str, Any]) -> str:
         if self.oom_kills(sandbox_id, runtime):
@@ -241,10 +210,7 @@ class ContainerSubstrate(Substrate):
 
     async def destroy(self, sandbox_id: str) -> None:
         d = self._dir(sandbox_id)
-        fd = self._pidfds.pop(sandbox_id, None)
-        if fd is not None:
-            asyncio.get_running_loop().remove_reader(fd)
-            os.close(fd)
+        self._pids.forget(sandbox_id)
         for runtime in RUNTIMES:
             if (self.runtime_root / runtime / sandbox_id).exists():
                 await spawn.run([*self._runtime_cmd(runtime), "delete", "--force", sandbox_id])

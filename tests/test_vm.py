@@ -1,0 +1,170 @@
+"""The microvm and vm substrates end to end: real QEMU VMs (emulated with TCG unless
+DSEC_TEST_VM_ACCEL=kvm) behind a real server, through the public SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import platform
+import time
+from pathlib import Path
+
+import pytest
+
+import dsec
+from dsec.edge.edge import default_edge_id
+from conftest import VM_ACCEL, VM_SUBSTRATES, Server, make_server, stop_server
+
+
+def _traces(server: Server, sandbox_id: str) -> list[str]:
+    """Everything of the sandbox left on the host: its directory, cgroups, QEMU process."""
+    found = [str(p) for p in (server.state_dir / "vms").glob(sandbox_id)]
+    found += [str(p) for p in Path("/sys/fs/cgroup").glob(f"*/dsec-*/{sandbox_id}")]
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if sandbox_id.encode() in (proc / "cmdline").read_bytes():
+                found.append(f"process {proc.name}")
+        except OSError:
+            pass
+    return found
+
+
+def _qemu_pids(server: Server) -> set[int]:
+    """Running (not zombie) QEMU processes of the server's sandboxes."""
+    prefix = f"sb-{default_edge_id(server.state_dir)}-".encode()
+    pids = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            comm, _, rest = stat.read_text().rpartition(")")
+            if ("(qemu-system" in comm and rest.split()[0] != "Z"
+                    and prefix in (stat.parent / "cmdline").read_bytes()):
+                pids.add(int(stat.parent.name))
+        except OSError:
+            continue
+    return pids
+
+
+async def _until_died(sb: dsec.AsyncSandbox) -> None:
+    for _ in range(600):
+        if (await sb.refresh()).state == "died":
+            return
+        await asyncio.sleep(0.1)
+
+
+@pytest.mark.parametrize("substrate", VM_SUBSTRATES)
+async def test_vm_runs_its_own_kernel_with_the_limits_asked(
+        client: dsec.DSecClient, server: Server, substrate: str) -> None:
+    sb = await client.create(substrate=substrate, image="debian-minbase", cpu=2, memory_mb=300,
+                             disk_mb=200, ttl_s=300)
+    try:
+        r = await sb.run("uname -r; nproc; grep MemTotal /proc/meminfo; df -m / | tail -1")
+        kernel, cpus, mem, disk = r.stdout.splitlines()
+        assert kernel != platform.release() and kernel.endswith("-amd64")  # the guest's kernel
+        assert cpus == "2"
+        assert 200_000 < int(mem.split()[1]) <= 300 * 1024  # kB: the guest has 300 MiB
+        assert 150 < int(disk.split()[1]) <= 200  # the writable disk is disk_mb big
+        await sb.write_file("/work/a.txt", b"in the guest")
+        assert (await sb.run("cat /work/a.txt")).stdout == "in the guest"
+        # The QEMU process runs under a host cgroup limit: guest memory plus QEMU's own.
+        (limit,) = Path("/sys/fs/cgroup").glob(f"memory/dsec-*-{substrate}/{sb.id}/memory.limit_in_bytes")
+        assert int(limit.read_text()) > 300 << 20
+    finally:
+        await sb.stop()
+    assert _traces(server, sb.id) == []
+    with pytest.raises(dsec.SandboxNotFound):
+        await sb.run("true")
+
+
+async def test_killed_qemu_is_reported_died_and_leaves_nothing(
+        client: dsec.DSecClient, server: Server) -> None:
+    sb = await client.create(substrate="microvm", image="debian-minbase", memory_mb=256, ttl_s=300)
+    assert (await sb.run("echo up")).stdout == "up\n"
+    pid = int((server.state_dir / "vms" / sb.id / "qemu.pid").read_text())
+    os.kill(pid, 9)  # the VM crashes, as seen from the host
+    await _until_died(sb)
+    with pytest.raises(dsec.SandboxDied) as info:
+        await sb.run("true")
+    assert "QEMU process exited" in str(info.value)
+    for _ in range(600):  # the edge records the death, then cleans up
+        if not _traces(server, sb.id):
+            break
+        await asyncio.sleep(0.1)
+    assert _traces(server, sb.id) == []
+
+
+async def test_guest_that_cannot_boot_fails_the_create_and_leaves_nothing(
+        client: dsec.DSecClient, server: Server) -> None:
+    def traces() -> set[Path]:
+        cgroups = [p for p in Path("/sys/fs/cgroup").glob("*/dsec-*-microvm/*") if p.is_dir()]
+        return {*(server.state_dir / "vms").iterdir(), *cgroups}
+    before, qemus = traces(), _qemu_pids(server)
+    with pytest.raises(dsec.SandboxError) as info:  # 32 MiB cannot hold this kernel's boot
+        await client.create(substrate="microvm", image="debian-minbase", memory_mb=32, ttl_s=60)
+    assert "stopped while booting" in str(info.value)
+    assert traces() == before and _qemu_pids(server) <= qemus
+
+
+async def test_kvm_missing_is_not_supported_never_unisolated(tmp_path: Path) -> None:
+    srv = make_server("--vm-accel", "kvm", "--kvm-device", str(tmp_path / "no-kvm"),
+                      "--warm-pool", "0").start()
+    try:
+        async with srv.client() as client:
+            for substrate in VM_SUBSTRATES:
+                with pytest.raises(dsec.NotSupported) as info:
+                    await client.create(substrate=substrate, image="debian-minbase")
+                assert "no-kvm missing" in str(info.value)
+            assert await client.list() == []
+        assert list((srv.state_dir / "vms").iterdir()) == []
+    finally:
+        stop_server(srv)
+
+
+async def test_container_options_are_not_supported_on_a_vm(client: dsec.DSecClient) -> None:
+    with pytest.raises(dsec.NotSupported):
+        await client.create(substrate="microvm", runtime="runsc")
+    with pytest.raises(dsec.NotSupported):
+        await client.create(substrate="vm", network="host")
+
+
+async def test_snapshot_restores_are_separate_sandboxes_with_their_own_name_and_clock() -> None:
+    srv = make_server("--vm-accel", VM_ACCEL, "--vm-snapshots", "--warm-pool", "0").start()
+    try:
+        async with srv.client() as client:
+            # The first create boots and saves the template (cached by content); both restore it.
+            a = await client.create(substrate="microvm", image="debian-minbase", memory_mb=256)
+            b = await client.create(substrate="microvm", image="debian-minbase", memory_mb=256)
+            await a.write_file("/work/only-a", b"a")
+            assert (await b.run("ls /work")).stdout == ""
+            assert (await a.run("cat /work/only-a")).stdout == "a"
+            assert [(await sb.run("hostname")).stdout.strip() for sb in (a, b)] == [a.id, b.id]
+            guest_now = float((await b.run("date +%s")).stdout)
+            assert abs(guest_now - time.time()) < 120  # not the template's save time
+            await a.stop()
+            await b.stop()
+            assert _traces(srv, a.id) == [] and _traces(srv, b.id) == []
+    finally:
+        stop_server(srv)
+
+
+async def test_vm_warm_pool_hands_out_a_booted_vm_at_normal_priority() -> None:
+    srv = make_server("--vm-accel", VM_ACCEL, "--vm-warm-pool", "1", "--warm-pool", "0").start()
+    try:
+        async with srv.client() as client:
+            await (await client.create(substrate="microvm", memory_mb=256)).stop()  # pool fills
+            for _ in range(1200):
+                if (await client.health())["edges"][0]["warm"]["microvm"].get("debian-minbase"):
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                pytest.fail("the microvm warm pool never filled")
+            sb = await client.create(substrate="microvm", memory_mb=256, cpu=0.5)
+            assert not (await client.health())["edges"][0]["warm"]["microvm"].get("debian-minbase")
+            assert (await sb.run("echo warm")).stdout == "warm\n"
+            pid = int((srv.state_dir / "vms" / sb.id / "qemu.pid").read_text())
+            policies = {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+            assert policies == {os.SCHED_OTHER}
+            (quota,) = Path("/sys/fs/cgroup").glob(f"cpu/dsec-*-microvm/{sb.id}/cpu.cfs_quota_us")
+            assert int(quota.read_text()) == 50_000  # the claim's cpu=0.5
+            await sb.stop()
+    finally:
+        stop_server(srv)
