@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import platform
+import tempfile
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 
 import dsec
 from dsec.edge.edge import default_edge_id
+from dsec.images.store import ImageStore
 from conftest import VM_ACCEL, VM_SUBSTRATES, Server, make_server, stop_server
 
 
@@ -97,9 +99,14 @@ async def test_guest_that_cannot_boot_fails_the_create_and_leaves_nothing(
     def traces() -> set[Path]:
         cgroups = [p for p in Path("/sys/fs/cgroup").glob("*/dsec-*-microvm/*") if p.is_dir()]
         return {*(server.state_dir / "vms").iterdir(), *cgroups}
+    from test_images import _busybox_layers, _layer_tar, make_oci_archive
+    with tempfile.TemporaryDirectory() as tmp:  # its /proc is a file: the guest's init fails
+        layers = [*_busybox_layers(), _layer_tar([("proc", b"not a directory", 0o644)])]
+        broken = ImageStore().import_oci(make_oci_archive(Path(tmp) / "bad.tar", layers),
+                                         "test-broken-proc")
     before, qemus = traces(), _qemu_pids(server)
-    with pytest.raises(dsec.SandboxError) as info:  # 32 MiB cannot hold this kernel's boot
-        await client.create(substrate="microvm", image="debian-minbase", memory_mb=32, ttl_s=60)
+    with pytest.raises(dsec.SandboxError) as info:
+        await client.create(substrate="microvm", image=broken.name, memory_mb=256, ttl_s=60)
     assert "stopped while booting" in str(info.value)
     assert traces() == before and _qemu_pids(server) <= qemus
 

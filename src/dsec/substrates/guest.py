@@ -79,9 +79,9 @@ ip link set lo up
 ip link set eth0 up
 ip addr add @GUEST_IP@ dev eth0
 hostname "$(arg hostname)"
-mount --move /proc /newroot/proc
-mount --move /sys /newroot/sys
-mount --move /dev /newroot/dev
+for fs in proc sys dev; do
+  mount --move /$fs /newroot/$fs || fail "the image has no /$fs directory to mount on"
+done
 mkdir -p /newroot/dev/pts /newroot/dev/shm
 mount -t devpts devpts /newroot/dev/pts
 mount -t tmpfs -o mode=1777 shm /newroot/dev/shm
