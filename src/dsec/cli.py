@@ -47,12 +47,19 @@ def main() -> None:
               help="sandboxes kept started per image that was asked for (0: none)")
 @click.option("--runtime", type=click.Choice(["crun", "runc", "runsc"]), default="crun")
 @click.option("--edge-id", default="", help="edge id (default: derived from host and state dir)")
+@click.option("--state-url", envvar="DSEC_STATE_URL", default=None,
+              help="state store: postgresql://... or sqlite:///PATH (default: SQLite in the state dir)")
+@click.option("--ray", "ray_address", envvar="DSEC_RAY_ADDRESS", default=None,
+              help="scale out: serve the edges of this Ray cluster (one per node) instead of one "
+                   "embedded edge; --capacity is then the default of nodes without a "
+                   "dsec_capacity resource")
 def serve(state_dir: Path | None, host: str | None, port: int, capacity: int, warm_pool: int,
-          runtime: str, edge_id: str) -> None:
-    """Run the API server with an embedded edge on this host."""
+          runtime: str, edge_id: str, state_url: str | None, ray_address: str | None) -> None:
+    """Run the API server with an embedded edge on this host (or over a Ray cluster)."""
     from .api.server import DEFAULT_STATE_DIR, ServerConfig, serve as run_server
     config = ServerConfig(state_dir=state_dir or DEFAULT_STATE_DIR, capacity=capacity,
-                          warm_pool=warm_pool, runtime=runtime, edge_id=edge_id)
+                          warm_pool=warm_pool, runtime=runtime, edge_id=edge_id,
+                          state_url=state_url, ray_address=ray_address)
     where = f"http://{host}:{port}" if host else f"unix://{config.socket_path}"
     console.print(f"dsec serving on {where} (state in {config.state_dir})")
     run_server(config, host, port if host else None)

@@ -34,6 +34,8 @@ class ServerConfig:
     warm_pool: int = 2
     runtime: str = "crun"
     image_store: Path | None = None
+    state_url: str | None = None  # postgresql://... when scaled out; default SQLite in state_dir
+    ray_address: str | None = None  # scale out over this Ray cluster (see dsec.cluster)
 
     @property
     def socket_path(self) -> Path:
@@ -61,8 +63,11 @@ def local_key(config: ServerConfig, store: StateStore) -> str:
 
 def build_app(config: ServerConfig) -> FastAPI:
     config.state_dir.mkdir(parents=True, exist_ok=True)
-    store = StateStore(config.state_dir / "state.db")
+    store = StateStore(config.state_url or config.state_dir / "state.db")
     local_key(config, store)
+    if config.ray_address is not None:
+        from ..cluster.router import cluster_app
+        return cluster_app(config, store)
     edge_config = EdgeConfig(state_dir=config.state_dir, edge_id=config.edge_id,
                              capacity=config.capacity, warm_pool=config.warm_pool)
     substrates = {"container": ContainerSubstrate(config.state_dir, edge_config.edge_id,
@@ -70,7 +75,7 @@ def build_app(config: ServerConfig) -> FastAPI:
     registry = CollectorRegistry()
     edge = Edge(edge_config, store, ImageStore(config.image_store), substrates,
                 EdgeMetrics(registry))
-    trajectories = TrajectoryLog(store.path, BlobStore(config.state_dir / "blobs"),
+    trajectories = TrajectoryLog(store.url, BlobStore(config.state_dir / "blobs"),
                                  owner=secrets.token_hex(8))
     router = Router([edge], trajectories)
     return mount_compat(create_app(router, store, registry), router, store, config.state_dir)
