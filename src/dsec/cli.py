@@ -320,3 +320,27 @@ def bench(quick: bool, json_out: Path | None, only_trajectory: bool) -> None:
     """Run the benchmark against bare crun and print the figures (see docs/BENCHMARKS.md)."""
     from .bench import main as bench_main
     bench_main(quick=quick, json_out=json_out, only_trajectory=only_trajectory)
+
+
+@main.group()
+def cluster() -> None:
+    """A dsec cluster on Ray (see docs/CLUSTER.md)."""
+
+
+@cluster.command("status")
+@click.option("--ray", "ray_address", envvar="DSEC_RAY_ADDRESS", default="auto",
+              help="Ray cluster address (default $DSEC_RAY_ADDRESS, else this host's cluster)")
+def cluster_status(ray_address: str) -> None:
+    """Nodes, their edge's capacity and load, and sandboxes per substrate."""
+    from .cluster.status import cluster_status as status
+    edges, dead = status(ray_address)
+    table = Table("edge", "node", "state", "capacity", "load", "sandboxes")
+    for e in sorted(edges, key=lambda e: e["id"]):
+        state = "healthy" if e["healthy"] else ("unreachable" if e["alive"] else "dead")
+        per_substrate = ", ".join(f"{k}: {v}" for k, v in sorted(e["sandboxes"].items())) or "-"
+        table.add_row(e["id"], e["node"][:12], state, str(e["capacity"]), str(e["load"]),
+                      per_substrate)
+    Console().print(table)
+    total = sum(e["capacity"] or 0 for e in edges if e["healthy"])
+    load = sum(e["load"] or 0 for e in edges if e["healthy"])
+    click.echo(f"{len(edges)} edges, load {load} of {total}; {dead} dead nodes")

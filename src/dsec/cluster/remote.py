@@ -11,7 +11,8 @@ import asyncio
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
+from ray.exceptions import (ActorDiedError, ActorUnavailableError, ActorUnschedulableError,
+                            RayTaskError)
 
 from ..client.errors import DSecError, SandboxDied, SandboxError, SandboxNotFound
 from ..client.models import SandboxInfo
@@ -30,10 +31,13 @@ def _unwrap(exc: BaseException) -> BaseException:
 
 
 class RemoteEdge:
-    def __init__(self, member: Member, store: StateStore) -> None:
+    def __init__(self, member: Member, store: StateStore,
+                 on_dead: Callable[[str, str], None]) -> None:
+        """``on_dead(edge, reason)``: called when a call finds the edge's actor gone for good."""
         self.member = member
         self.id = member.edge
         self.store = store
+        self.on_dead = on_dead
 
     # what the routes read from the shared state store
     info = staticmethod(sandbox_info)
@@ -89,7 +93,10 @@ class RemoteEdge:
             raise self._died(sandbox_id)
         try:
             return task.result()
-        except ActorDiedError:
+        except (ActorDiedError, ActorUnschedulableError):  # its node is gone (no restart)
+            if not self.member.dead.is_set():
+                self.member.dead.set()
+                self.on_dead(self.id, "its edge actor died with its node")
             raise self._died(sandbox_id) from None
         except ActorUnavailableError:
             return await self._unavailable(sandbox_id)

@@ -63,7 +63,7 @@ class ClusterRouter(Router):
     def _remote(self, member: Member) -> RemoteEdge:
         remote = self.remotes.get(member.edge)
         if remote is None or remote.member is not member:
-            remote = self.remotes[member.edge] = RemoteEdge(member, self.store)
+            remote = self.remotes[member.edge] = RemoteEdge(member, self.store, self._edge_died)
         return remote
 
     def owner(self, sandbox_id: str) -> RemoteEdge:  # type: ignore[override]

@@ -1,0 +1,185 @@
+"""Scale-out on Ray: a real local Ray cluster (a head and two worker nodes, each a raylet with
+its own ``dsec_capacity``), real PostgreSQL, two real API replicas (``dsec serve --ray``).
+
+300 sandboxes fill the three nodes exactly to capacity through both replicas at once; a
+worker node killed mid-burst has its sandboxes reported died while every create still
+succeeds elsewhere; a joining node receives placements; nothing is left on surviving nodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+import dsec
+from conftest import TEST_ROOT, Server, free_port
+from dsec.cluster.local import LocalRayCluster
+from dsec.store.local_postgres import LocalPostgres
+
+CAPACITY = 100
+IMAGE = "debian-minbase"
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(images) -> Iterator[LocalRayCluster]:  # type: ignore[no-untyped-def]
+    state = TEST_ROOT / f"cl-{secrets.token_hex(3)}"
+    state.mkdir(parents=True)
+    cluster = LocalRayCluster(state, [CAPACITY] * 3)
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()  # every Ray process it started, and what the killed node left
+        shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def replicas(ray_cluster: LocalRayCluster, local_postgres: LocalPostgres) -> Iterator[list[Server]]:
+    """Two stateless API replicas over the cluster, sharing one PostgreSQL database."""
+    url = local_postgres.fresh_database("cluster_" + secrets.token_hex(3))
+    servers = []
+    try:
+        for _ in range(2):
+            servers.append(Server(ray_cluster.state_dir, [
+                "--host", "127.0.0.1", "--port", str(free_port()), "--ray", ray_cluster.address,
+                "--state-url", url, "--warm-pool", "0"]).start())
+        yield servers
+    finally:
+        for server in servers:
+            server.kill(signal.SIGTERM)
+
+
+def host_traces(state_dir: Path, edge: str) -> dict[str, list[str]]:
+    """What the host still holds of an edge's sandboxes: mounts, cgroups, dirs, containers."""
+    root = state_dir / edge
+    mounts = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()
+              if line.split()[4].startswith(str(root / "sandboxes"))]
+    cgroups = [str(p) for p in Path("/sys/fs/cgroup").glob(f"*/dsec-{edge}/*") if p.is_dir()]
+    return {"mounts": mounts, "cgroups": cgroups,
+            "dirs": [p.name for p in (root / "sandboxes").glob("*")],
+            "containers": [p.name for p in (root / "runtime").glob("*/*")]}
+
+
+async def burst(clients: list[dsec.DSecClient], n: int, on_created=None) -> list[dsec.AsyncSandbox]:  # type: ignore[no-untyped-def]
+    """``n`` creates spread over the clients, 24 in flight; raises if any fails."""
+    gate = asyncio.Semaphore(24)
+    created: list[dsec.AsyncSandbox] = []
+
+    async def one(i: int) -> dsec.AsyncSandbox:
+        async with gate:
+            sb = await clients[i % len(clients)].create(image=IMAGE, memory_mb=128, ttl_s=900)
+        created.append(sb)
+        if on_created is not None:
+            await on_created(len(created))
+        return sb
+
+    return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+async def stop_all(sandboxes: list[dsec.AsyncSandbox]) -> None:
+    gate = asyncio.Semaphore(24)
+
+    async def one(sb: dsec.AsyncSandbox) -> None:
+        async with gate:
+            await sb.stop()
+
+    await asyncio.gather(*(one(sb) for sb in sandboxes))
+
+
+async def died(sb: dsec.AsyncSandbox, within_s: float = 120) -> None:
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            await sb.run("true", timeout_s=30)
+        except dsec.SandboxDied:
+            return
+        assert time.monotonic() < deadline, f"{sb.id} still answers {within_s} s after its node died"
+        await asyncio.sleep(0.2)
+
+
+async def test_300_sandboxes_fill_three_nodes_through_two_replicas(
+        ray_cluster: LocalRayCluster, replicas: list[Server]) -> None:
+    edges = {ray_cluster.edge_of(node) for node in ray_cluster.nodes}
+    async with replicas[0].client() as a, replicas[1].client() as b:
+        sandboxes = await burst([a, b], 3 * CAPACITY)
+        # Both replicas placed at once, without a lock: no node took more than its capacity.
+        assert Counter(sb.info.edge for sb in sandboxes) == {edge: CAPACITY for edge in edges}
+        for client in (a, b):
+            with pytest.raises(dsec.CapacityExhausted):
+                await client.create(image=IMAGE, ttl_s=60)
+
+        status = subprocess.run(
+            [sys.executable, "-m", "dsec", "cluster", "status", "--ray", ray_cluster.address],
+            capture_output=True, text=True, timeout=120, check=True,
+            env={**os.environ, "COLUMNS": "200"}).stdout
+        assert f"3 edges, load {3 * CAPACITY} of {3 * CAPACITY}; 0 dead nodes" in status
+        assert all(edge in status for edge in edges) and "container: 100" in status
+
+        results = await asyncio.gather(*(sb.run("echo $((6*7))") for sb in sandboxes[::10]))
+        assert [r.stdout for r in results] == ["42\n"] * len(results)
+        await stop_all(sandboxes)
+        assert await a.list() == []
+    for edge in edges:
+        assert host_traces(ray_cluster.state_dir, edge) == {
+            "mounts": [], "cgroups": [], "dirs": [], "containers": []}
+
+
+async def test_node_killed_mid_burst(ray_cluster: LocalRayCluster, replicas: list[Server]) -> None:
+    victim = ray_cluster.nodes[2]
+    dead_edge = ray_cluster.edge_of(victim)
+    killed_at: list[float] = []
+
+    async def kill_halfway(done: int) -> None:
+        if done == 45:
+            killed_at.append(time.monotonic())
+            await asyncio.to_thread(ray_cluster.kill_node, victim)
+
+    async with replicas[0].client() as a, replicas[1].client() as b:
+        sandboxes = await burst([a, b], 90, kill_halfway)  # every create succeeded somewhere
+        assert killed_at
+        on_victim = [sb for sb in sandboxes if sb.info.edge == dead_edge]
+        survivors = [sb for sb in sandboxes if sb.info.edge != dead_edge]
+        assert on_victim and len(survivors) >= 45
+
+        # Until Ray's health checks declare the node dead its edge may still answer (here its
+        # processes die a moment after the raylet); then every call is SandboxDied.
+        await died(on_victim[0])
+        print(f"\nnode death reported to clients {time.monotonic() - killed_at[0]:.1f} s "
+              "after the kill (an upper bound: includes the rest of the burst)")
+        for sb in on_victim:
+            with pytest.raises(dsec.SandboxDied):
+                await sb.run("true", timeout_s=30)
+        with replicas[1].http(authenticated=True) as http:  # the other replica agrees
+            assert http.get(f"/v1/sandboxes/{on_victim[0].id}").json()["state"] == "died"
+
+        results = await asyncio.gather(*(sb.run("echo ok") for sb in survivors))
+        assert [r.stdout for r in results] == ["ok\n"] * len(survivors)
+
+        # A node that joins receives placements.
+        joined = ray_cluster.edge_of(ray_cluster.add_node(40))
+        with replicas[0].http() as http:
+            deadline = time.monotonic() + 120
+            while not any(e["id"] == joined and e["healthy"]
+                          for e in http.get("/v1/health").json()["edges"]):
+                assert time.monotonic() < deadline, "the joining node's edge never came up"
+                time.sleep(0.5)
+        more = await burst([a], 12)
+        assert joined in {sb.info.edge for sb in more}
+
+        await stop_all(survivors + more)
+        assert await a.list() == [] and await b.list() == []
+    for node in ray_cluster.nodes:
+        edge = ray_cluster.edge_of(node)
+        if edge != dead_edge:
+            assert host_traces(ray_cluster.state_dir, edge) == {
+                "mounts": [], "cgroups": [], "dirs": [], "containers": []}
