@@ -371,11 +371,16 @@ def _ms(value: float) -> str:
     return f"{value:.1f}" if value >= 0.1 else f"{value:.3f}"  # fast-forwards take µs
 
 
-def main(quick: bool = False, json_out: Path | None = None, only_trajectory: bool = False) -> None:
+def main(quick: bool = False, json_out: Path | None = None, only_trajectory: bool = False,
+         only: str | None = None, sizes: list[int] | None = None) -> None:
     if os.geteuid() != 0:
         raise SystemExit("dsec bench runs containers and must run as root")
     console = Console()
-    samples = asyncio.run(run_benchmark(console, quick, only_trajectory))
+    if only == "cluster":
+        from .bench_cluster import cluster_benchmark
+        samples = asyncio.run(cluster_benchmark(console, sizes or [100]))
+    else:
+        samples = asyncio.run(run_benchmark(console, quick, only_trajectory))
     report(console, samples)
     if json_out:
         json_out.write_text(json.dumps([s.row() for s in samples], indent=2))

@@ -316,10 +316,15 @@ def key_create(name: str, state_dir: Path | None) -> None:
               help="also write the figures as JSON here")
 @click.option("--only-trajectory", is_flag=True,
               help="only the trajectory series (log overhead, fast-forward)")
-def bench(quick: bool, json_out: Path | None, only_trajectory: bool) -> None:
+@click.option("--only", type=click.Choice(["cluster"]), default=None,
+              help="only this series (cluster: a local Ray cluster against one node)")
+@click.option("--sizes", default="100", help="cluster series: burst sizes, comma-separated")
+def bench(quick: bool, json_out: Path | None, only_trajectory: bool, only: str | None,
+          sizes: str) -> None:
     """Run the benchmark against bare crun and print the figures (see docs/BENCHMARKS.md)."""
     from .bench import main as bench_main
-    bench_main(quick=quick, json_out=json_out, only_trajectory=only_trajectory)
+    bench_main(quick=quick, json_out=json_out, only_trajectory=only_trajectory, only=only,
+               sizes=[int(n) for n in sizes.split(",")])
 
 
 @main.group()

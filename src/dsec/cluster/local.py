@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +67,8 @@ class LocalRayCluster:
         if self.cluster is not None:
             self.cluster.shutdown()
             self.cluster = None
-        asyncio.run(sweep_edges(self.state_dir))
+        with ThreadPoolExecutor(1) as thread:  # callable with or without a running event loop
+            thread.submit(asyncio.run, sweep_edges(self.state_dir)).result()
 
 
 async def sweep_edges(state_dir: Path) -> None:
