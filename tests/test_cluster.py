@@ -183,3 +183,25 @@ async def test_node_killed_mid_burst(ray_cluster: LocalRayCluster, replicas: lis
         if edge != dead_edge:
             assert host_traces(ray_cluster.state_dir, edge) == {
                 "mounts": [], "cgroups": [], "dirs": [], "containers": []}
+
+
+def test_shared_image_store_with_a_node_local_layer_cache(images, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The image store (here the shared test cache) is read once per layer: a node with
+    DSEC_LAYER_CACHE mounts local copies."""
+    from dsec.images.mount import LayerMounter
+    monkeypatch.setenv("DSEC_LAYER_CACHE", str(tmp_path / "cache"))
+    image = images.get(IMAGE)
+    if not any(layer.format == "erofs" for layer in image.layers):
+        pytest.skip("the image store holds directory layers (no EROFS here): nothing to copy")
+    mounter = LayerMounter(tmp_path / "mnt")
+    try:
+        dirs = mounter.lowerdirs(image)
+        assert (dirs[-1] / "bin" / "sh").exists() or (dirs[-1] / "usr" / "bin" / "sh").exists()
+        erofs = [layer for layer in image.layers if layer.format == "erofs"]
+        backing = {Path(p.read_text().strip()) for p in Path("/sys/block").glob("loop*/loop/backing_file")}
+        for layer in erofs:
+            copy = tmp_path / "cache" / f"{layer.path.parent.name}.erofs"
+            assert copy.read_bytes() == layer.path.read_bytes() and copy in backing
+    finally:
+        assert mounter.unmount_all() == []
