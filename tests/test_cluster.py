@@ -134,6 +134,19 @@ async def test_300_sandboxes_fill_three_nodes_through_two_replicas(
             "mounts": [], "cgroups": [], "dirs": [], "containers": []}
 
 
+async def test_a_trajectory_resumes_through_the_other_replica(replicas: list[Server]) -> None:
+    """Replicas are stateless: the log is in PostgreSQL, the sandbox id routes the calls."""
+    trajectory = f"test/cluster-{secrets.token_hex(3)}"
+    async with replicas[0].client() as a, replicas[1].client() as b:
+        sb = await a.create(image=IMAGE, ttl_s=120, trajectory=trajectory)
+        first = await sb.run("echo $RANDOM > /work/r; cat /work/r")
+        resumed = await b.resume(trajectory)
+        assert (await resumed.run("echo $RANDOM > /work/r; cat /work/r")).stdout == first.stdout
+        assert resumed.fast_forwarded == 1
+        assert (await resumed.run("cat /work/r")).stdout == first.stdout  # ran, not logged
+        await resumed.stop()
+
+
 async def test_node_killed_mid_burst(ray_cluster: LocalRayCluster, replicas: list[Server]) -> None:
     victim = ray_cluster.nodes[2]
     dead_edge = ray_cluster.edge_of(victim)
@@ -173,6 +186,10 @@ async def test_node_killed_mid_burst(ray_cluster: LocalRayCluster, replicas: lis
                           for e in http.get("/v1/health").json()["edges"]):
                 assert time.monotonic() < deadline, "the joining node's edge never came up"
                 time.sleep(0.5)
+        # Its edge removed what the dead node's edge left on this host (the raylet died,
+        # its sandboxes did not): nothing of them remains.
+        assert host_traces(ray_cluster.state_dir, dead_edge) == {
+            "mounts": [], "cgroups": [], "dirs": [], "containers": []}
         more = await burst([a], 12)
         assert joined in {sb.info.edge for sb in more}
 

@@ -5,7 +5,8 @@ Both sides are driven in-process through their router (no HTTP, so the figures c
 create paths): the embedded mode is one ``Edge`` on SQLite; the cluster is a head and two
 worker nodes (separate raylets on this host, ``dsec.cluster.local``) with an edge actor each
 and PostgreSQL state. For each burst size: create latency p50/p95/p99 (ms) and throughput
-(sandboxes/s), cold creates (no warm pool), ``CONCURRENCY`` in flight. Also the time of one
+(sandboxes/s), cold creates (no warm pool), ``CONCURRENCY`` in flight, the two sides in
+turn (three rounds of bursts up to 100, one of larger ones). Also the time of one
 placement decision, and how long after a node is killed a call on its sandbox answers
 ``SandboxDied``.
 """
@@ -16,6 +17,7 @@ import asyncio
 import secrets
 import shutil
 import time
+from contextlib import AsyncExitStack
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -64,15 +66,26 @@ async def stop_all(router: Any, ids: list[str]) -> None:
     await asyncio.gather(*(one(i) for i in ids))
 
 
-async def series(console: Console, router: Any, label: str, sizes: list[int]) -> list[Sample]:
-    samples = []
+async def alternate(console: Console, routers: dict[str, Any], sizes: list[int]) -> list[Sample]:
+    """Bursts on each side in turn (several rounds for small bursts), so both meet the same
+    machine: on a shared host conditions drift more between minutes than between sides."""
+    latency = {(label, n): Sample(f"{label} create: burst {n}", []) for label in routers for n in sizes}
+    rate = {(label, n): Sample(f"{label} creates/s (not ms): burst {n}", []) for label in routers
+            for n in sizes}
     for n in sizes:
-        with phase(console, f"{label}: burst of {n} creates"):
-            latencies, rate, ids = await burst(router, n)
-            await stop_all(router, ids)
-        samples += [Sample(f"{label} create: burst {n}", latencies),
-                    Sample(f"{label} creates/s (not ms): burst {n}", [rate])]
-    return samples
+        for round_ in range(3 if n <= 100 else 1):
+            for label, router in routers.items():
+                with phase(console, f"{label}: burst of {n} creates (round {round_ + 1})"):
+                    latencies, per_s, ids = await burst(router, n)
+                    await stop_all(router, ids)
+                latency[label, n].values_ms += latencies
+                rate[label, n].values_ms.append(per_s)
+    base, ours = list(routers)
+    for n in sizes:
+        latency[ours, n].baseline = latency[base, n]
+        rate[ours, n].baseline = rate[base, n]
+    return [sample for n in sizes for table in (latency, rate) for label in routers
+            for sample in [table[label, n]]]
 
 
 def single_node(root: Any, capacity: int) -> Router:
@@ -106,7 +119,8 @@ async def death_report_s(router: Any, cluster: Any) -> float:
 async def cluster_benchmark(console: Console, sizes: list[int]) -> list[Sample]:
     import ray
 
-    from .cluster.edge_actor import NAMESPACE, EdgeSettings
+    from .cluster.edge_actor import EdgeSettings
+    from .cluster.ids import NAMESPACE
     from .cluster.local import LocalRayCluster
     from .cluster.router import ClusterRouter
 
@@ -114,40 +128,33 @@ async def cluster_benchmark(console: Console, sizes: list[int]) -> list[Sample]:
     capacity = max(sizes)
     root = BENCH_ROOT / f"cluster-{secrets.token_hex(3)}"
     (root / "single").mkdir(parents=True)
-    pg = LocalPostgres().start()
-    cluster = LocalRayCluster(root / "cluster", [capacity] * NODES)
     samples: list[Sample] = []
-    try:
+    async with AsyncExitStack() as cleanup:  # every step undone, even if another fails
+        cleanup.callback(shutil.rmtree, root, ignore_errors=True)
+        pg = LocalPostgres().start()
+        cleanup.callback(pg.stop)
         single = single_node(root / "single", capacity)
         await single.start()
+        cleanup.push_async_callback(single.close)
         await stop_all(single, (await burst(single, 4))[2])  # warm-up: agent, layer mounts
-        samples += await series(console, single, "single node", sizes)
-        await single.close()
-
         with phase(console, f"starting a local Ray cluster of {NODES} nodes"):
+            cluster = LocalRayCluster(root / "cluster", [capacity] * NODES)
+            cleanup.callback(cluster.stop)
             cluster.start()
             ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False,
                      logging_level="error")
-            store = StateStore(pg.url)
-            router = ClusterRouter(store, EdgeSettings(str(cluster.state_dir), pg.url, None,
-                                                       capacity, 0, "crun"))
+            cleanup.callback(ray.shutdown)
+            router = ClusterRouter(StateStore(pg.url), EdgeSettings(
+                str(cluster.state_dir), pg.url, None, capacity, 0, "crun"))
             await router.start()
+            cleanup.push_async_callback(router.close)
             await stop_all(router, (await burst(router, 4 * NODES))[2])
         router.decision_seconds.clear()
-        clustered = await series(console, router, f"cluster of {NODES}", sizes)
-        for ours, base in zip(clustered, samples):
-            ours.baseline = base
-        decisions = Sample("placement decision (µs, not ms)",
-                           [s * 1e6 for s in router.decision_seconds])
+        samples += await alternate(console, {"single node": single,
+                                             f"cluster of {NODES}": router}, sizes)
+        samples.append(Sample("placement decision (µs, not ms)",
+                              [s * 1e6 for s in router.decision_seconds]))
         with phase(console, "a worker node killed: time to SandboxDied"):
-            died = Sample("node killed -> SandboxDied (s, not ms)",
-                          [await death_report_s(router, cluster)])
-        await router.close()
-        samples += clustered + [decisions, died]
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        cluster.stop()
-        pg.stop()
-        shutil.rmtree(root, ignore_errors=True)
+            samples.append(Sample("node killed -> SandboxDied (s, not ms)",
+                                  [await death_report_s(router, cluster)]))
     return samples

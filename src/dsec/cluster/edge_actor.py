@@ -25,23 +25,14 @@ from ..edge.metrics import EdgeMetrics
 from ..images.store import ImageStore
 from ..store.sqlite import StateStore
 from ..substrates.container import ContainerSubstrate
+from .orphans import reclaim_dead_edges
 
-NAMESPACE = "dsec"
 CAPACITY_RESOURCE = "dsec_capacity"  # a node's own capacity: `ray start --resources '{"dsec_capacity": 64}'`
 IMAGES_TTL_S = 5.0
 CALLS = frozenset({"create", "stop", "set_ttl", "run", "start_process", "processes", "signal",
                    "read_file", "write_file", "list_dir", "stat", "remove", "mkdir",
                    "upload_tar", "download_tar"})
 STREAMS = frozenset({"stream", "attach"})
-
-
-def edge_id_for(node_id: str) -> str:
-    """An edge id from a Ray node id (hex, no dashes: sandbox ids stay ``sb-<edge>-<rand>``)."""
-    return "r" + node_id[:8]
-
-
-def actor_name(edge_id: str) -> str:
-    return f"dsec-edge-{edge_id}"
 
 
 @dataclass
@@ -64,6 +55,7 @@ class EdgeActor:
         config = EdgeConfig(state_dir=state_dir, edge_id=edge_id, capacity=settings.capacity,
                             warm_pool=settings.warm_pool)
         self.node_id = node_id
+        self.state_root = Path(settings.state_dir)
         self.images = ImageStore(Path(settings.image_store) if settings.image_store else None)
         substrates = {"container": ContainerSubstrate(state_dir, edge_id, runtime=settings.runtime)}
         self.edge = Edge(config, StateStore(settings.state_url), self.images, substrates,
@@ -74,9 +66,13 @@ class EdgeActor:
     async def _ready(self) -> Edge:
         """The edge, started on the actor's event loop by the first call."""
         if self._started is None:
-            self._started = asyncio.ensure_future(self.edge.start())
+            self._started = asyncio.ensure_future(self._start())
         await asyncio.shield(self._started)
         return self.edge
+
+    async def _start(self) -> None:
+        await self.edge.start()
+        await reclaim_dead_edges(self.state_root, self.edge.id, self.edge.store)
 
     async def status(self) -> dict[str, Any]:
         edge = await self._ready()

@@ -14,8 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ..substrates.container import ContainerSubstrate
-from .edge_actor import CAPACITY_RESOURCE, edge_id_for
+from .edge_actor import CAPACITY_RESOURCE
+from .ids import edge_id_for
+from .orphans import edge_dirs, sweep_edge
 
 # Ray's defaults take ~30 s to declare a node dead; these take ~2 s (period x threshold).
 HEALTH_CHECKS = {"health_check_initial_delay_ms": 1000, "health_check_period_ms": 500,
@@ -73,10 +74,5 @@ class LocalRayCluster:
 
 async def sweep_edges(state_dir: Path) -> None:
     """Destroy every sandbox the edges under ``state_dir`` left on this host."""
-    for edge_dir in state_dir.glob("r*"):
-        if not edge_dir.is_dir():
-            continue
-        substrate = ContainerSubstrate(edge_dir, edge_dir.name)
-        for sandbox_id in await substrate.leftovers():
-            await substrate.destroy(sandbox_id)
-        await substrate.close()
+    for edge_dir in edge_dirs(state_dir):
+        await sweep_edge(edge_dir)

@@ -17,8 +17,8 @@ from typing import Any, Callable
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from .edge_actor import (CAPACITY_RESOURCE, NAMESPACE, EdgeActor, EdgeSettings, actor_name,
-                         edge_id_for)
+from .edge_actor import CAPACITY_RESOURCE, EdgeActor, EdgeSettings
+from .ids import NAMESPACE, actor_name, edge_id_for
 from .placement import EdgeLoad, Placement
 
 log = logging.getLogger("dsec.cluster")

@@ -25,7 +25,8 @@ from ..compat import mount_compat
 from ..store.blobs import BlobStore
 from ..store.sqlite import StateStore
 from ..trajectory.log import TrajectoryLog
-from .edge_actor import NAMESPACE, EdgeSettings
+from .edge_actor import EdgeSettings
+from .ids import NAMESPACE
 from .members import Member, Members, existing_edge
 from .placement import Placement
 from .remote import RemoteEdge

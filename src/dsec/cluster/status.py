@@ -8,7 +8,7 @@ from typing import Any
 
 import ray
 
-from .edge_actor import NAMESPACE
+from .ids import NAMESPACE
 from .members import Members
 from .placement import Placement
 
