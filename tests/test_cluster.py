@@ -222,3 +222,25 @@ def test_shared_image_store_with_a_node_local_layer_cache(images, tmp_path: Path
             assert copy.read_bytes() == layer.path.read_bytes() and copy in backing
     finally:
         assert mounter.unmount_all() == []
+
+
+def test_placement_counts_its_own_placements_not_yet_reported() -> None:
+    from dsec.cluster.placement import EdgeLoad, Placement
+
+    def report(edge: str, load: int) -> EdgeLoad:
+        return EdgeLoad(edge, load, capacity=2, substrates=["container"], images=[IMAGE],
+                        asked_at=time.monotonic())
+
+    placement = Placement(k=2)
+    a, b = report("a", 0), report("b", 1)
+    assert placement.choose([a, b], "container", IMAGE).edge == "a"  # type: ignore[union-attr]
+    placement.sent("a")
+    placement.sent("a")  # two creates on their way to a: a is full for this replica
+    assert placement.choose([a, b], "container", IMAGE).edge == "b"  # type: ignore[union-attr]
+    placement.sent("b")
+    assert placement.choose([a, b], "container", IMAGE) is None  # the whole cluster is full
+    a = report("a", 1)  # a fresh report counts what was sent before it was asked for
+    placement.reported(a)
+    assert placement.choose([a, b], "container", IMAGE).edge == "a"  # type: ignore[union-attr]
+    assert placement.choose([a, b], "microvm", IMAGE) is None  # nobody serves the substrate
+    assert placement.choose([a, b], "container", IMAGE, exclude={"a"}) is None  # a refused

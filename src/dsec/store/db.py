@@ -13,7 +13,8 @@ from __future__ import annotations
 import re
 import sqlite3
 import threading
-from contextlib import contextmanager
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -33,21 +34,21 @@ class Row(dict):  # type: ignore[type-arg]
         return super().__getitem__(key)
 
 
-class Database:
+class Database(ABC):
     """The interface both backends implement."""
 
     url: str
 
+    @abstractmethod
     def execute(self, sql: str, args: Sequence[Any] = ()) -> Result:
-        raise NotImplementedError
+        """Run one statement (committed on its own outside a transaction)."""
 
-    @contextmanager
-    def transaction(self) -> Iterator[None]:
-        raise NotImplementedError
-        yield
+    @abstractmethod
+    def transaction(self) -> AbstractContextManager[None]:
+        """Statements inside commit together, or not at all if the block raises."""
 
-    def close(self) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def close(self) -> None: ...
 
 
 class Result:
