@@ -127,6 +127,11 @@ async def test_300_sandboxes_fill_three_nodes_through_two_replicas(
 
         results = await asyncio.gather(*(sb.run("echo $((6*7))") for sb in sandboxes[::10]))
         assert [r.stdout for r in results] == ["42\n"] * len(results)
+        # Output streams from the node in chunks as it comes; files go both ways.
+        chunks = [c.text async for c in sandboxes[1].stream("for i in 1 2 3; do echo $i; sleep 0.2; done")]
+        assert "".join(chunks) == "1\n2\n3\n" and len(chunks) >= 2
+        await sandboxes[2].write_file("/work/data.bin", bytes(range(256)) * 64)
+        assert await sandboxes[2].read_file("/work/data.bin") == bytes(range(256)) * 64
         await stop_all(sandboxes)
         assert await a.list() == []
     for edge in edges:
@@ -145,6 +150,22 @@ async def test_a_trajectory_resumes_through_the_other_replica(replicas: list[Ser
         assert resumed.fast_forwarded == 1
         assert (await resumed.run("cat /work/r")).stdout == first.stdout  # ran, not logged
         await resumed.stop()
+
+
+async def test_sandboxes_outlive_a_killed_replica(replicas: list[Server]) -> None:
+    """A replica holds nothing: killed, its sandboxes answer through the other replica, and
+    through it again once restarted."""
+    async with replicas[0].client() as a:
+        sb = await a.create(image=IMAGE, ttl_s=120)
+        await sb.write_file("/work/state", b"kept")
+    replicas[0].kill()
+    async with replicas[1].client() as b:
+        assert await (await b.get(sb.id)).read_file("/work/state") == b"kept"
+    replicas[0].start()
+    async with replicas[0].client() as a:
+        again = await a.get(sb.id)
+        assert (await again.run("cat /work/state")).stdout == "kept"
+        await again.stop()
 
 
 async def test_node_killed_mid_burst(ray_cluster: LocalRayCluster, replicas: list[Server]) -> None:
