@@ -260,6 +260,8 @@ def test_placement_counts_its_own_placements_not_yet_reported() -> None:
     assert placement.choose([a, b], "container", IMAGE).edge == "b"  # type: ignore[union-attr]
     placement.sent("b")
     assert placement.choose([a, b], "container", IMAGE) is None  # the whole cluster is full
+    # ... as far as this replica knows: by the reports alone both have room (edges decide).
+    assert placement.choose([a, b], "container", IMAGE, count_sent=False).edge == "a"  # type: ignore[union-attr]
     a = report("a", 1)  # a fresh report counts what was sent before it was asked for
     placement.reported(a)
     assert placement.choose([a, b], "container", IMAGE).edge == "a"  # type: ignore[union-attr]

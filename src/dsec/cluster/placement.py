@@ -40,14 +40,19 @@ class Placement:
     def sent(self, edge: str) -> None:
         self._sent[edge].append(time.monotonic())
 
-    def estimate(self, load: EdgeLoad) -> int:
-        return load.load + len(self._sent[load.edge])
+    def estimate(self, load: EdgeLoad, count_sent: bool = True) -> int:
+        return load.load + (len(self._sent[load.edge]) if count_sent else 0)
 
     def choose(self, edges: list[EdgeLoad], substrate: str, image: str,
-               exclude: set[str] = frozenset()) -> EdgeLoad | None:  # type: ignore[assignment]
-        """The least loaded of ``k`` sampled eligible edges; None when none has room."""
+               exclude: set[str] = frozenset(),  # type: ignore[assignment]
+               count_sent: bool = True) -> EdgeLoad | None:
+        """The least loaded of ``k`` sampled eligible edges; None when none has room.
+
+        ``count_sent=False`` trusts the reports alone: a report may already include a
+        placement sent after it was asked for, so an edge this replica estimates full may
+        still have room (only its own admission knows)."""
         eligible = [e for e in edges if e.healthy and substrate in e.substrates
-                    and e.edge not in exclude and self.estimate(e) < e.capacity]
+                    and e.edge not in exclude and self.estimate(e, count_sent) < e.capacity]
         with_image = [e for e in eligible if image in e.images]
         if with_image:  # no edge knowing the image: let an edge answer ImageNotFound
             eligible = with_image

@@ -86,7 +86,10 @@ class ClusterRouter(Router):
         tried: set[str] = set()
         while True:
             started = time.perf_counter()
-            choice = self.placement.choose(self.members.loads(), req.substrate, req.image, tried)
+            loads = self.members.loads()
+            choice = (self.placement.choose(loads, req.substrate, req.image, tried)
+                      or self.placement.choose(loads, req.substrate, req.image, tried,
+                                               count_sent=False))
             self.decision_seconds.append(time.perf_counter() - started)
             if choice is None:
                 raise CapacityExhausted("every edge of the cluster is full or unavailable",
