@@ -300,11 +300,13 @@ def key() -> None:
 @key.command("create")
 @click.argument("name")
 @click.option("--state-dir", type=click.Path(path_type=Path), default=None)
-def key_create(name: str, state_dir: Path | None) -> None:
+@click.option("--state-url", envvar="DSEC_STATE_URL", default=None,
+              help="the servers' state store, e.g. postgresql://... (default: SQLite in the state dir)")
+def key_create(name: str, state_dir: Path | None, state_url: str | None) -> None:
     """Create an API key named NAME and print its secret (shown once)."""
     from .api.server import DEFAULT_STATE_DIR
     from .store.sqlite import StateStore
-    store = StateStore((state_dir or DEFAULT_STATE_DIR) / "state.db")
+    store = StateStore(state_url or (state_dir or DEFAULT_STATE_DIR) / "state.db")
     key_id, secret, _ = store.create_key(name)
     console.print(f"created {key_id}; use it as DSEC_API_KEY")
     click.echo(secret)

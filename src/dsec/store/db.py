@@ -114,6 +114,7 @@ class PostgresDatabase(Database):
         self.url = url
         self._psycopg = psycopg
         self._lock = threading.RLock()
+        self._in_transaction = False
         self._db = psycopg.connect(url, autocommit=True)
         with self.transaction():  # schema creation races between processes: serialise it
             self._db.execute("SELECT pg_advisory_xact_lock(7411)")
@@ -124,20 +125,35 @@ class PostgresDatabase(Database):
     def execute(self, sql: str, args: Sequence[Any] = ()) -> Result:
         with self._lock:
             try:
-                cur = self._db.execute(sql.replace("%", "%%").replace("?", "%s"),  # type: ignore[arg-type]
-                                       tuple(args))
+                cur = self._run(sql, args)
             except self._psycopg.errors.IntegrityError as exc:
                 raise IntegrityError(str(exc)) from exc
+            except self._psycopg.OperationalError:
+                if not self._db.broken or self._in_transaction:
+                    raise
+                # The server restarted or dropped the connection: reconnect and run the
+                # statement again (all of ours are idempotent or keyed: at worst a write whose
+                # commit was lost with the answer meets its own row).
+                self._db = self._psycopg.connect(self.url, autocommit=True)
+                cur = self._run(sql, args)
             rows = []
             if cur.description is not None:
                 names = [c.name for c in cur.description]
                 rows = [Row(zip(names, r)) for r in cur.fetchall()]
             return Result(rows, cur.rowcount)
 
+    def _run(self, sql: str, args: Sequence[Any]) -> Any:
+        return self._db.execute(sql.replace("%", "%%").replace("?", "%s"),  # type: ignore[arg-type]
+                                tuple(args))
+
     @contextmanager
     def transaction(self) -> Iterator[None]:
         with self._lock, self._db.transaction():
-            yield
+            self._in_transaction = True
+            try:
+                yield
+            finally:
+                self._in_transaction = False
 
     def close(self) -> None:
         self._db.close()
