@@ -98,6 +98,18 @@ async def stop_all(sandboxes: list[dsec.AsyncSandbox]) -> None:
     await asyncio.gather(*(one(sb) for sb in sandboxes))
 
 
+def wait_for_edge(replica: Server, edge: str, within_s: float = 120) -> set[str]:
+    """Wait until the replica places on ``edge``; the edges it knows then."""
+    deadline = time.monotonic() + within_s
+    with replica.http() as http:
+        while True:
+            edges = http.get("/v1/health").json()["edges"]
+            if any(e["id"] == edge and e["healthy"] for e in edges):
+                return {e["id"] for e in edges}
+            assert time.monotonic() < deadline, f"edge {edge} never came up"
+            time.sleep(0.5)
+
+
 async def died(sb: dsec.AsyncSandbox, within_s: float = 120) -> None:
     deadline = time.monotonic() + within_s
     while True:
@@ -201,20 +213,19 @@ async def test_node_killed_mid_burst(ray_cluster: LocalRayCluster, replicas: lis
         results = await asyncio.gather(*(sb.run("echo ok") for sb in survivors))
         assert [r.stdout for r in results] == ["ok\n"] * len(survivors)
 
-        # A node that joins receives placements.
+        # A node that joins receives placements; one without dsec_capacity (other work) gets
+        # no edge.
+        other = ray_cluster.edge_of(ray_cluster.add_node(None))
         joined = ray_cluster.edge_of(ray_cluster.add_node(40))
-        with replicas[0].http() as http:
-            deadline = time.monotonic() + 120
-            while not any(e["id"] == joined and e["healthy"]
-                          for e in http.get("/v1/health").json()["edges"]):
-                assert time.monotonic() < deadline, "the joining node's edge never came up"
-                time.sleep(0.5)
+        for replica in replicas:
+            edges = wait_for_edge(replica, joined)
+            assert other not in edges  # polled at the same time as the joining node
         # Its edge removed what the dead node's edge left on this host (the raylet died,
         # its sandboxes did not): nothing of them remains.
         assert host_traces(ray_cluster.state_dir, dead_edge) == {
             "mounts": [], "cgroups": [], "dirs": [], "containers": []}
         more = await burst([a], 12)
-        assert joined in {sb.info.edge for sb in more}
+        assert joined in {sb.info.edge for sb in more} and other not in {sb.info.edge for sb in more}
 
         await stop_all(survivors + more)
         assert await a.list() == [] and await b.list() == []

@@ -52,11 +52,12 @@ class LocalRayCluster:
             self.add_node(capacity)
         return self
 
-    def _node_args(self, capacity: int) -> dict[str, Any]:
-        return {"num_cpus": 1, "resources": {CAPACITY_RESOURCE: capacity},
-                "object_store_memory": OBJECT_STORE_BYTES}
+    def _node_args(self, capacity: int | None) -> dict[str, Any]:
+        resources = {CAPACITY_RESOURCE: capacity} if capacity is not None else {}
+        return {"num_cpus": 1, "resources": resources, "object_store_memory": OBJECT_STORE_BYTES}
 
-    def add_node(self, capacity: int) -> Any:
+    def add_node(self, capacity: int | None) -> Any:
+        """A node with this ``dsec_capacity`` (None: a node for other work, no edge)."""
         node = self.cluster.add_node(**self._node_args(capacity))
         self.nodes.append(node)
         return node

@@ -3,7 +3,9 @@
 Every API replica polls on its own (no registry to keep consistent): the node table from
 Ray's GCS, which marks a node dead after its health checks fail (see docs/CLUSTER.md for the
 settings), and a cheap ``status`` call to each edge. A joining node gets its edge from the
-first replica that sees it; a dead node's edge is reported once to ``on_dead``.
+first replica that sees it; a dead node's edge is reported once to ``on_dead``. When some
+nodes declare a ``dsec_capacity`` resource, only those run edges (a Ray cluster shared with
+training keeps sandboxes off its GPU nodes); otherwise every node does.
 """
 
 from __future__ import annotations
@@ -98,21 +100,33 @@ class Members:
 
     async def poll(self) -> None:
         nodes = await asyncio.to_thread(ray.nodes)
+        listed = {node["NodeID"] for node in nodes}
+        for member in self.live():  # a node dead so long that Ray no longer lists it
+            if member.node and member.node not in listed:
+                self._died(member.node)
+        labeled = any(CAPACITY_RESOURCE in n["Resources"] for n in nodes if n["Alive"])
         for node in nodes:
             node_id, edge = node["NodeID"], edge_id_for(node["NodeID"])
             if not node["Alive"]:
-                if node_id not in self.dead_nodes:
-                    self.dead_nodes.add(node_id)
-                    member = self.edges.get(edge)
-                    if member is not None:
-                        member.dead.set()
-                    self.on_dead(edge, f"its node {node_id[:12]} died")
+                self._died(node_id)
+            elif labeled and CAPACITY_RESOURCE not in node["Resources"]:
+                continue  # a cluster shared with other work: edges only where dsec_capacity is
             elif edge not in self.edges:
                 handle = (ensure_edge(node, self.settings) if self.settings is not None
                           else existing_edge(edge))
                 if handle is not None:
                     self.edges[edge] = Member(edge, node_id, handle)
         await asyncio.gather(*(self._status(m) for m in self.live()))
+
+    def _died(self, node_id: str) -> None:
+        if node_id in self.dead_nodes:
+            return
+        self.dead_nodes.add(node_id)
+        edge = edge_id_for(node_id)
+        member = self.edges.get(edge)
+        if member is not None:
+            member.dead.set()
+        self.on_dead(edge, f"its node {node_id[:12]} died")
 
     async def _status(self, member: Member) -> None:
         asked_at = time.monotonic()
