@@ -24,8 +24,10 @@ import pytest
 
 import dsec
 from conftest import TEST_ROOT, Server, free_port
-from dsec.cluster.local import TOLERANT_HEALTH_CHECKS, LocalRayCluster
-from dsec.store.local_postgres import LocalPostgres
+
+pytest.importorskip("ray", reason="the cluster tests need the `cluster` extra (Ray)")
+from dsec.cluster.local import TOLERANT_HEALTH_CHECKS, LocalRayCluster  # noqa: E402
+from dsec.store.local_postgres import LocalPostgres  # noqa: E402
 
 CAPACITY = 100
 IMAGE = "debian-minbase"
