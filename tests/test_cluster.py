@@ -184,6 +184,31 @@ async def test_sandboxes_outlive_a_killed_replica(replicas: list[Server]) -> Non
         await again.stop()
 
 
+def edge_pid(replica: Server, edge: str, other_than: int | None = None,
+             within_s: float = 120) -> int:
+    """The pid of an edge's actor process once it reports healthy (and not ``other_than``)."""
+    deadline = time.monotonic() + within_s
+    with replica.http() as http:
+        while True:
+            for e in http.get("/v1/health").json()["edges"]:
+                if e["id"] == edge and e["healthy"] and e["pid"] not in (None, other_than):
+                    return int(e["pid"])
+            assert time.monotonic() < deadline, f"edge {edge} did not come back"
+            time.sleep(0.5)
+
+
+async def test_a_crashed_edge_actor_is_restarted_and_adopts_its_sandboxes(
+        replicas: list[Server]) -> None:
+    async with replicas[0].client() as a:
+        sb = await a.create(image=IMAGE, ttl_s=120)
+        await sb.write_file("/work/state", b"kept")
+        pid = edge_pid(replicas[0], sb.info.edge)
+        os.kill(pid, signal.SIGKILL)
+        edge_pid(replicas[0], sb.info.edge, other_than=pid)  # Ray restarted it on its node
+        assert (await sb.run("cat /work/state")).stdout == "kept"
+        await sb.stop()
+
+
 async def test_node_killed_mid_burst(ray_cluster: LocalRayCluster, replicas: list[Server]) -> None:
     victim = ray_cluster.nodes[2]
     dead_edge = ray_cluster.edge_of(victim)

@@ -11,6 +11,7 @@ sandboxes like a restarted single-node server.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -76,7 +77,7 @@ class EdgeActor:
 
     async def status(self) -> dict[str, Any]:
         edge = await self._ready()
-        return {"edge": edge.id, "node": self.node_id, "load": edge.load(),
+        return {"edge": edge.id, "node": self.node_id, "pid": os.getpid(), "load": edge.load(),
                 "capacity": edge.config.capacity, "substrates": sorted(edge.substrates),
                 "images": self._images(), "at": time.time(),
                 "sandboxes": dict(Counter(info.substrate for info in edge.list()))}

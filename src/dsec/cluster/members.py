@@ -35,6 +35,7 @@ class Member:
     handle: Any  # ray ActorHandle
     load: EdgeLoad | None = None
     sandboxes: dict[str, int] = field(default_factory=dict)
+    pid: int | None = None  # of the edge actor's process, as last reported
     dead: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -141,13 +142,14 @@ class Members:
                                substrates=status["substrates"], images=status["images"],
                                asked_at=asked_at)
         member.sandboxes = status["sandboxes"]
+        member.pid = status["pid"]
         self.placement.reported(member.load)
 
     def describe(self) -> list[dict[str, Any]]:
         out = []
         for m in self.edges.values():
             load = m.load
-            out.append({"id": m.edge, "node": m.node, "alive": not m.dead.is_set(),
+            out.append({"id": m.edge, "node": m.node, "pid": m.pid, "alive": not m.dead.is_set(),
                         "healthy": bool(load and load.healthy and not m.dead.is_set()),
                         "load": load.load if load else None,
                         "capacity": load.capacity if load else None,

@@ -59,4 +59,4 @@ class Placement:
         if not eligible:
             return None
         sample = self.rng.sample(eligible, min(self.k, len(eligible)))
-        return min(sample, key=lambda e: self.estimate(e) / e.capacity)
+        return min(sample, key=lambda e: self.estimate(e, count_sent) / e.capacity)

@@ -104,11 +104,18 @@ class RemoteEdge:
             raise _unwrap(exc) from None
 
     async def _unavailable(self, sandbox_id: str) -> Any:
-        try:
-            await asyncio.wait_for(self.member.dead.wait(), UNAVAILABLE_GRACE_S)
-        except asyncio.TimeoutError:
-            raise SandboxError(f"edge {self.id} does not answer", sandbox_id=sandbox_id) from None
-        raise self._died(sandbox_id)
+        """The actor went away under the call: its node died (SandboxDied), or the actor
+        crashed and Ray restarted it (the call's outcome is unknown: SandboxError)."""
+        failed_at = time.monotonic()
+        while time.monotonic() < failed_at + UNAVAILABLE_GRACE_S:
+            if self.member.dead.is_set():
+                raise self._died(sandbox_id)
+            load = self.member.load
+            if load is not None and load.healthy and load.asked_at > failed_at:
+                break  # the edge answers again
+            await asyncio.sleep(0.1)
+        raise SandboxError(f"edge {self.id} went away during the call (restarted); the call's "
+                           "outcome is unknown", sandbox_id=sandbox_id)
 
     async def _call(self, method: str, sandbox_id: str, *args: Any, **kwargs: Any) -> Any:
         return await self._guarded(sandbox_id, self._await(method, sandbox_id, *args, **kwargs))
