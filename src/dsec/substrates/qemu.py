@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..agent.client import AgentClient, AgentUnavailable
+from ..agent.client import AgentClient, AgentError, AgentUnavailable
 from ..client.errors import NotSupported, SandboxError
 from ..client.models import CreateRequest
 from . import cgroups, spawn, vmsnapshot
@@ -224,6 +224,10 @@ class QemuSubstrate(Substrate):
             try:
                 await asyncio.wait_for(agent.ping(), attempt_s)
                 return
+            except AgentError as exc:
+                if exc.errno == "EACCES":  # it answers, and only a claim will do: it is ready
+                    return
+                raise
             except (AgentUnavailable, asyncio.TimeoutError):
                 attempt_s = min(attempt_s * 2, 8.0)
             await asyncio.sleep(0.02)
