@@ -122,8 +122,6 @@ async def test_kvm_missing_is_not_supported_never_unisolated(tmp_path: Path) -> 
 async def test_container_options_are_not_supported_on_a_vm(client: dsec.DSecClient) -> None:
     with pytest.raises(dsec.NotSupported):
         await client.create(substrate="microvm", runtime="runsc")
-    with pytest.raises(dsec.NotSupported):
-        await client.create(substrate="vm", network="host")
 
 
 async def test_snapshot_restores_are_separate_sandboxes_with_their_own_name_and_clock() -> None:
