@@ -55,6 +55,10 @@ class EdgeActor:
     """Decorated with ``ray.remote`` where it is started (``members.ensure_edge``)."""
 
     def __init__(self, edge_id: str, node_id: str, settings: EdgeSettings) -> None:
+        # Ray makes uvloop the event loop policy of its workers. pyroute2 runs netlink
+        # (AF_NETLINK) sockets on a loop of its own, which uvloop cannot open: new loops of
+        # this process are the standard library's (the actor's own loop stays as it is).
+        asyncio.set_event_loop_policy(None)
         state_dir = Path(settings.state_dir) / edge_id
         config = EdgeConfig(state_dir=state_dir, edge_id=edge_id, capacity=settings.capacity,
                             warm_pool=settings.warm_pool)
