@@ -19,6 +19,7 @@ import pytest
 
 import dsec
 from dsec.images.store import ImageStore
+from dsec.store.local_postgres import LocalPostgres
 
 TEST_ROOT = Path("/run/dsec-test")
 SUBSTRATES = ["container", "fn", "microvm", "vm"]
@@ -211,3 +212,17 @@ async def py_sandbox(client: dsec.DSecClient, substrate: str,
                      shared_vms: SharedVMs) -> AsyncIterator[dsec.AsyncSandbox]:
     async for sb in _any_sandbox(client, substrate, shared_vms, "python-3.11", 512):
         yield sb
+
+
+@pytest.fixture(scope="session")
+def local_postgres() -> Iterator[LocalPostgres]:
+    """A throwaway PostgreSQL cluster (the apt package) for the whole session."""
+    pg = LocalPostgres().start()
+    yield pg
+    pg.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres_url(local_postgres: LocalPostgres) -> str:
+    """An empty PostgreSQL database for the session's state."""
+    return local_postgres.fresh_database("dsec_" + secrets.token_hex(4))

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -21,6 +22,17 @@ from conftest import Server, make_server, stop_server
 from trajectory_worker import SLOW_STEP, STEPS, result_record, step_command
 
 WORKER = Path(__file__).with_name("trajectory_worker.py")
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def server(request: pytest.FixtureRequest, images) -> Iterator[Server]:  # type: ignore[no-untyped-def]
+    """The log on both state stores: embedded SQLite, and PostgreSQL as when scaled out."""
+    args = ["--capacity", "64"]
+    if request.param == "postgres":
+        args += ["--state-url", request.getfixturevalue("postgres_url")]
+    srv = make_server(*args).start()
+    yield srv
+    stop_server(srv)
 
 
 def new_id(prefix: str) -> str:

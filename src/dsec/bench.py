@@ -378,11 +378,14 @@ ONLY = {"network": "dsec.bench_network:network_series",
 
 
 def main(quick: bool = False, json_out: Path | None = None, only_trajectory: bool = False,
-         only: str | None = None) -> None:
+         only: str | None = None, sizes: list[int] | None = None) -> None:
     if os.geteuid() != 0:
         raise SystemExit("dsec bench runs containers and must run as root")
     console = Console()
-    if only is not None:
+    if only == "cluster":
+        from .bench_cluster import cluster_benchmark
+        samples = asyncio.run(cluster_benchmark(console, sizes or [100]))
+    elif only is not None:
         module, _, function = ONLY[only].partition(":")
         series = getattr(importlib.import_module(module), function)
         samples = asyncio.run(series(console, quick))

@@ -57,16 +57,23 @@ def main() -> None:
 @click.option("--vm-warm-pool", type=int, default=0, help="booted VMs kept per image")
 @click.option("--vm-snapshots", is_flag=True,
               help="start VMs by restoring a saved booted one (see docs/SUBSTRATES.md caveats)")
+@click.option("--state-url", envvar="DSEC_STATE_URL", default=None,
+              help="state store: postgresql://... or sqlite:///PATH (default: SQLite in the state dir)")
+@click.option("--ray", "ray_address", envvar="DSEC_RAY_ADDRESS", default=None,
+              help="scale out: serve the edges of this Ray cluster (one per node) instead of one "
+                   "embedded edge; --capacity is then the default of nodes without a "
+                   "dsec_capacity resource")
 def serve(state_dir: Path | None, host: str | None, port: int, capacity: int, warm_pool: int,
           runtime: str, edge_id: str, log_format: str, network_services: Path | None,
-          vm_accel: str, kvm_device: Path, vm_warm_pool: int, vm_snapshots: bool) -> None:
-    """Run the API server with an embedded edge on this host."""
+          vm_accel: str, kvm_device: Path, vm_warm_pool: int, vm_snapshots: bool,
+          state_url: str | None, ray_address: str | None) -> None:
+    """Run the API server with an embedded edge on this host (or over a Ray cluster)."""
     from .api.server import DEFAULT_STATE_DIR, ServerConfig, serve as run_server
     config = ServerConfig(state_dir=state_dir or DEFAULT_STATE_DIR, capacity=capacity,
                           warm_pool=warm_pool, runtime=runtime, edge_id=edge_id,
                           log_format=log_format, network_services=network_services,
                           vm_accel=vm_accel, kvm_device=kvm_device, vm_warm_pool=vm_warm_pool,
-                          vm_snapshots=vm_snapshots)
+                          vm_snapshots=vm_snapshots, state_url=state_url, ray_address=ray_address)
     where = f"http://{host}:{port}" if host else f"unix://{config.socket_path}"
     if log_format == "text":
         console.print(f"dsec serving on {where} (state in {config.state_dir})")
@@ -311,11 +318,13 @@ def key() -> None:
               help="the key's project: it sees and creates that project's sandboxes only "
                    "(without: an admin key, which sees everything)")
 @click.option("--state-dir", type=click.Path(path_type=Path), default=None)
-def key_create(name: str, project: str | None, state_dir: Path | None) -> None:
+@click.option("--state-url", envvar="DSEC_STATE_URL", default=None,
+              help="the servers' state store, e.g. postgresql://... (default: SQLite in the state dir)")
+def key_create(name: str, project: str | None, state_dir: Path | None, state_url: str | None) -> None:
     """Create an API key named NAME and print its secret (shown once)."""
     from .api.server import DEFAULT_STATE_DIR
     from .store.sqlite import StateStore
-    store = StateStore((state_dir or DEFAULT_STATE_DIR) / "state.db")
+    store = StateStore(state_url or (state_dir or DEFAULT_STATE_DIR) / "state.db")
     if project is None:
         key_id, secret, _ = store.create_key(name)
         console.print(f"created admin key {key_id}; use it as DSEC_API_KEY")
@@ -408,12 +417,15 @@ def project_quota(name: str, sandboxes: int | None, cpu: float | None,
               help="also write the figures as JSON here")
 @click.option("--only-trajectory", is_flag=True,
               help="only the trajectory series (log overhead, fast-forward)")
-@click.option("--only", type=click.Choice(["fn", "microvm", "vm", "projects", "network"]),
-              default=None,
+@click.option("--only", type=click.Choice(["fn", "microvm", "vm", "cluster", "projects",
+                                           "network"]), default=None,
               help="run one series alone: fn (call latency and throughput), microvm or vm "
-                   "(against containers), projects (nested-project key against the admin key), "
-                   "network (policy cost on create, set_network)")
-def bench(quick: bool, json_out: Path | None, only_trajectory: bool, only: str | None) -> None:
+                   "(against containers), cluster (a local Ray cluster against one node), "
+                   "projects (nested-project key against the admin key), network (policy cost "
+                   "on create, set_network)")
+@click.option("--sizes", default="100", help="cluster series: burst sizes, comma-separated")
+def bench(quick: bool, json_out: Path | None, only_trajectory: bool, only: str | None,
+          sizes: str) -> None:
     """Run the benchmark against bare crun and print the figures (see docs/BENCHMARKS.md)."""
     if only == "fn":
         from .bench_fn import main as fn_main
@@ -422,4 +434,29 @@ def bench(quick: bool, json_out: Path | None, only_trajectory: bool, only: str |
         from .bench_vm import main as bench_vm_main
         return bench_vm_main(only, quick=quick, json_out=json_out)
     from .bench import main as bench_main
-    bench_main(quick=quick, json_out=json_out, only_trajectory=only_trajectory, only=only)
+    bench_main(quick=quick, json_out=json_out, only_trajectory=only_trajectory, only=only,
+               sizes=[int(n) for n in sizes.split(",")])
+
+
+@main.group()
+def cluster() -> None:
+    """A dsec cluster on Ray (see docs/CLUSTER.md)."""
+
+
+@cluster.command("status")
+@click.option("--ray", "ray_address", envvar="DSEC_RAY_ADDRESS", default="auto",
+              help="Ray cluster address (default $DSEC_RAY_ADDRESS, else this host's cluster)")
+def cluster_status(ray_address: str) -> None:
+    """Nodes, their edge's capacity and load, and sandboxes per substrate."""
+    from .cluster.status import cluster_status as status
+    edges, dead = status(ray_address)
+    table = Table("edge", "node", "state", "capacity", "load", "sandboxes")
+    for e in sorted(edges, key=lambda e: e["id"]):
+        state = "healthy" if e["healthy"] else ("unreachable" if e["alive"] else "dead")
+        per_substrate = ", ".join(f"{k}: {v}" for k, v in sorted(e["sandboxes"].items())) or "-"
+        table.add_row(e["id"], e["node"][:12], state, str(e["capacity"]), str(e["load"]),
+                      per_substrate)
+    Console().print(table)
+    total = sum(e["capacity"] or 0 for e in edges if e["healthy"])
+    load = sum(e["load"] or 0 for e in edges if e["healthy"])
+    click.echo(f"{len(edges)} edges, load {load} of {total}; {dead} dead nodes")

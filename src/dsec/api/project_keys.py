@@ -18,7 +18,7 @@ def create_project_key(store: StateStore, name: str, project: str) -> tuple[str,
         req = KeyRequest(name=name, project=project)
     except ValidationError as exc:
         raise InvalidRequest(f"invalid key: {exc.errors(include_url=False)}") from None
-    projects = ProjectStore(store.path, ROOT_PROJECT, ROOT_QUOTA)
+    projects = ProjectStore(store.url, ROOT_PROJECT, ROOT_QUOTA)
     try:
         if projects.get(req.project) is None:
             raise ProjectNotFound(f"no project {req.project!r}", project=req.project)

@@ -79,7 +79,7 @@ def _shortage(row: ProjectRow, asked: Iterable[int], limit: Amounts | None = Non
 class Projects:
     def __init__(self, store: StateStore, registry: CollectorRegistry) -> None:
         self.keys = store
-        self.store = ProjectStore(store.path, ROOT_PROJECT, ROOT_QUOTA)
+        self.store = ProjectStore(store.url, ROOT_PROJECT, ROOT_QUOTA)
         self.started_at = time.time()
         self.failures: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_FAILURES)
         self._key_projects: dict[str, str | None] = {}
@@ -140,6 +140,11 @@ class Projects:
         project = self.caller() or ROOT_PROJECT
         cpu_milli = round(req.cpu * 1000)
         reservation = self.store.reserve(project, cpu_milli, req.memory_mb)
+        if reservation is None:
+            # Sandboxes that ended out of this server's hearing (another replica's, in a
+            # cluster) may still hold their share: give those back, then ask once more.
+            self.reconcile()
+            reservation = self.store.reserve(project, cpu_milli, req.memory_mb)
         if reservation is None:
             row = self.store.get(project)
             if row is None:

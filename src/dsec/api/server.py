@@ -20,10 +20,7 @@ from ..edge.metrics import EdgeMetrics
 from ..images.store import ImageStore
 from ..store.blobs import BlobStore
 from ..store.sqlite import StateStore
-from ..substrates.container import ContainerSubstrate
-from ..substrates.fn import FnSubstrate
-from ..substrates.microvm import MicroVMSubstrate
-from ..substrates.vm import VMSubstrate
+from ..substrates.registry import VM_SUBSTRATES, all_substrates
 from ..trajectory.log import TrajectoryLog
 from .app import create_app
 from .logs import configure as configure_logging
@@ -46,6 +43,8 @@ class ServerConfig:
     kvm_device: Path = Path("/dev/kvm")
     vm_warm_pool: int = 0  # booted VMs kept per image (each holds its guest's memory)
     vm_snapshots: bool = False  # restore saved booted VMs instead of booting (opt-in)
+    state_url: str | None = None  # postgresql://... when scaled out; default SQLite in state_dir
+    ray_address: str | None = None  # scale out over this Ray cluster (see dsec.cluster)
 
     @property
     def socket_path(self) -> Path:
@@ -73,23 +72,22 @@ def local_key(config: ServerConfig, store: StateStore) -> str:
 
 def build_app(config: ServerConfig) -> FastAPI:
     config.state_dir.mkdir(parents=True, exist_ok=True)
-    store = StateStore(config.state_dir / "state.db")
+    store = StateStore(config.state_url or config.state_dir / "state.db")
     local_key(config, store)
+    if config.ray_address is not None:
+        from ..cluster.router import cluster_app
+        return cluster_app(config, store)
     edge_config = EdgeConfig(state_dir=config.state_dir, edge_id=config.edge_id,
                              capacity=config.capacity, warm_pool=config.warm_pool,
                              network_services=config.network_services)
-    substrates = {"container": ContainerSubstrate(config.state_dir, edge_config.edge_id,
-                                                  runtime=config.runtime),
-                  "fn": FnSubstrate(config.state_dir, edge_config.edge_id)}
-    for vm in (MicroVMSubstrate, VMSubstrate):
-        substrates[vm.name] = vm(config.state_dir, edge_config.edge_id, config.vm_accel,
-                                 config.kvm_device, config.vm_snapshots)
+    substrates = all_substrates(config.state_dir, edge_config.edge_id, config.runtime,
+                                config.vm_accel, config.kvm_device, config.vm_snapshots)
     registry = CollectorRegistry()
     edge = Edge(edge_config, store, ImageStore(config.image_store), substrates,
                 EdgeMetrics(registry))
-    for vm in (MicroVMSubstrate, VMSubstrate):
+    for vm in VM_SUBSTRATES:
         edge.pools[vm.name].size = config.vm_warm_pool
-    trajectories = TrajectoryLog(store.path, BlobStore(config.state_dir / "blobs"),
+    trajectories = TrajectoryLog(store.url, BlobStore(config.state_dir / "blobs"),
                                  owner=secrets.token_hex(8))
     router = Router([edge], trajectories)
     return mount_compat(create_app(router, store, registry), router, store, config.state_dir)

@@ -280,13 +280,7 @@ class Edge:
 
     # queries
     def info(self, row: SandboxRow) -> SandboxInfo:
-        req = row.request
-        return SandboxInfo(id=row.id, substrate=row.substrate, image=row.image,  # type: ignore[arg-type]
-                           image_digest=row.image_digest, state=row.state, edge=row.edge,  # type: ignore[arg-type]
-                           created_at=row.created_at, expires_at=row.expires_at, cpu=req["cpu"],
-                           memory_mb=req["memory_mb"], labels=req.get("labels", {}),
-                           reason=row.reason, trajectory=req.get("trajectory"),
-                           network=req.get("network", "none"))
+        return sandbox_info(row)
 
     def get_row(self, sandbox_id: str) -> SandboxRow:
         row = self.store.get_sandbox(sandbox_id)
@@ -481,6 +475,17 @@ class Edge:
         for sandbox_id, live in list(self._live.items()):
             if live.row.expires_at <= now:
                 await self.stop(sandbox_id, "expired", f"TTL of {live.row.request['ttl_s']}s expired")
+
+
+def sandbox_info(row: SandboxRow) -> SandboxInfo:
+    """What a client sees of a sandbox's record."""
+    req = row.request
+    return SandboxInfo(id=row.id, substrate=row.substrate, image=row.image,  # type: ignore[arg-type]
+                       image_digest=row.image_digest, state=row.state, edge=row.edge,  # type: ignore[arg-type]
+                       created_at=row.created_at, expires_at=row.expires_at, cpu=req["cpu"],
+                       memory_mb=req["memory_mb"], labels=req.get("labels", {}),
+                       reason=row.reason, trajectory=req.get("trajectory"),
+                       network=req.get("network", "none"))
 
 
 def _result(event: Exit, stdout: bytes, stderr: bytes, oom: bool = False) -> ExecResult:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dsec.client.errors import NotSupported
+from dsec.images.node_cache import node_copy
 
 if TYPE_CHECKING:
     from dsec.images.store import Image, Layer
@@ -150,7 +151,7 @@ class LayerMounter:
         with locked(target.with_name(target.name + ".lock")):
             if target not in mountpoints():  # another process may have mounted it meanwhile
                 target.mkdir(exist_ok=True)
-                mount_erofs(layer.path, target)
+                mount_erofs(node_copy(layer.path), target)  # a local copy if configured
                 log.info("mounted layer %s at %s", layer.digest, target)
         return target
 

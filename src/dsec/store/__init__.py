@@ -1,1 +1,1 @@
-"""State store: SQLite embedded by default."""
+"""State store: SQLite embedded by default, PostgreSQL when scaled out (``db.py``)."""

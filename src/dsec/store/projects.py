@@ -14,14 +14,12 @@ children (``delegated_*``, the sum of their quotas), so the invariant
 from __future__ import annotations
 
 import secrets
-import sqlite3
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
-from .sqlite import LIVE_STATES, connect
+from .db import IntegrityError, Row, open_database
+from .sqlite import LIVE_STATES
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS projects (
@@ -78,7 +76,7 @@ class ProjectRow:
     created_at: float
 
 
-def _project(r: sqlite3.Row) -> ProjectRow:
+def _project(r: Row) -> ProjectRow:
     return ProjectRow(r["name"], r["parent"],
                       tuple(r[f"max_{x}"] for x in RESOURCES),  # type: ignore[arg-type]
                       tuple(r[f"delegated_{x}"] for x in RESOURCES),  # type: ignore[arg-type]
@@ -87,28 +85,19 @@ def _project(r: sqlite3.Row) -> ProjectRow:
 
 
 class ProjectStore:
-    def __init__(self, path: Path, root: str, root_quota: Amounts) -> None:
-        self._db = connect(path, SCHEMA)
+    def __init__(self, target: Path | str, root: str, root_quota: Amounts) -> None:
+        """``target``: the state store's SQLite file or URL (``StateStore.url``)."""
+        self._db = open_database(target, SCHEMA)
         if self.get(root) is None:
             try:
                 self._db.execute("INSERT INTO projects (name, parent, max_sandboxes, max_cpu_milli, "
                                  "max_memory_mb, created_at) VALUES (?,NULL,?,?,?,?)",
                                  (root, *root_quota, time.time()))
-            except sqlite3.IntegrityError:  # another process made it first
+            except IntegrityError:  # another process made it first
                 pass
 
     def close(self) -> None:
         self._db.close()
-
-    @contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        self._db.execute("BEGIN")
-        try:
-            yield self._db
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
 
     # projects
     def get(self, name: str) -> ProjectRow | None:
@@ -122,12 +111,12 @@ class ProjectStore:
         """Make a child of ``parent`` holding ``quota``, taken from the parent's room. False
         when the parent lacks the room; ``NameTaken`` if the name is."""
         try:
-            with self._transaction() as db:
-                db.execute("INSERT INTO projects (name, parent, max_sandboxes, max_cpu_milli, "
-                           "max_memory_mb, created_at) VALUES (?,?,?,?,?,?)",
-                           (name, parent, *quota, time.time()))
-                self._delegate(db, parent, quota)
-        except sqlite3.IntegrityError:
+            with self._db.transaction():
+                self._db.execute("INSERT INTO projects (name, parent, max_sandboxes, "
+                                 "max_cpu_milli, max_memory_mb, created_at) VALUES (?,?,?,?,?,?)",
+                                 (name, parent, *quota, time.time()))
+                self._delegate(parent, quota)
+        except IntegrityError:
             raise NameTaken(name) from None
         except _Short:
             return False
@@ -137,14 +126,14 @@ class ProjectStore:
         """Change a project's quota (for a child: the parent's delegation). None when done;
         else whose room is short: ``name`` (it holds more than ``quota``) or its parent."""
         try:
-            with self._transaction() as db:
-                db.execute("UPDATE projects SET name=name WHERE name=?", (name,))  # lock the row
+            with self._db.transaction():
+                self._db.execute("UPDATE projects SET name=name WHERE name=?", (name,))  # lock the row
                 row = self.get(name)
                 assert row is not None, "callers check the project exists"
                 if row.parent is not None:
-                    self._delegate(db, row.parent,
+                    self._delegate(row.parent,
                                    tuple(new - old for new, old in zip(quota, row.quota)))
-                if not db.execute(
+                if not self._db.execute(
                         "UPDATE projects SET max_sandboxes=?, max_cpu_milli=?, max_memory_mb=? "
                         "WHERE name=? AND " + " AND ".join(
                             f"used_{x} + delegated_{x} <= ?" for x in RESOURCES),
@@ -154,10 +143,9 @@ class ProjectStore:
             return short.project
         return None
 
-    @staticmethod
-    def _delegate(db: sqlite3.Connection, parent: str, change: tuple[int, ...]) -> None:
+    def _delegate(self, parent: str, change: tuple[int, ...]) -> None:
         """Hand ``change`` more (or, negative, less) of the parent's quota to a child."""
-        if not db.execute(
+        if not self._db.execute(
             "UPDATE projects SET " + ", ".join(f"delegated_{x} = delegated_{x} + ?" for x in RESOURCES)
             + " WHERE name=? AND " + " AND ".join(
                 f"used_{x} + delegated_{x} + ? <= max_{x}" for x in RESOURCES),
@@ -178,16 +166,16 @@ class ProjectStore:
         nothing. The reservation id, or None if the room is short."""
         asked = (1, cpu_milli, memory_mb)
         reservation = "rsv-" + secrets.token_hex(8)
-        with self._transaction() as db:
-            taken = db.execute(
+        with self._db.transaction():
+            taken = self._db.execute(
                 "UPDATE projects SET " + ", ".join(f"used_{x} = used_{x} + ?" for x in RESOURCES)
                 + " WHERE name=? AND " + " AND ".join(
                     f"used_{x} + delegated_{x} + ? <= max_{x}" for x in RESOURCES),
                 (*asked, project, *asked)).rowcount
             if taken:
-                db.execute("INSERT INTO sandbox_projects (id, project, cpu_milli, memory_mb, "
-                           "created_at) VALUES (?,?,?,?,?)",
-                           (reservation, project, cpu_milli, memory_mb, time.time()))
+                self._db.execute("INSERT INTO sandbox_projects (id, project, cpu_milli, "
+                                 "memory_mb, created_at) VALUES (?,?,?,?,?)",
+                                 (reservation, project, cpu_milli, memory_mb, time.time()))
         return reservation if taken else None
 
     def bind(self, reservation: str, sandbox_id: str) -> None:
@@ -196,16 +184,19 @@ class ProjectStore:
 
     def release(self, reservation: str) -> bool:
         """Give a reservation's share back, once (False if it was already)."""
-        with self._transaction() as db:
-            if not db.execute("UPDATE sandbox_projects SET released_at=? WHERE id=? AND "
-                              "released_at IS NULL", (time.time(), reservation)).rowcount:
+        with self._db.transaction():
+            if not self._db.execute("UPDATE sandbox_projects SET released_at=? WHERE id=? AND "
+                                    "released_at IS NULL", (time.time(), reservation)).rowcount:
                 return False
-            r = db.execute("SELECT * FROM sandbox_projects WHERE id=?", (reservation,)).fetchone()
-            db.execute("UPDATE projects SET used_sandboxes = used_sandboxes - 1, "
-                       "used_cpu_milli = used_cpu_milli - ?, used_memory_mb = used_memory_mb - ? "
-                       "WHERE name=?", (r["cpu_milli"], r["memory_mb"], r["project"]))
-            db.execute("DELETE FROM sandbox_projects WHERE id=? AND sandbox_id IS NULL",
-                       (reservation,))  # a failed create: nothing to remember
+            r = self._db.execute("SELECT * FROM sandbox_projects WHERE id=?",
+                                 (reservation,)).fetchone()
+            assert r is not None, "the update above found it"
+            self._db.execute("UPDATE projects SET used_sandboxes = used_sandboxes - 1, "
+                             "used_cpu_milli = used_cpu_milli - ?, "
+                             "used_memory_mb = used_memory_mb - ? WHERE name=?",
+                             (r["cpu_milli"], r["memory_mb"], r["project"]))
+            self._db.execute("DELETE FROM sandbox_projects WHERE id=? AND sandbox_id IS NULL",
+                             (reservation,))  # a failed create: nothing to remember
         return True
 
     def reservation_of(self, sandbox_id: str) -> str | None:

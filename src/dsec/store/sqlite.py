@@ -1,4 +1,5 @@
-"""The embedded state store: sandboxes, API keys and events in one SQLite file.
+"""The state store: sandboxes, API keys and events, in one SQLite file (embedded) or in
+PostgreSQL (scaled out) through ``store.db``.
 
 Writes are tiny and run on the event loop thread; WAL mode keeps readers (``dsec ls`` from
 another process) from blocking the server.
@@ -14,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
+
+from .db import Row, open_database
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
@@ -65,7 +68,7 @@ class SandboxRow:
     reason: str | None = None
 
 
-def _row(r: sqlite3.Row) -> SandboxRow:
+def _row(r: Row) -> SandboxRow:
     d = dict(r)
     d["request"] = json.loads(d["request"])
     d["runtime"] = json.loads(d["runtime"])
@@ -86,9 +89,11 @@ def connect(path: Path, schema: str) -> sqlite3.Connection:
 
 
 class StateStore:
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._db = connect(path, SCHEMA)
+    def __init__(self, target: Path | str) -> None:
+        """``target``: a SQLite file, ``sqlite:///PATH`` or ``postgresql://...``."""
+        self._db = open_database(target, SCHEMA)
+        self.url = self._db.url
+        self.path: Path | None = getattr(self._db, "path", None)  # the SQLite file, if one
 
     def close(self) -> None:
         self._db.close()
@@ -160,7 +165,7 @@ class StateStore:
                              (_sha256(secret),)).fetchone()
         return r["id"] if r else None
 
-    def keys(self) -> Iterator[sqlite3.Row]:
+    def keys(self) -> Iterator[Row]:
         return iter(self._db.execute("SELECT id, name, created_at FROM api_keys ORDER BY created_at"))
 
     # events

@@ -1,5 +1,5 @@
-"""The durable trajectory log: tables in the state store's SQLite database, bytes above
-``INLINE_MAX`` in its blob area.
+"""The durable trajectory log: tables in the state store's database (SQLite or PostgreSQL),
+bytes above ``INLINE_MAX`` in its blob area.
 
 - ``trajectories``: one row per trajectory: its current generation and sandbox, and the
   create request as the client sent it (a fork starts the same sandbox again).
@@ -14,17 +14,15 @@
 A ``running`` row whose owner is not this server process is ``interrupted``: the server that
 ran it stopped before the outcome was written, so nobody knows what it did to the sandbox.
 
-Every statement commits on its own (autocommit) in WAL mode with ``synchronous=NORMAL``: a
-committed row survives a crash of the client, the API server or the edge (the database and
-its WAL are files; the kernel keeps what was written). The log has its own connection to the
-state store's database file.
+Every statement commits on its own (autocommit; on SQLite in WAL mode with
+``synchronous=NORMAL``): a committed row survives a crash of the client, the API server or the
+edge. The log has its own connection to the state store's database.
 """
 
 from __future__ import annotations
 
 import base64
 import json
-import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +30,7 @@ from typing import Any
 
 from ..client.errors import TrajectoryDiverged, TrajectoryExists, TrajectoryNotFound
 from ..store.blobs import BlobStore
-from ..store.sqlite import connect
+from ..store.db import IntegrityError, Row, open_database
 from .digest import StepRequest
 from .outcome import Outcome
 
@@ -120,11 +118,12 @@ class StepRow:
 
 
 class TrajectoryLog:
-    def __init__(self, db_path: Path, blobs: BlobStore, owner: str) -> None:
-        """``owner`` names this server process: rows it leaves ``running`` are its own."""
+    def __init__(self, db: Path | str, blobs: BlobStore, owner: str) -> None:
+        """``db``: the state store's target (path or URL). ``owner`` names this server
+        process: rows it leaves ``running`` are its own."""
         self.blobs = blobs
         self.owner = owner
-        self._db = connect(db_path, SCHEMA)
+        self._db = open_database(db, SCHEMA)
 
     def close(self) -> None:
         self._db.close()
@@ -161,14 +160,14 @@ class TrajectoryLog:
                image_digest: str, caller: str | None) -> None:
         now = time.time()
         try:
-            with self._transaction():
+            with self._db.transaction():
                 self._db.execute("INSERT INTO trajectories VALUES (?,?,?,?,?,?)",
                                  (trajectory, 1, sandbox_id, json.dumps(request), now, caller))
                 self._db.execute(
                     "INSERT INTO trajectory_generations (trajectory, generation, sandbox_id, "
                     "image, image_digest, started_at, reason) VALUES (?,?,?,?,?,?,?)",
                     (trajectory, 1, sandbox_id, image, image_digest, now, "created"))
-        except sqlite3.IntegrityError:
+        except IntegrityError:
             raise TrajectoryExists(f"trajectory {trajectory!r} exists; resume it, or pick a new id",
                                    trajectory=trajectory) from None
 
@@ -213,7 +212,7 @@ class TrajectoryLog:
             self.blobs.put(payload)
             payload = None
         cur = self._db.execute(
-            "INSERT OR IGNORE INTO trajectory_steps (trajectory, generation, step, op, digest, "
+            "INSERT INTO trajectory_steps (trajectory, generation, step, op, digest, "
             "request, payload, status, sandbox_id, caller, owner, started_at) "
             "VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
             (trajectory, generation, step, request.op, request.digest, request.canonical,
@@ -247,7 +246,7 @@ class TrajectoryLog:
             args.append(limit)
         return [self._step_row(r) for r in self._db.execute(sql, args)]
 
-    def _step_row(self, r: sqlite3.Row) -> StepRow:
+    def _step_row(self, r: Row) -> StepRow:
         status = r["status"]
         if status == "running" and r["owner"] != self.owner:
             status = "interrupted"
@@ -263,7 +262,7 @@ class TrajectoryLog:
         """Start the next generation in ``sandbox_id``, holding a copy of the steps before
         ``at_step`` (their results as the client saw them). Returns the new generation."""
         generation = from_generation + 1
-        with self._transaction():
+        with self._db.transaction():
             current = self._db.execute("SELECT generation FROM trajectories WHERE id=?",
                                        (trajectory,)).fetchone()
             if current is None or current[0] != from_generation:
@@ -281,17 +280,3 @@ class TrajectoryLog:
             self._db.execute("UPDATE trajectories SET generation=?, sandbox_id=? WHERE id=?",
                              (generation, sandbox_id, trajectory))
         return generation
-
-    def _transaction(self) -> _Transaction:
-        return _Transaction(self._db)
-
-
-class _Transaction:
-    def __init__(self, db: sqlite3.Connection) -> None:
-        self.db = db
-
-    def __enter__(self) -> None:
-        self.db.execute("BEGIN IMMEDIATE")
-
-    def __exit__(self, exc_type: object, *rest: object) -> None:
-        self.db.execute("ROLLBACK" if exc_type else "COMMIT")

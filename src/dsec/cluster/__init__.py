@@ -1,0 +1,9 @@
+"""Scale-out on Ray: one edge actor per node, power-of-k placement, stateless API replicas
+(see docs/CLUSTER.md). Needs the ``cluster`` extra (Ray)."""
+
+from ..client.errors import NotSupported
+
+try:
+    import ray  # noqa: F401
+except ImportError as exc:  # pragma: no cover - depends on the installation
+    raise NotSupported("scale-out needs Ray: pip install 'dsec[cluster]'") from exc

@@ -1,0 +1,118 @@
+"""The edge of one Ray node, run as a Ray actor pinned to that node.
+
+The actor wraps the ordinary ``Edge`` (admission, lifecycle, reaper, recovery) and serves its
+methods to API replicas: ``call`` for request/response methods, ``stream`` (a streaming
+generator) for output chunks. Sandboxes are plain substrate sandboxes on the node, never Ray
+actors. The actor is named after its edge id, detached (it outlives the API replica that
+started it) and restarted by Ray on its node after a crash; the restarted edge adopts its
+sandboxes like a restarted single-node server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from prometheus_client import CollectorRegistry
+
+from ..client.errors import InvalidRequest
+from ..edge.edge import Edge, EdgeConfig
+from ..edge.metrics import EdgeMetrics
+from ..images.store import ImageStore
+from ..store.sqlite import StateStore
+from ..substrates.registry import all_substrates
+from .orphans import reclaim_dead_edges
+
+CAPACITY_RESOURCE = "dsec_capacity"  # a node's own capacity: `ray start --resources '{"dsec_capacity": 64}'`
+IMAGES_TTL_S = 5.0
+CALLS = frozenset({"create", "stop", "set_ttl", "run", "start_process", "processes", "signal",
+                   "read_file", "write_file", "list_dir", "stat", "remove", "mkdir",
+                   "upload_tar", "download_tar"})
+STREAMS = frozenset({"stream", "attach"})
+
+
+@dataclass
+class EdgeSettings:
+    """What an API replica hands a new edge actor: shared by every edge of the cluster."""
+
+    state_dir: str  # on each node; the edge keeps its sandboxes in <state_dir>/<edge id>
+    state_url: str
+    image_store: str | None
+    capacity: int
+    warm_pool: int
+    runtime: str
+    vm_accel: str = "kvm"
+    kvm_device: str = "/dev/kvm"
+    vm_snapshots: bool = False
+
+
+class EdgeActor:
+    """Decorated with ``ray.remote`` where it is started (``members.ensure_edge``)."""
+
+    def __init__(self, edge_id: str, node_id: str, settings: EdgeSettings) -> None:
+        # Ray makes uvloop the event loop policy of its workers. pyroute2 runs netlink
+        # (AF_NETLINK) sockets on a loop of its own, which uvloop cannot open: new loops of
+        # this process are the standard library's (the actor's own loop stays as it is).
+        asyncio.set_event_loop_policy(None)
+        state_dir = Path(settings.state_dir) / edge_id
+        config = EdgeConfig(state_dir=state_dir, edge_id=edge_id, capacity=settings.capacity,
+                            warm_pool=settings.warm_pool)
+        self.node_id = node_id
+        self.state_root = Path(settings.state_dir)
+        self.images = ImageStore(Path(settings.image_store) if settings.image_store else None)
+        substrates = all_substrates(state_dir, edge_id, settings.runtime, settings.vm_accel,
+                                    Path(settings.kvm_device), settings.vm_snapshots)
+        self.edge = Edge(config, StateStore(settings.state_url), self.images, substrates,
+                         EdgeMetrics(CollectorRegistry()))
+        self._started: asyncio.Future[None] | None = None
+        self._image_names: tuple[float, list[str]] = (0.0, [])
+
+    async def _ready(self) -> Edge:
+        """The edge, started on the actor's event loop by the first call."""
+        if self._started is None:
+            self._started = asyncio.ensure_future(self._start())
+        await asyncio.shield(self._started)
+        return self.edge
+
+    async def _start(self) -> None:
+        await self.edge.start()
+        await reclaim_dead_edges(self.state_root, self.edge.id, self.edge.store)
+
+    async def status(self) -> dict[str, Any]:
+        edge = await self._ready()
+        return {"edge": edge.id, "node": self.node_id, "pid": os.getpid(), "load": edge.load(),
+                "capacity": edge.config.capacity, "substrates": sorted(edge.substrates),
+                "images": self._images(), "at": time.time(),
+                "sandboxes": dict(Counter(info.substrate for info in edge.list()))}
+
+    def _images(self) -> list[str]:
+        """Names and digests of the images this node can start (the store may be shared)."""
+        at, names = self._image_names
+        if time.monotonic() - at > IMAGES_TTL_S:
+            names = [ref for image in self.images.list() for ref in (image.name, image.digest)]
+            self._image_names = (time.monotonic(), names)
+        return names
+
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if method not in CALLS:
+            raise InvalidRequest(f"edge method {method!r} is not served")
+        edge = await self._ready()
+        result = getattr(edge, method)(*args, **kwargs)
+        return await result if asyncio.iscoroutine(result) else result
+
+    async def stream(self, method: str, *args: Any) -> AsyncIterator[Any]:
+        if method not in STREAMS:
+            raise InvalidRequest(f"edge stream {method!r} is not served")
+        edge = await self._ready()
+        async for event in getattr(edge, method)(*args):
+            yield event
+
+    async def shutdown(self) -> None:
+        """Stop serving (sandboxes keep running; a new actor on this node adopts them)."""
+        if self._started is not None:
+            await self.edge.close()
