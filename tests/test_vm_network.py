@@ -1,0 +1,92 @@
+"""Network policies on VM sandboxes (microvm, vm): the same rules as containers, on a second
+NIC that a tap on the host connects only while a policy is set.
+
+One VM per substrate goes through every step (a boot under emulation takes a while):
+created with a policy, its policy replaced and removed while it runs, set again from none,
+its edge killed and restarted, stopped; nothing of its wiring is left.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from typing import Iterator
+
+import pytest
+
+import dsec
+from conftest import VM_ACCEL, VM_SUBSTRATES, Server, make_server, stop_server
+from dsec.network.testbed import Destination, make_destination
+from test_network import PORTS, Traces, assert_clean, edge_id, fetch, net_traces, slot_of
+
+
+@pytest.fixture(scope="module")
+def dest() -> Iterator[Destination]:
+    d = make_destination(PORTS)
+    yield d
+    d.remove()
+
+
+@pytest.fixture(scope="module")
+def other() -> Iterator[Destination]:
+    d = make_destination(PORTS)
+    yield d
+    d.remove()
+
+
+@pytest.fixture(scope="module")
+def vm_server(images, dest: Destination, tmp_path_factory) -> Iterator[Server]:  # type: ignore[no-untyped-def]
+    table = tmp_path_factory.mktemp("net") / "services.toml"
+    table.write_text(f'[services.testsvc]\nallow = ["{dest.address}:{PORTS[0]}"]\n')
+    srv = make_server("--vm-accel", VM_ACCEL, "--warm-pool", "0",
+                      "--network-services", str(table)).start()
+    yield srv
+    stop_server(srv)
+
+
+@pytest.mark.parametrize("substrate", VM_SUBSTRATES)
+async def test_vm_reaches_exactly_what_its_policy_allows(vm_server: Server, dest: Destination,
+                                                         other: Destination, substrate: str) -> None:
+    owner = f"{substrate}@{edge_id(vm_server)}"  # the links' alias prefix (not the containers')
+    slots: set[str] = set()
+    async with vm_server.client() as client:
+        sb = await client.create(substrate=substrate, image="debian-minbase", memory_mb=256,
+                                 ttl_s=900, network={"allow": [f"{dest.address}:{PORTS[0]}"]})
+        try:
+            slots.add(slot_of(owner, sb.id))
+            assert await fetch(sb, dest.address, PORTS[0]) == f"hello-{PORTS[0]}"
+            assert await fetch(sb, dest.address, PORTS[1]) is None
+            assert await fetch(sb, other.address, PORTS[0]) is None
+            # the agent's link (QEMU user networking) still routes nowhere but its subnet
+            routes = (await sb.run("cat /proc/net/route")).stdout
+            assert [line.split()[0] for line in routes.splitlines()[1:] if line.split()[1] == "00000000"] == ["eth0"]
+
+            await sb.set_network({"allow": [other.address]})  # replaced while it runs
+            assert await fetch(sb, other.address, PORTS[1]) == f"hello-{PORTS[1]}"
+            assert await fetch(sb, dest.address, PORTS[0]) is None
+
+            await sb.set_network("none")  # unplugged: the host keeps nothing of it
+            assert await fetch(sb, other.address, PORTS[1]) is None
+            assert net_traces(owner, slots) == Traces()
+            assert (await sb.refresh()).network == "none"
+
+            await sb.set_network({"testsvc": True})  # plugged in again, from none
+            slots.add(slot_of(owner, sb.id))
+            assert await fetch(sb, dest.address, PORTS[0]) == f"hello-{PORTS[0]}"
+            assert await fetch(sb, other.address, PORTS[1]) is None
+
+            # A restarted edge finds the VM's wiring again (the rules live in the kernel).
+            vm_server.kill(signal.SIGKILL)
+            vm_server.start()
+            async with vm_server.client() as again:
+                sb = await again.get(sb.id)
+                assert await fetch(sb, dest.address, PORTS[0]) == f"hello-{PORTS[0]}"
+                await sb.set_network({"allow": [other.address]})
+                assert await fetch(sb, other.address, PORTS[0]) == f"hello-{PORTS[0]}"
+                assert await fetch(sb, dest.address, PORTS[0]) is None
+        finally:
+            async with vm_server.client() as last:
+                await (await last.get(sb.id)).stop()
+    assert_clean(owner, slots)
+    assert not [line for line in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True)
+                .stdout.splitlines() if "dsectmp" in line]
