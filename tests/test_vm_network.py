@@ -9,6 +9,7 @@ its edge killed and restarted, stopped; nothing of its wiring is left.
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 from typing import Iterator
 
@@ -17,6 +18,8 @@ import pytest
 import dsec
 from conftest import VM_ACCEL, VM_SUBSTRATES, Server, make_server, stop_server
 from dsec.network.testbed import Destination, make_destination
+from dsec.network.wiring import Slot
+from dsec.substrates.guest import AGENT_PORT
 from test_network import PORTS, Traces, assert_clean, edge_id, fetch, net_traces, slot_of
 
 
@@ -56,6 +59,10 @@ async def test_vm_reaches_exactly_what_its_policy_allows(vm_server: Server, dest
             slots.add(slot_of(owner, sb.id))
             assert await fetch(sb, dest.address, PORTS[0]) == f"hello-{PORTS[0]}"
             assert await fetch(sb, dest.address, PORTS[1]) is None
+            # the agent listens on its own link only: over the policy NIC, nothing answers
+            guest = Slot(int(next(iter(slots)).removeprefix("dsec"))).sandbox_address
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection((guest, AGENT_PORT), timeout=30).close()
             assert await fetch(sb, other.address, PORTS[0]) is None
             # the agent's link (QEMU user networking) still routes nowhere but its subnet
             routes = (await sb.run("cat /proc/net/route")).stdout

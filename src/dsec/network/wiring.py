@@ -165,9 +165,9 @@ class Wiring:
     def apply(self, slot: Slot, egress: Egress) -> None:
         """Replace the slot's rules with ``egress``'s, in one atomic batch."""
         lines = [f"add chain {TABLE} {slot.chain}", f"flush chain {TABLE} {slot.chain}",
-                 # a VM's guest (root in its own kernel) may pick any source address
-                 f"add rule {TABLE} {slot.chain} ip saddr != {slot.sandbox_address} "
-                 "reject with icmpx type admin-prohibited",
+                 # a VM's guest (root in its own kernel) may pick any source address; dropped,
+                 # not rejected: a reject would go to whoever owns the forged address
+                 f"add rule {TABLE} {slot.chain} ip saddr != {slot.sandbox_address} drop",
                  f"add rule {TABLE} {slot.chain} ct state established,related accept"]
         for rule in egress.rules:
             port = f" meta l4proto {{ tcp, udp }} th dport {rule.port}" if rule.port else ""

@@ -96,7 +96,7 @@ mount --move /dev /newroot/dev
 mkdir -p /newroot/dev/pts /newroot/dev/shm
 mount -t devpts devpts /newroot/dev/pts
 mount -t tmpfs -o mode=1777 shm /newroot/dev/shm
-exec switch_root /newroot /.dsec/agent --listen tcp:@AGENT_PORT@
+exec switch_root /newroot /.dsec/agent --listen tcp:@AGENT_ADDRESS@:@AGENT_PORT@
 """
 
 
@@ -128,7 +128,7 @@ def guest_boot() -> GuestBoot:
     agent = agent_binary()
     init = (INIT.replace("@GUEST_IP@", GUEST_IP).replace("@GUEST_BUSYBOX@", GUEST_BUSYBOX)
             .replace("@AGENT_MAC@", AGENT_MAC).replace("@POLICY_MAC@", POLICY_MAC)
-            .replace("@AGENT_PORT@", str(AGENT_PORT)))
+            .replace("@AGENT_ADDRESS@", GUEST_IP.split("/")[0]).replace("@AGENT_PORT@", str(AGENT_PORT)))
     digest = hashlib.sha256()
     for part in (b"initramfs+pvh", kernel.read_bytes(), BUSYBOX.read_bytes(), agent.read_bytes(), init.encode(),
                  *(f"{name}\0".encode() + path.read_bytes() for name, path in modules)):
