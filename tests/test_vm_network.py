@@ -8,6 +8,7 @@ its edge killed and restarted, stopped; nothing of its wiring is left.
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import socket
 import subprocess
@@ -97,3 +98,30 @@ async def test_vm_reaches_exactly_what_its_policy_allows(vm_server: Server, dest
     assert_clean(owner, slots)
     assert not [line for line in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True)
                 .stdout.splitlines() if "dsectmp" in line]
+
+
+async def test_pooled_restored_microvm_is_wired_at_claim(images, dest: Destination) -> None:  # type: ignore[no-untyped-def]
+    """A VM from the warm pool, restored from a snapshot (its NICs came with the template's
+    memory), gets its policy when a create claims it."""
+    srv = make_server("--vm-accel", VM_ACCEL, "--vm-snapshots", "--vm-warm-pool", "1",
+                      "--warm-pool", "0").start()
+    try:
+        owner = f"microvm@{edge_id(srv)}"
+        async with srv.client() as client:
+            await (await client.create(substrate="microvm", memory_mb=256)).stop()  # pool fills
+            for _ in range(1200):
+                if (await client.health())["edges"][0]["warm"]["microvm"].get("debian-minbase"):
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                pytest.fail("the microvm warm pool never filled")
+            sb = await client.create(substrate="microvm", memory_mb=256,
+                                     network={"allow": [f"{dest.address}:{PORTS[0]}"]})
+            assert not (await client.health())["edges"][0]["warm"]["microvm"].get("debian-minbase")
+            slot = slot_of(owner, sb.id)
+            assert await fetch(sb, dest.address, PORTS[0]) == f"hello-{PORTS[0]}"
+            assert await fetch(sb, dest.address, PORTS[1]) is None
+            await sb.stop()
+        assert_clean(owner, {slot})
+    finally:
+        stop_server(srv)
