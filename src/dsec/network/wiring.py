@@ -12,7 +12,8 @@ may open a connection into one. Sandboxes never reach each other, whatever their
 A slot is claimed by creating its link: the kernel refuses a second ``dsec<n>``, so edges
 sharing the host never collide. The link's alias ``<edge>/<sandbox id>`` says whose it is,
 which is all a restarted edge needs to find its wiring. The sandbox's netns lives and dies
-with the sandbox, taking the veth pair with it; chains whose link is gone are swept.
+with the sandbox, taking the veth pair with it (a VM's tap outlives its QEMU: whoever
+destroys the VM deletes it); chains whose link is gone are swept.
 IPv4 forwarding is enabled per interface, on the sandbox's link and on the interface that
 routes each allowed destination (replies come in there), never host-wide. An interface on
 which dsec turned forwarding on joins the set ``forwarders``: it forwards nothing that is
