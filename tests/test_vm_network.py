@@ -9,6 +9,7 @@ its edge killed and restarted, stopped; nothing of its wiring is left.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import socket
 import subprocess
@@ -125,3 +126,31 @@ async def test_pooled_restored_microvm_is_wired_at_claim(images, dest: Destinati
         assert_clean(owner, {slot})
     finally:
         stop_server(srv)
+
+
+async def test_nothing_left_when_a_wired_vm_dies(vm_server: Server, dest: Destination) -> None:
+    """Its tap outlives QEMU: the edge deletes it when it sees the death, and a restarted
+    edge deletes it for a VM that died while no edge watched."""
+    owner = f"microvm@{edge_id(vm_server)}"
+    policy = {"allow": [f"{dest.address}:{PORTS[0]}"]}
+
+    def kill_qemu(sandbox_id: str) -> None:
+        os.kill(int((vm_server.state_dir / "vms" / sandbox_id / "qemu.pid").read_text()), signal.SIGKILL)
+
+    async with vm_server.client() as client:
+        watched = await client.create(substrate="microvm", memory_mb=256, ttl_s=600, network=policy)
+        slot = slot_of(owner, watched.id)
+        kill_qemu(watched.id)
+        for _ in range(600):
+            if (await watched.refresh()).state == "died":
+                break
+            await asyncio.sleep(0.1)
+        else:
+            pytest.fail("the death was not noticed")
+        assert_clean(owner, {slot})
+        unwatched = await client.create(substrate="microvm", memory_mb=256, ttl_s=600, network=policy)
+        slot = slot_of(owner, unwatched.id)
+    vm_server.kill(signal.SIGKILL)
+    kill_qemu(unwatched.id)
+    vm_server.start()
+    assert_clean(owner, {slot})
