@@ -123,7 +123,7 @@ async def test_container_options_are_not_supported_on_a_vm(client: dsec.DSecClie
     with pytest.raises(dsec.NotSupported):
         await client.create(substrate="microvm", runtime="runsc")
     with pytest.raises(dsec.NotSupported):
-        await client.create(substrate="vm", runtime="crun")
+        await client.create(substrate="vm", network="host")
 
 
 async def test_snapshot_restores_are_separate_sandboxes_with_their_own_name_and_clock() -> None:
