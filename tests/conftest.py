@@ -149,6 +149,13 @@ async def _sandbox(client: dsec.DSecClient, image: str, memory_mb: int,
         pass
 
 
+def skip_on_vms(substrate: str, why: str) -> None:
+    """For a test of what a host kernel enforces per sandbox (cgroups, namespaces): a VM's
+    processes live in its guest kernel, and test_vm.py tests the VM's own version."""
+    if substrate in VM_SUBSTRATES:
+        pytest.skip(f"{substrate}: {why}")
+
+
 @pytest.fixture(scope="session", params=SUBSTRATES)
 def substrate(request: pytest.FixtureRequest) -> str:
     """Each test that takes it runs once per substrate (session-scoped, so that pytest runs

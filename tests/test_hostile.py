@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import dsec
-from conftest import Server
+from conftest import Server, _sandbox
 from dsec.api.limits import MAX_BODY_BYTES
 from dsec.client.models import DEFAULT_MAX_OUTPUT
 from dsec.images.mount import unmount
@@ -55,6 +55,13 @@ async def assert_host_fine(neighbour: dsec.AsyncSandbox) -> None:
     """The host still forks and has disk; a sandbox next door still answers."""
     assert os.system("true") == 0
     assert (await neighbour.run("echo neighbour ok", timeout_s=60)).stdout == "neighbour ok\n"
+
+
+@pytest.fixture
+async def sandbox(client: dsec.DSecClient) -> AsyncIterator[dsec.AsyncSandbox]:
+    """A bystander container: what its hostile neighbours do must leave it working."""
+    async for sb in _sandbox(client, "debian-minbase", 256):
+        yield sb
 
 
 @pytest.fixture

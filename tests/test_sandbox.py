@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import dsec
-from conftest import VM_SUBSTRATES, image_for
+from conftest import VM_SUBSTRATES, image_for, skip_on_vms
 
 
 def _init_pid(sandbox_hostname: str) -> int:
@@ -195,6 +195,8 @@ async def test_loopback_works_and_caps_are_dropped(py_sandbox: dsec.AsyncSandbox
 
 
 async def test_fork_bomb_hits_pids_limit(client: dsec.DSecClient, substrate: str) -> None:
+    skip_on_vms(substrate, "pids caps QEMU's threads on the host, the guest's processes are "
+                "its kernel's (test_vm: the limits asked)")
     async with await client.create(substrate=substrate, image=image_for(substrate), pids=64,
                                    memory_mb=256) as sb:
         name = await _hostname(sb)
@@ -209,6 +211,8 @@ async def test_fork_bomb_hits_pids_limit(client: dsec.DSecClient, substrate: str
 
 
 async def test_memory_hog_is_oom_killed_and_reported(client: dsec.DSecClient, substrate: str) -> None:
+    skip_on_vms(substrate, "memory_mb is the guest's RAM, and 64 MB is below a VM's minimum "
+                "(test_vm: the minimum is a typed error)")
     async with await client.create(substrate=substrate, image=image_for(substrate), memory_mb=64) as sb:
         r = await sb.run("head -c 500000000 /dev/zero | tail", timeout_s=30)
         assert r.oom_killed and r.exit_code != 0
@@ -216,6 +220,7 @@ async def test_memory_hog_is_oom_killed_and_reported(client: dsec.DSecClient, su
 
 
 async def test_dead_sandbox_is_reported_died(client: dsec.DSecClient, substrate: str) -> None:
+    skip_on_vms(substrate, "its init is in the guest (test_vm: a killed QEMU is reported died)")
     sb = await client.create(substrate=substrate, image=image_for(substrate))
     # Kill the sandbox's init (the agent) from the host, as a crash would.
     os.kill(_init_pid(await _hostname(sb)), 9)
@@ -291,6 +296,8 @@ async def test_other_runtimes(client: dsec.DSecClient, runtime: str, substrate: 
 
 async def test_warm_pool_sandboxes_run_at_normal_priority(client: dsec.DSecClient,
                                                          substrate: str) -> None:
+    skip_on_vms(substrate, "the VM warm pool is opt-in, --vm-warm-pool (test_vm: a pooled VM "
+                "runs at normal priority)")
     image = image_for(substrate)
     await (await client.create(substrate=substrate, image=image, ttl_s=60)).stop()  # its pool fills
     while not (await client.health())["edges"][0]["warm"][substrate].get(image):

@@ -119,11 +119,14 @@ async def test_kvm_missing_is_not_supported_never_unisolated(tmp_path: Path) -> 
         stop_server(srv)
 
 
-async def test_container_options_are_not_supported_on_a_vm(client: dsec.DSecClient) -> None:
+async def test_vm_refuses_container_options_and_too_little_memory(client: dsec.DSecClient) -> None:
     with pytest.raises(dsec.NotSupported):
         await client.create(substrate="microvm", runtime="runsc")
-    with pytest.raises(dsec.NotSupported):
-        await client.create(substrate="vm", network="host")
+    with pytest.raises(dsec.InvalidRequest):  # below what its guest kernel boots in
+        await client.create(substrate="vm", memory_mb=64)
+    sb = await client.create(substrate="microvm", memory_mb=128)  # the minimum boots
+    assert (await sb.run("echo up")).stdout == "up\n"
+    await sb.stop()
 
 
 async def test_snapshot_restores_are_separate_sandboxes_with_their_own_name_and_clock() -> None:

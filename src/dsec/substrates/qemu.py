@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..agent.client import AgentClient, AgentError, AgentUnavailable
-from ..client.errors import NotSupported, SandboxError
+from ..client.errors import InvalidRequest, NotSupported, SandboxError
 from ..client.models import CreateRequest
 from ..network.policy import Egress
 from ..network.wired import WiredSandboxes
@@ -45,8 +45,9 @@ ACCELS = ("kvm", "tcg")
 START_TIMEOUT_S = 180.0  # a TCG boot on a loaded host takes tens of seconds
 QEMU_OVERHEAD_MB = 256  # QEMU itself (device model, TCG translation cache) above guest RAM
 TCG_CACHE_MB = 64  # translation cache; QEMU's default of 1 GiB would dwarf small guests
-PORT_ATTEMPTS = 5
-GUEST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # a freshly chosen free port can be taken before QEMU binds it
+PORT_ATTEMPTS = 5  # a freshly chosen free port can be taken before QEMU binds it
+GUEST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+MIN_MEMORY_MB = 128  # the guest kernel and its initramfs do not boot in less
 
 
 class QemuSubstrate(Substrate):
@@ -100,6 +101,9 @@ class QemuSubstrate(Substrate):
         if plan.request.runtime is not None:
             raise NotSupported(f"runtime={plan.request.runtime!r} is a container option; "
                                f"a {self.name} sandbox has no OCI runtime")
+        if plan.request.memory_mb < MIN_MEMORY_MB:
+            raise InvalidRequest(f"a {self.name} needs memory_mb >= {MIN_MEMORY_MB} (its guest "
+                                 "kernel's RAM)", memory_mb=plan.request.memory_mb)
         try:
             return await self._start(plan, boot, self._dir(plan.sandbox_id))
         except BaseException:
