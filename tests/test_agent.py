@@ -393,17 +393,21 @@ async def test_list_stat_mkdir_remove(client, tmp_path):
 
 
 async def test_tcp_listen_mode_serves_the_same_protocol() -> None:
-    """What VM guests run: ``--listen tcp:PORT``, one request per TCP connection."""
+    """What VM guests run: ``--listen tcp:ADDRESS:PORT``, one request per TCP connection,
+    on that address only."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([agent_binary(), "--listen", f"tcp:{port}"], stdout=subprocess.PIPE)
+    proc = subprocess.Popen([agent_binary(), "--listen", f"tcp:127.0.0.1:{port}"], stdout=subprocess.PIPE)
     try:
         assert proc.stdout is not None and proc.stdout.read(1) == b"R"
-        tcp = AgentClient(("127.0.0.1", port))
+        tcp = AgentClient(("127.0.0.1", port), TOKEN)
+        await tcp.claim()
         await tcp.ping()
         r = await tcp.run(["sh", "-c", "echo out; echo err >&2; exit 3"], env=ENV)
         assert (r.exit_code, r.stdout, r.stderr) == (3, b"out\n", b"err\n")
+        with pytest.raises(AgentUnavailable):  # another address of this host
+            await AgentClient(("127.0.0.2", port)).ping()
     finally:
         proc.terminate()
         proc.wait(5)
@@ -412,5 +416,6 @@ async def test_tcp_listen_mode_serves_the_same_protocol() -> None:
 
 
 def test_tcp_listen_mode_refuses_a_bad_port() -> None:
-    done = subprocess.run([agent_binary(), "--listen", "tcp:70000"], capture_output=True)
-    assert done.returncode == 2 and b"bad TCP port" in done.stderr
+    for spec in ("tcp:127.0.0.1:70000", "tcp:7000", "tcp:no.such.address:7000"):
+        done = subprocess.run([agent_binary(), "--listen", spec], capture_output=True)
+        assert done.returncode == 2 and b"bad TCP address" in done.stderr

@@ -167,8 +167,9 @@ async def test_network_none_has_only_loopback(sandbox: dsec.AsyncSandbox, substr
     nets = (await sandbox.run("ls /sys/class/net")).stdout.split()
     routes = (await sandbox.run("cat /proc/net/route")).stdout.strip().splitlines()
     if substrate in VM_SUBSTRATES:
-        # eth0 is the agent's link: QEMU user networking with restrict=on, one subnet, no gateway
-        assert nets == ["eth0", "lo"] and len(routes) == 2
+        # agent0 is the agent's link: QEMU user networking with restrict=on, one subnet, no
+        # gateway; eth0, the network policies' NIC, is down and connected to nothing
+        assert nets == ["agent0", "eth0", "lo"] and len(routes) == 2
         with socket.create_server(("127.0.0.1", 0)) as host:  # QEMU maps 10.0.2.2 to the host
             port = host.getsockname()[1]
             r = await sandbox.run(f"timeout 5 bash -c 'echo > /dev/tcp/10.0.2.2/{port}'")

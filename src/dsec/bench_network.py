@@ -6,15 +6,20 @@
 - ``set_network`` on a running sandbox: replacing its rules (one ``nft -f`` batch), and
   wiring it from ``none`` (veth pair, addresses, route, rules), against ``set_ttl`` (an API
   round trip that changes nothing on the host).
+- the same for a ``microvm`` (``$DSEC_BENCH_VM_ACCEL``, default ``tcg``), fewer times: a
+  policy there is a tap hot-plugged into the running VM over QMP and the guest's ``eth0``
+  configured through its agent.
 The policy allows a bench-made destination namespace (``dsec.network.testbed``), so no
 outside address is involved and no uplink is switched to forwarding.
 """
 
 from __future__ import annotations
 
+import os
 import secrets
 import shutil
 import time
+from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from rich.console import Console
@@ -27,11 +32,14 @@ from .network.testbed import make_destination
 PORTS = (8001, 8002)
 
 
-def first_output(created: Created, network: Any) -> Callable[[], Awaitable[float]]:
-    """``Created.first_output`` for a create with ``network``."""
+VM = {"substrate": "microvm", "memory_mb": 256}
+
+
+def first_output(created: Created, network: Any, **create: Any) -> Callable[[], Awaitable[float]]:
+    """``Created.first_output`` for a create with ``network`` (and ``create``'s options)."""
     async def run() -> float:
         t0 = time.perf_counter()
-        sb = await created.client.create(image=IMAGE, ttl_s=120, network=network)
+        sb = await created.client.create(image=IMAGE, ttl_s=120, network=network, **create)
         async for chunk in sb.stream("echo hi"):
             elapsed = (time.perf_counter() - t0) * 1000
             if not chunk.data.startswith(b"h"):
@@ -82,28 +90,47 @@ async def network_series(console: Console, quick: bool = False) -> list[Sample]:
                                          Sample("create (warm pool), with a policy", []),
                                          first_output(warm, policy), pool // 2,
                                          max(1, n_create // pool), between=refill, settle_s=1.0)
+        samples += await vm_series(console, root / "vm", policy, dest.address, quick)
     finally:
         dest.remove()
         shutil.rmtree(root, ignore_errors=True)
     return samples
 
 
-async def set_network_series(console: Console, created: Created, address: str,
-                             n: int) -> list[Sample]:
-    sb: AsyncSandbox = await created.client.create(image=IMAGE, ttl_s=900)
+async def vm_series(console: Console, state: Path, policy: Any, address: str,
+                    quick: bool) -> list[Sample]:
+    n_create, n_set = (4, 40) if quick else (10, 40)
+    accel = os.environ.get("DSEC_BENCH_VM_ACCEL", "tcg")
+    async with bench_server(state, "--warm-pool", "0", "--vm-accel", accel) as vm:
+        await first_output(vm, policy, **VM)()  # warm-up: the guest's initramfs
+        await vm.stop_all()
+        with phase(console, f"microvm ({accel}) create-to-first-output, policy vs none, {n_create} each"):
+            samples = await compare(Sample(f"microvm ({accel}) create, network=none", []),
+                                    first_output(vm, "none", **VM),
+                                    Sample(f"microvm ({accel}) create, with a policy", []),
+                                    first_output(vm, policy, **VM), 2, n_create // 2,
+                                    between=vm.stop_all)
+        return samples + await set_network_series(console, vm, address, n_set, "microvm ", VM,
+                                                  "hot-plugs a tap")
+
+
+async def set_network_series(console: Console, created: Created, address: str, n: int,
+                             label: str = "", create: dict[str, Any] | None = None,
+                             wiring: str = "wires the veth") -> list[Sample]:
+    sb: AsyncSandbox = await created.client.create(image=IMAGE, ttl_s=900, **(create or {}))
     created.sandboxes.append(sb)
     rules = [{"allow": [f"{address}:{PORTS[0]}"]}, {"allow": [f"{address}:{PORTS[1]}"]}]
     turn = iter(range(1 << 30))
     samples: list[Sample] = []
-    with phase(console, f"set_network, {n} calls each"):
-        samples += await compare(Sample("set_ttl (API round trip)", []),
+    with phase(console, f"{label}set_network, {n} calls each"):
+        samples += await compare(Sample(f"{label}set_ttl (API round trip)", []),
                                  timed(lambda: sb.set_ttl(900)),
-                                 Sample("set_network: replace the rules", []),
+                                 Sample(f"{label}set_network: replace the rules", []),
                                  timed(lambda: sb.set_network(rules[next(turn) % 2])),
                                  10, n // 10)
-        samples += await compare(Sample("set_ttl (API round trip), again", []),
+        samples += await compare(Sample(f"{label}set_ttl (API round trip), again", []),
                                  timed(lambda: sb.set_ttl(900)),
-                                 Sample("set_network: none to a policy (wires the veth)", []),
+                                 Sample(f"{label}set_network: none to a policy ({wiring})", []),
                                  lambda: _wire_then_unwire(sb, rules[0]), 10, n // 40)
     return samples
 

@@ -27,6 +27,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/wait.h>
@@ -1108,26 +1109,29 @@ static void handle(struct pollfd *pfd, struct watch *w)
     }
 }
 
-/* "tcp:PORT": every address of a VM guest, whose only peer is the host's port forward. */
-static int listen_tcp(const char *port)
+/* "tcp:ADDRESS:PORT" in a VM guest: ADDRESS is the guest's end of the host's port forward,
+   so that no other NIC of the guest (a network policy's) leads to the agent. */
+static int listen_tcp(const char *spec)
 {
-    char *end;
-    long n = strtol(port, &end, 10);
+    char address[INET_ADDRSTRLEN] = "", *end;
+    const char *port = strrchr(spec, ':');
+    long n = port ? strtol(port + 1, &end, 10) : 0;
     struct sockaddr_in addr = {.sin_family = AF_INET, .sin_port = htons((uint16_t)n)};
     int one = 1, fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    if (*port == 0 || *end || n < 1 || n > 65535) {
-        fprintf(stderr, "dsec-agent: bad TCP port: %s\n", port);
+    if (!port || port - spec >= (long)sizeof address || port[1] == 0 || *end || n < 1 || n > 65535 ||
+        (memcpy(address, spec, (size_t)(port - spec)), inet_pton(AF_INET, address, &addr.sin_addr) != 1)) {
+        fprintf(stderr, "dsec-agent: bad TCP address (want ADDRESS:PORT): %s\n", spec);
         exit(2);
     }
     if (fd < 0 || setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) ||
         bind(fd, (struct sockaddr *)&addr, sizeof addr) || listen(fd, 512)) {
-        fprintf(stderr, "dsec-agent: listen on TCP port %s: %s\n", port, strerror(errno));
+        fprintf(stderr, "dsec-agent: listen on TCP %s: %s\n", spec, strerror(errno));
         exit(1);
     }
     return fd;
 }
 
-/* A Unix socket path, or "tcp:PORT" (VMs reach their agent through a TCP port forward). */
+/* A Unix socket path, or "tcp:ADDRESS:PORT" (VMs reach their agent through a TCP port forward). */
 static int listen_on(const char *path)
 {
     if (!strncmp(path, "tcp:", 4))
@@ -1156,7 +1160,7 @@ int main(int argc, char **argv)
     struct rlimit raised;
 
     if (argc != 3 || strcmp(argv[1], "--listen")) {
-        fprintf(stderr, "usage: dsec-agent --listen PATH|tcp:PORT\n");
+        fprintf(stderr, "usage: dsec-agent --listen PATH|tcp:ADDRESS:PORT\n");
         return 2;
     }
     signal(SIGPIPE, SIG_IGN);

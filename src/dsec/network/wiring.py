@@ -1,9 +1,10 @@
-"""Enforcing egress policies on one host: a veth pair into a sandbox's network namespace and
-nftables rules in one table, ``inet dsec``.
+"""Enforcing egress policies on one host: a host link per sandbox (a veth pair into a
+container's network namespace, or a tap device a VM's QEMU attaches to) and nftables rules in
+one table, ``inet dsec``.
 
 Per wired sandbox, a slot ``n`` of 10.200.0.0/16 cut in /30s: host link ``dsec<n>``
-(10.200.x.1) whose peer is the sandbox's ``eth0`` (10.200.x.2, default route via the host
-side), and a chain ``sb<n>`` that the map ``egress`` sends the link's traffic to (forward and
+(10.200.x.1) whose other end is the sandbox's ``eth0`` (10.200.x.2, default route via the
+host side), and a chain ``sb<n>`` that the map ``egress`` sends the link's traffic to (forward and
 input hooks alike, so the host itself is just another destination). The chain accepts replies
 and the allowed destinations; everything else from a ``dsec*`` link is rejected, and nothing
 may open a connection into one. Sandboxes never reach each other, whatever their rules. Sandbox sources are masqueraded on their way out.
@@ -11,7 +12,8 @@ may open a connection into one. Sandboxes never reach each other, whatever their
 A slot is claimed by creating its link: the kernel refuses a second ``dsec<n>``, so edges
 sharing the host never collide. The link's alias ``<edge>/<sandbox id>`` says whose it is,
 which is all a restarted edge needs to find its wiring. The sandbox's netns lives and dies
-with the sandbox, taking the veth pair with it; chains whose link is gone are swept.
+with the sandbox, taking the veth pair with it (a VM's tap outlives its QEMU: whoever
+destroys the VM deletes it); chains whose link is gone are swept.
 IPv4 forwarding is enabled per interface, on the sandbox's link and on the interface that
 routes each allowed destination (replies come in there), never host-wide. An interface on
 which dsec turned forwarding on joins the set ``forwarders``: it forwards nothing that is
@@ -22,9 +24,12 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import ipaddress
 import random
 import re
+import secrets
+import struct
 import subprocess
 import threading
 from dataclasses import dataclass
@@ -41,6 +46,7 @@ SLOTS = range(1, POOL.num_addresses // 4)
 LINK_PREFIX, TABLE = "dsec", "inet dsec"
 LINK_NAME = re.compile(r"^dsec(\d+)$")
 CLONE_NEWNET = 0x40000000
+TUNSETIFF, TUNSETPERSIST, IFF_TAP, IFF_NO_PI = 0x400454CA, 0x400454CB, 0x0002, 0x1000
 T = TypeVar("T")
 
 BASE_RULES = f"""
@@ -93,20 +99,35 @@ class Wiring:
         self._table_ready = False
         self._lock = threading.Lock()
 
-    # veth
+    # links
     def attach(self, owner: str, netns: int) -> Slot:
-        """Wire the network namespace open as ``netns`` to the host; the link's alias is
-        ``owner``."""
+        """Wire the network namespace open as ``netns`` to the host by a veth pair; the
+        link's alias is ``owner``."""
+        def add(ipr: IPRoute, name: str) -> None:
+            # the peer is made as ``eth0`` right in the sandbox's netns (moving a link between
+            # namespaces waits for an RCU grace period: 15-25 ms, against under 1 ms)
+            ipr.link("add", ifname=name, kind="veth", peer={"ifname": "eth0", "net_ns_fd": netns})
+        return self._attach(owner, add, lambda slot: _in_netns(netns, lambda: _configure_inside(slot)))
+
+    def attach_tap(self, owner: str) -> Slot:
+        """A persistent tap device as the host link, for a VM: QEMU attaches to it by name,
+        and the guest's side is configured in the guest. The link's alias is ``owner``."""
+        return self._attach(owner, _add_tap, lambda slot: None)
+
+    def _attach(self, owner: str, add: Callable[[IPRoute, str], None],
+                inside: Callable[[Slot], None]) -> Slot:
+        """Claim a slot by making its host link with ``add``, give the link its alias,
+        address and forwarding, then let ``inside`` configure the sandbox's side."""
         try:
             with IPRoute() as ipr:
-                slot = self._claim_slot(ipr, netns)
+                slot = self._claim_slot(ipr, add)
                 try:
                     (host,) = ipr.link_lookup(ifname=slot.link)
                     ipr.link("set", index=host, ifalias=owner)
                     ipr.addr("add", index=host, address=slot.host_address, prefixlen=30)
                     _enable_forwarding(slot.link)
                     ipr.link("set", index=host, state="up")
-                    _in_netns(netns, lambda: _configure_inside(slot))
+                    inside(slot)
                 except BaseException:
                     _delete_link(ipr, slot.link)
                     raise
@@ -114,18 +135,16 @@ class Wiring:
         except (OSError, NetlinkError) as exc:
             raise SandboxError(f"could not wire the sandbox's network: {exc}") from exc
 
-    def _claim_slot(self, ipr: IPRoute, netns: int) -> Slot:
-        """A free slot, claimed by creating its veth pair, the peer made as ``eth0`` right in
-        the sandbox's netns (moving a link between namespaces waits for an RCU grace period:
-        15-25 ms, against under 1 ms)."""
+    def _claim_slot(self, ipr: IPRoute, add: Callable[[IPRoute, str], None]) -> Slot:
+        """A free slot, claimed by creating its host link (``add`` fails with EEXIST when
+        another edge took the name first)."""
         used = {int(m.group(1)) for link in ipr.get_links()
                 if (m := LINK_NAME.match(link.get("ifname") or ""))}
         free = [i for i in SLOTS if i not in used]
         random.shuffle(free)  # edges sharing the host rarely race for the same slot
         for index in free[:64]:
             try:
-                ipr.link("add", ifname=f"{LINK_PREFIX}{index}", kind="veth",
-                         peer={"ifname": "eth0", "net_ns_fd": netns})
+                add(ipr, f"{LINK_PREFIX}{index}")
                 return Slot(index)
             except NetlinkError as exc:
                 if exc.code != errno.EEXIST:
@@ -147,6 +166,9 @@ class Wiring:
     def apply(self, slot: Slot, egress: Egress) -> None:
         """Replace the slot's rules with ``egress``'s, in one atomic batch."""
         lines = [f"add chain {TABLE} {slot.chain}", f"flush chain {TABLE} {slot.chain}",
+                 # a VM's guest (root in its own kernel) may pick any source address; dropped,
+                 # not rejected: a reject would go to whoever owns the forged address
+                 f"add rule {TABLE} {slot.chain} ip saddr != {slot.sandbox_address} drop",
                  f"add rule {TABLE} {slot.chain} ct state established,related accept"]
         for rule in egress.rules:
             port = f" meta l4proto {{ tcp, udp }} th dport {rule.port}" if rule.port else ""
@@ -208,6 +230,22 @@ def _run_nft(batch: str) -> None:
     done = subprocess.run(["nft", "-f", "-"], input=batch, capture_output=True, text=True)
     if done.returncode != 0:
         raise SandboxError(f"nft refused the sandbox's rules: {done.stderr.strip()[-1000:]}")
+
+
+def _add_tap(ipr: IPRoute, name: str) -> None:
+    """A persistent tap ``name``. The tun driver attaches to an existing tap of that name
+    instead of refusing it, so the tap is made under a unique name and then renamed: the
+    rename is what the kernel refuses (EEXIST) when ``name`` is taken."""
+    temp = f"dsectmp{secrets.token_hex(4)}"
+    with open("/dev/net/tun", "rb", buffering=0) as tun:
+        fcntl.ioctl(tun, TUNSETIFF, struct.pack("16sH22x", temp.encode(), IFF_TAP | IFF_NO_PI))
+        fcntl.ioctl(tun, TUNSETPERSIST, 1)
+    try:
+        (index,) = ipr.link_lookup(ifname=temp)
+        ipr.link("set", index=index, ifname=name)
+    except BaseException:
+        _delete_link(ipr, temp)
+        raise
 
 
 def _configure_inside(slot: Slot) -> None:

@@ -25,7 +25,8 @@ from ..client.errors import NotSupported, SandboxError
 from ..client.models import DEFAULT_DISK_MB, CreateRequest
 from ..images.mount import LayerMounter, overlay_mount, unmount
 from ..network.policy import Egress
-from ..network.wiring import Slot, Wiring
+from ..network.wired import WiredSandboxes
+from ..network.wiring import Slot
 from . import cgroups, spawn
 from .base import StartPlan, Substrate
 from .disk import DiskPool, release
@@ -54,9 +55,6 @@ class ContainerSubstrate(Substrate):
         self.runtime_root = state_dir / "runtime"
         self.cgroup_parent = f"/dsec-{edge_id}"
         self.edge_id = edge_id
-        self.wiring = Wiring()
-        self._wired: dict[str, Slot] = {}  # sandbox id -> its network slot, if it has one
-        self._net_locks: dict[str, asyncio.Lock] = {}
         self.mounter = mounter or LayerMounter()
         self.disks = DiskPool(state_dir / "disks", (DEFAULT_DISK_MB,))
         self._agent_binary: Path | None = None
@@ -64,6 +62,7 @@ class ContainerSubstrate(Substrate):
         # Bundle set-up and teardown wait on kernel locks (mounts, cgroups) under load: in
         # threads, they never stall the event loop.
         self._io = ThreadPoolExecutor(16, thread_name_prefix="dsec-fs")
+        self.network = WiredSandboxes(f"{edge_id}/", self._io)
 
     async def prepare(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -73,8 +72,7 @@ class ContainerSubstrate(Substrate):
         if self.default_runtime == "crun":
             cgroups.prepare_hybrid_host()
         self._agent_binary = await asyncio.to_thread(agent_binary)
-        self._wired = await asyncio.to_thread(self.wiring.owned, f"{self.edge_id}/")
-        await asyncio.to_thread(self.wiring.sweep)
+        await self.network.recover()
 
     async def close(self) -> None:
         cgroups.remove_parent_if_unused(self.cgroup_parent)
@@ -134,23 +132,19 @@ class ContainerSubstrate(Substrate):
         if egress is not None and runtime.get("runtime") == "runsc":
             raise NotSupported("network policies need a runtime that uses the host kernel's "
                                "network stack (crun or runc), not runsc")
-        async with self._net_lock(sandbox_id):  # one change at a time per sandbox
-            loop = asyncio.get_running_loop()
-            slot = self._wired.get(sandbox_id)
-            if egress is None:
-                if slot is not None:
-                    await loop.run_in_executor(self._io, self.wiring.detach, slot)
-                    del self._wired[sandbox_id]
-                return
-            if slot is None:
-                netns = self._netns(sandbox_id, runtime)
-                try:
-                    slot = await loop.run_in_executor(self._io, self.wiring.attach,
-                                                      f"{self.edge_id}/{sandbox_id}", netns)
-                finally:
-                    os.close(netns)
-                self._wired[sandbox_id] = slot
-            await loop.run_in_executor(self._io, self.wiring.apply, slot, egress)
+
+        async def wire() -> Slot:
+            netns = self._netns(sandbox_id, runtime)
+            try:
+                return await self.network.run(self.network.wiring.attach,
+                                              self.network.owner(sandbox_id), netns)
+            finally:
+                os.close(netns)
+
+        async def unwire(slot: Slot) -> None:
+            await self.network.run(self.network.wiring.detach, slot)
+
+        await self.network.set(sandbox_id, egress, wire, unwire)
 
     def _netns(self, sandbox_id: str, runtime: dict[str, Any]) -> int:
         """An fd on the sandbox's network namespace. Its init must still be alive once the
@@ -166,8 +160,6 @@ class ContainerSubstrate(Substrate):
                                sandbox_id=sandbox_id)
         return fd
 
-    def _net_lock(self, sandbox_id: str) -> asyncio.Lock:
-        return self._net_locks.setdefault(sandbox_id, asyncio.Lock())
 
     def _bundle(self, plan: StartPlan, d: Path) -> None:
         """The OCI bundle: the overlay rootfs and config.json (in a worker thread)."""
@@ -214,12 +206,7 @@ class ContainerSubstrate(Substrate):
         for runtime in RUNTIMES:
             if (self.runtime_root / runtime / sandbox_id).exists():
                 await spawn.run([*self._runtime_cmd(runtime), "delete", "--force", sandbox_id])
-        async with self._net_lock(sandbox_id):
-            slot = self._wired.pop(sandbox_id, None)
-            if slot is not None:
-                await asyncio.get_running_loop().run_in_executor(self._io, self.wiring.detach,
-                                                                 slot)
-        self._net_locks.pop(sandbox_id, None)
+        await self.network.remove(sandbox_id)
         await asyncio.get_running_loop().run_in_executor(self._io, self._teardown, sandbox_id, d)
 
     def _teardown(self, sandbox_id: str, d: Path) -> None:
@@ -238,7 +225,7 @@ class ContainerSubstrate(Substrate):
                 ids.update(p.name for p in rt.iterdir() if p.is_dir())
         ids.update(cgroups.sandbox_cgroups(self.cgroup_parent))
         ids.update(m.relative_to(self.root).parts[0] for m in _mounts_under(self.root))
-        ids.update(self._wired)
+        ids.update(self.network.ids())
         return ids
 
 

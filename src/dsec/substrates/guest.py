@@ -4,7 +4,8 @@ The initramfs holds busybox (static), the kernel modules the guest needs (the De
 kernel builds virtio, erofs and overlayfs as modules), the dsec agent and ``/init``. The init
 mounts the image's read-only EROFS layers (one virtio disk each) under an overlay whose
 writable layer is the sandbox's own ext4 disk, then becomes the agent (``switch_root`` +
-``exec``), listening on TCP: the edge reaches it through QEMU's loopback port forward.
+``exec``), listening on TCP: the edge reaches it through QEMU's loopback port forward, on the
+NIC the init names ``agent0``; ``eth0`` is the NIC network policies use (``vmnet.py``).
 
 Disks are found by their virtio serial (``layer0`` .. ``layerN-1``, ``rw``), not by probe order.
 Built artefacts (the initramfs, and the kernel unpacked for PVH entry) are cached under
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from ..agent.build import agent_binary
 from ..client.errors import NotSupported
+from .vmnet import AGENT_MAC, GUEST_BUSYBOX, POLICY_MAC
 
 AGENT_PORT = 7000  # inside the guest
 GUEST_IP = "10.0.2.15/24"  # QEMU user networking's fixed guest address; no route beyond its subnet
@@ -72,12 +74,21 @@ mount -t overlay overlay -o "lowerdir=$lower,upperdir=/rw/upper,workdir=/rw/work
 for d in proc sys dev tmp work .dsec; do mkdir -p /newroot/$d; done
 mount -t tmpfs -o mode=0755 dsec /newroot/.dsec
 cp /dsec-agent /newroot/.dsec/agent
+cp /bin/busybox /newroot@GUEST_BUSYBOX@
 mkdir /newroot/.dsec/run
 mount -o remount,ro /newroot/.dsec
 mount -t tmpfs -o mode=0700 run /newroot/.dsec/run
+nic() {  # the interface whose MAC address is $1
+  for a in /sys/class/net/*/address; do
+    [ "$(cat $a)" = "$1" ] && { n=${a%/address}; echo ${n##*/}; return; }
+  done
+  fail "no network interface with MAC $1"
+}
+ip link set "$(nic @AGENT_MAC@)" name agent0
+ip link set "$(nic @POLICY_MAC@)" name eth0
 ip link set lo up
-ip link set eth0 up
-ip addr add @GUEST_IP@ dev eth0
+ip link set agent0 up
+ip addr add @GUEST_IP@ dev agent0
 hostname "$(arg hostname)"
 for fs in proc sys dev; do
   mount --move /$fs /newroot/$fs || fail "the image has no /$fs directory to mount on"
@@ -85,7 +96,7 @@ done
 mkdir -p /newroot/dev/pts /newroot/dev/shm
 mount -t devpts devpts /newroot/dev/pts
 mount -t tmpfs -o mode=1777 shm /newroot/dev/shm
-exec switch_root /newroot /.dsec/agent --listen tcp:@AGENT_PORT@
+exec switch_root /newroot /.dsec/agent --listen tcp:@AGENT_ADDRESS@:@AGENT_PORT@
 """
 
 
@@ -115,8 +126,9 @@ def guest_boot() -> GuestBoot:
     release = kernel.name.removeprefix("vmlinuz-")
     modules = _module_files(Path("/lib/modules") / release)
     agent = agent_binary()
-    init = (INIT.replace("@GUEST_IP@", GUEST_IP)
-            .replace("@AGENT_PORT@", str(AGENT_PORT)))
+    init = (INIT.replace("@GUEST_IP@", GUEST_IP).replace("@GUEST_BUSYBOX@", GUEST_BUSYBOX)
+            .replace("@AGENT_MAC@", AGENT_MAC).replace("@POLICY_MAC@", POLICY_MAC)
+            .replace("@AGENT_ADDRESS@", GUEST_IP.split("/")[0]).replace("@AGENT_PORT@", str(AGENT_PORT)))
     digest = hashlib.sha256()
     for part in (b"initramfs+pvh", kernel.read_bytes(), BUSYBOX.read_bytes(), agent.read_bytes(), init.encode(),
                  *(f"{name}\0".encode() + path.read_bytes() for name, path in modules)):

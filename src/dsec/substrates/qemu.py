@@ -10,6 +10,8 @@ OOM counts, and the proof of ownership of a stored pid.
 
 The agent is reached over TCP: QEMU user networking with ``restrict=on`` (the guest can reach
 nothing outside) forwards one loopback port of the host to the agent's port in the guest.
+Network policies use a second NIC, connected to the host only while a policy is set
+(``vmnet.py``); QEMU's QMP socket, ``qmp.sock``, is how it is plugged in and out.
 Acceleration is KVM, or TCG (full emulation: slower, still a hardware-level VM boundary) by
 choice; KVM without ``/dev/kvm`` is refused, never replaced by something unisolated.
 """
@@ -17,6 +19,7 @@ choice; KVM without ``/dev/kvm`` is refused, never replaced by something unisola
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 import secrets
@@ -29,7 +32,10 @@ from typing import Any, Callable
 from ..agent.client import AgentClient, AgentError, AgentUnavailable
 from ..client.errors import InvalidRequest, NotSupported, SandboxError
 from ..client.models import CreateRequest
-from . import cgroups, spawn, vmsnapshot
+from ..network.policy import Egress
+from ..network.wired import WiredSandboxes
+from ..network.wiring import Slot
+from . import cgroups, spawn, vmnet, vmsnapshot
 from .base import StartPlan, Substrate
 from .guest import AGENT_PORT, GuestBoot, guest_boot, host_tsc_khz
 from .pidwatch import PidWatch
@@ -51,6 +57,7 @@ class QemuSubstrate(Substrate):
     disk_device: str
     net_device: str
     pvh: bool  # enter the uncompressed kernel directly instead of through firmware
+    network_policies = True
 
     def __init__(self, state_dir: Path, edge_id: str, accel: str = "kvm",
                  kvm_device: Path = Path("/dev/kvm"), snapshots: bool = False) -> None:
@@ -63,9 +70,12 @@ class QemuSubstrate(Substrate):
         self.cgroup_parent = f"/dsec-{edge_id}-{self.name}"
         self._pids = PidWatch(self.cgroup_parent)
         self._boot: GuestBoot | None = None
+        # not "<edge>/": that prefix is the container substrate's, whose links these are not
+        self.network = WiredSandboxes(f"{self.name}@{edge_id}/")
 
     async def prepare(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
+        await self.network.recover()
 
     async def close(self) -> None:
         cgroups.remove_parent_if_unused(self.cgroup_parent)
@@ -105,8 +115,7 @@ class QemuSubstrate(Substrate):
         if self.snapshots:
             template = await self._template(plan, boot, d)
             await vmsnapshot.overlay(template, d / "disk.qcow2")
-            disk, extra = (d / "disk.qcow2", "qcow2"), ["-incoming", f"exec:cat {template / 'state.bin'}",
-                                                         "-qmp", f"unix:{d / 'qmp.sock'},server=on,wait=off"]
+            disk, extra = (d / "disk.qcow2", "qcow2"), ["-incoming", f"exec:cat {template / 'state.bin'}"]
         else:
             await _mkfs(d / "disk.ext4", plan.request.disk_mb)
             disk, extra = (d / "disk.ext4", "raw"), []
@@ -166,13 +175,11 @@ class QemuSubstrate(Substrate):
             scratch = vmsnapshot.scratch_for(target)
             try:
                 await _mkfs(scratch / "disk.ext4", req.disk_mb)
-                qmp = scratch / "qmp.sock"
-                pid, port = await self._launch(plan, boot, scratch, (scratch / "disk.ext4", "raw"),
-                                               ["-qmp", f"unix:{qmp},server=on,wait=off"])
+                pid, port = await self._launch(plan, boot, scratch, (scratch / "disk.ext4", "raw"), [])
                 (d / "template.pid").write_text(str(pid))
                 try:
                     await self._wait_for_agent(lambda: _is_our_qemu(pid, plan.sandbox_id), port, scratch)
-                    await vmsnapshot.save(qmp, scratch / "state.bin")
+                    await vmsnapshot.save(scratch / "qmp.sock", scratch / "state.bin")
                 finally:
                     if _is_our_qemu(pid, plan.sandbox_id):
                         os.kill(pid, 9)
@@ -199,13 +206,13 @@ class QemuSubstrate(Substrate):
                 "-kernel", str(boot.pvh_kernel if self.pvh and boot.pvh_kernel else boot.kernel),
                 "-initrd", str(boot.initramfs), "-append", cmdline,
                 "-serial", f"file:{d / 'console.log'}",
+                "-qmp", f"unix:{d / 'qmp.sock'},server=on,wait=off",
                 "-daemonize", "-pidfile", str(d / "qemu.pid")]
         disks = [(layer.path, "raw", f"layer{i}", "on") for i, layer in enumerate(layers)]
         for i, (path, fmt, serial, readonly) in enumerate([*disks, (*disk, "rw", "off")]):
             argv += ["-drive", f"id=d{i},file={path},format={fmt},if=none,readonly={readonly}",
                      "-device", f"{self.disk_device},drive=d{i},serial={serial}"]
-        return argv + ["-netdev", f"user,id=n0,restrict=on,hostfwd=tcp:127.0.0.1:{port}-:{AGENT_PORT}",
-                       "-device", f"{self.net_device},netdev=n0"]
+        return argv + vmnet.nic_args(self.net_device, port, AGENT_PORT)
 
     async def _wait_for_agent(self, alive: Callable[[], bool], port: int, d: Path,
                               booting: bool = True) -> None:
@@ -268,11 +275,37 @@ class QemuSubstrate(Substrate):
         """Host OOM kills of QEMU; the guest kernel's own OOM kills are inside the VM."""
         return cgroups.oom_kills(self.cgroup_parent, sandbox_id)
 
+    # network
+    async def set_network(self, sandbox_id: str, runtime: dict[str, Any],
+                          egress: Egress | None) -> None:
+        qmp, agent = self._dir(sandbox_id) / "qmp.sock", self.agent(sandbox_id, runtime)
+
+        async def wire() -> Slot:
+            slot = await self.network.run(self.network.wiring.attach_tap,
+                                          self.network.owner(sandbox_id))
+            try:
+                await vmnet.plug(qmp, slot)
+                await vmnet.configure_guest(agent, slot)
+            except BaseException:
+                with contextlib.suppress(SandboxError):  # QEMU may hold the tap, or be gone
+                    await vmnet.unplug(qmp)
+                await self.network.run(self.network.wiring.detach, slot)
+                raise
+            return slot
+
+        async def unwire(slot: Slot) -> None:
+            await vmnet.unplug(qmp)
+            await self.network.run(self.network.wiring.detach, slot)
+            await vmnet.configure_guest(agent, None)
+
+        await self.network.set(sandbox_id, egress, wire, unwire)
+
     # teardown
     async def destroy(self, sandbox_id: str) -> None:
         self._pids.forget(sandbox_id)
         d = self._dir(sandbox_id)
         await asyncio.to_thread(self._teardown, sandbox_id, d)
+        await self.network.remove(sandbox_id)  # QEMU is gone: its tap goes with the rules
 
     def _teardown(self, sandbox_id: str, d: Path) -> None:
         """Kill QEMU (through its cgroup, or its pid file if it never got one; also a
@@ -290,7 +323,7 @@ class QemuSubstrate(Substrate):
 
     async def leftovers(self) -> set[str]:
         ids = {p.name for p in self.root.iterdir()} if self.root.exists() else set()
-        return ids | set(cgroups.sandbox_cgroups(self.cgroup_parent))
+        return ids | set(cgroups.sandbox_cgroups(self.cgroup_parent)) | self.network.ids()
 
 
 def _cpus(req: CreateRequest) -> int:
