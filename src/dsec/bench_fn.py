@@ -4,7 +4,12 @@
   ``subprocess.run([python3, "-c", "1"])`` on the host, alternating batches;
 - throughput (calls per second) of ``client.map`` at several concurrencies, against the same
   subprocess run from as many threads;
-- ``run_code`` of a python program, against the subprocess.
+- ``run_code`` of a python program, against the subprocess;
+- fn *sandboxes* against container sandboxes of the same image, in the same server:
+  create-to-first-output (``create`` + ``stream("echo hi")``), exec round trip of ``true`` in
+  a running one, and memory per idle sandbox (its memory cgroup's charge: the worker's for
+  fn; and the PSS of an fn sandbox's init) with how many such idle fn sandboxes fit, at most,
+  in this host's available memory.
 """
 
 from __future__ import annotations
@@ -21,9 +26,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from .bench import BENCH_ROOT, Sample, bench_server, compare, phase, report
+from .bench import (BENCH_ROOT, Created, Sample, _run_true, bench_server, compare, idle_memory,
+                    phase, report)
+from .bench_vm import IDLE_SETTLE_S, _mem_available_mb, _stop
 from .client.aio import DSecClient
 from .images.store import ImageStore
+from .store.sqlite import StateStore
 
 IMAGE = "python-3.11"
 PYTHON = shutil.which("python3") or "/usr/bin/python3"
@@ -68,14 +76,95 @@ async def _throughput(client: DSecClient, n: int, concurrency: int) -> tuple[flo
     return ours, base
 
 
+class FnCreated(Created):
+    """Created fn sandboxes, with their workers' memory cgroups."""
+
+    def __init__(self, created: Created, state: Path) -> None:
+        super().__init__(created.client, substrate="fn", image=IMAGE)
+        self.state = state
+
+    def idle_memory(self) -> list[float]:
+        """MB charged to each sandbox's worker memory cgroup (the agent, its tmpfs, page
+        tables), found from the worker's host pid."""
+        values = []
+        for pid in self._pids():
+            for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+                _, controllers, path = line.split(":", 2)
+                if "memory" in controllers.split(","):
+                    usage = Path("/sys/fs/cgroup/memory") / path.lstrip("/") / "memory.usage_in_bytes"
+                    values.append(int(usage.read_text()) / 1e6)
+        return values
+
+    def init_pss(self) -> list[float]:
+        """PSS in MB of each sandbox's init (the agent the worker exec'd)."""
+        values = []
+        for pid in self._pids():
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    values.append(int(line.split()[1]) / 1024)
+        return values
+
+    def _pids(self) -> list[int]:
+        """Host pids of the sandboxes' workers, as the server recorded them."""
+        store = StateStore(self.state / "state.db")
+        try:
+            return [store.get_sandbox(sb.id).runtime["pid"] for sb in self.sandboxes]
+        finally:
+            store.close()
+
+
+async def sandbox_series(console: Console, containers: Created, state: Path,
+                         n_create: int, n_exec: int, n_idle: int) -> list[Sample]:
+    """fn sandboxes against container sandboxes of the same image, alternating batches."""
+    fns = FnCreated(containers, state)
+    samples: list[Sample] = []
+    try:
+        await containers.first_output()  # warm-up: agent binary, layer mounts, page cache
+        await fns.first_output()
+        await _stop(containers, fns)
+        with phase(console, f"fn sandbox create-to-first-output, {n_create} one at a time"):
+            samples += await compare(Sample("container create: first output", []),
+                                     containers.first_output,
+                                     Sample("fn sandbox create: first output", []),
+                                     fns.first_output, 5, n_create // 5,
+                                     between=lambda: _stop(containers, fns))
+        with phase(console, f"fn sandbox exec round trip of `true`, {n_exec}"):
+            box = await containers.client.create(image=IMAGE, ttl_s=600)
+            fn = await fns.client.create(substrate="fn", image=IMAGE, ttl_s=600)
+            samples += await compare(Sample("container exec true", []), lambda: _run_true(box),
+                                     Sample("fn sandbox exec true", []), lambda: _run_true(fn),
+                                     20, n_exec // 20)
+            await asyncio.gather(box.stop(), fn.stop())
+        with phase(console, f"memory of {n_idle} idle fn sandboxes and containers"):
+            for _ in range(n_idle):
+                await containers.first_output()
+                await fns.first_output()
+            await asyncio.sleep(IDLE_SETTLE_S)
+            container = Sample("idle container memory cgroup (MB, not ms)", idle_memory(containers))
+            charged = Sample("idle fn sandbox memory cgroup (MB, not ms)", fns.idle_memory(),
+                             baseline=container)
+            pss = Sample("idle fn sandbox init PSS (MB, not ms)", fns.init_pss())
+            # Kernel objects of its namespaces are made before the worker joins its cgroup and
+            # are counted nowhere here: the count is an upper bound.
+            per_sandbox = charged.pct(50) + pss.pct(50)
+            samples += [container, charged, pss,
+                        Sample("idle fn sandboxes that fit in available memory, at most "
+                               "(count, not ms)", [_mem_available_mb() / per_sandbox])]
+    finally:
+        await _stop(containers, fns)
+    return samples
+
+
 async def run(console: Console, quick: bool) -> tuple[list[Sample], list[tuple[int, float, float]]]:
     n_seq, n_tp = (100, 200) if quick else (500, 1000)
+    n_create, n_exec, n_idle = (10, 40, 10) if quick else (20, 200, 50)
     ImageStore().ensure(IMAGE, console=console)
     root = BENCH_ROOT / secrets.token_hex(3)
     samples: list[Sample] = []
     rates = []
     try:
-        async with bench_server(root / "fn", "--warm-pool", "0") as server:
+        state = root / "fn"
+        async with bench_server(state, "--warm-pool", "0") as server:
             client = server.client
             await client.call(lambda: 1, image=IMAGE)  # starts the template and its pool
             await asyncio.sleep(1)
@@ -91,6 +180,8 @@ async def run(console: Console, quick: bool) -> tuple[list[Sample], list[tuple[i
                 with phase(console, f"fn throughput, {n_tp} calls at concurrency {concurrency}"):
                     ours, base = await _throughput(client, n_tp, concurrency)
                     rates.append((concurrency, ours, base))
+            samples += await sandbox_series(console, Created(client, image=IMAGE), state,
+                                            n_create, n_exec, n_idle)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return samples, rates
