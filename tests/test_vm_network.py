@@ -17,7 +17,6 @@ from typing import Iterator
 
 import pytest
 
-import dsec
 from conftest import VM_ACCEL, VM_SUBSTRATES, Server, make_server, stop_server
 from dsec.network.testbed import Destination, make_destination
 from dsec.network.wiring import Slot

@@ -167,14 +167,16 @@ class BareCrun:
 class Created:
     """Sandboxes made by a timed series, stopped after it, outside the timings."""
 
-    def __init__(self, client: DSecClient) -> None:
+    def __init__(self, client: DSecClient, substrate: str = "container", image: str = IMAGE) -> None:
         self.client = client
+        self.substrate = substrate
+        self.image = image
         self.sandboxes: list[AsyncSandbox] = []
 
     async def first_output(self) -> float:
         """ms from asking for a sandbox to the first byte of ``echo hi`` run in it."""
         t0 = time.perf_counter()
-        sb = await self.client.create(image=IMAGE, ttl_s=120)
+        sb = await self.client.create(substrate=self.substrate, image=self.image, ttl_s=120)
         async for chunk in sb.stream("echo hi"):
             elapsed = (time.perf_counter() - t0) * 1000
             if not chunk.data.startswith(b"h"):
@@ -186,7 +188,7 @@ class Created:
     async def wait_warm(self, n: int, timeout_s: float = 120) -> None:
         """Until the server's warm pool holds ``n`` sandboxes."""
         deadline = time.monotonic() + timeout_s
-        while (await self.client.health())["edges"][0]["warm"]["container"].get(IMAGE, 0) < n:
+        while (await self.client.health())["edges"][0]["warm"][self.substrate].get(self.image, 0) < n:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the warm pool did not reach {n} within {timeout_s}s")
             await asyncio.sleep(0.2)
