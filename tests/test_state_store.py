@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
@@ -13,6 +14,7 @@ import pytest
 
 from dsec.store.db import IntegrityError
 from dsec.store.local_postgres import LocalPostgres
+from dsec.store.projects import NameTaken, ProjectStore
 from dsec.store.sqlite import SandboxRow, StateStore
 
 
@@ -65,3 +67,25 @@ def test_postgres_store_reconnects_after_losing_its_connection(local_postgres: L
                       "WHERE datname = current_database() AND pid <> pg_backend_pid()")
     assert store.get_sandbox("sb-e1-a") is not None
     store.close()
+
+
+def test_project_quotas_hold_between_two_servers(store: StateStore) -> None:
+    """Two API servers on one store (as scaled out) share the project quotas: delegation and
+    admission are checked in the database, so racing reservations never overshoot."""
+    a, b = (ProjectStore(store.url, "root", (10, 10_000, 10_000)) for _ in range(2))
+    try:
+        assert a.create("team", "root", (3, 3_000, 3_000))
+        assert not b.create("big", "root", (8, 1_000, 1_000))  # root has 7 sandboxes left
+        with pytest.raises(NameTaken):
+            b.create("team", "root", (1, 1, 1))
+        with ThreadPoolExecutor(8) as pool:
+            taken = list(pool.map(lambda i: (a, b)[i % 2].reserve("team", 100, 100), range(8)))
+        held = [r for r in taken if r is not None]
+        assert len(held) == 3 and b.get("team").used == (3, 300, 300)  # type: ignore[union-attr]
+        assert b.set_quota("team", (2, 3_000, 3_000)) == "team"  # it holds 3: cannot shrink
+        assert a.release(held[0]) and not b.release(held[0])  # given back once
+        assert a.get("team").used == (2, 200, 200)  # type: ignore[union-attr]
+        assert a.get("root").delegated == (3, 3_000, 3_000)  # type: ignore[union-attr]
+    finally:
+        a.close()
+        b.close()
