@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import shutil
@@ -19,6 +20,7 @@ import pytest
 
 import dsec
 from dsec.images.store import ImageStore
+from dsec.network.testbed import Destination, make_destination
 from dsec.store.local_postgres import LocalPostgres
 
 TEST_ROOT = Path("/run/dsec-test")
@@ -148,6 +150,35 @@ async def _sandbox(client: dsec.DSecClient, image: str, memory_mb: int,
         await sb.stop()
     except dsec.DSecError:  # the test stopped it, or it died on purpose
         pass
+
+
+async def warm_count(client: dsec.DSecClient, substrate: str, image: str = "debian-minbase") -> int:
+    """Pooled sandboxes of ``image`` ready on the server's (first) edge."""
+    return (await client.health())["edges"][0]["warm"][substrate].get(image, 0)
+
+
+async def pool_filled(client: dsec.DSecClient, substrate: str, image: str = "debian-minbase",
+                      timeout_s: float = 120) -> None:
+    """Wait until the warm pool holds a sandbox of ``image`` (start it with one create)."""
+    deadline = time.monotonic() + timeout_s
+    while not await warm_count(client, substrate, image):
+        if time.monotonic() > deadline:
+            pytest.fail(f"the {substrate} warm pool of {image} did not fill in {timeout_s:.0f}s")
+        await asyncio.sleep(0.1)
+
+
+DEST_PORTS = (8001, 8002)
+
+
+def _destination() -> Iterator[Destination]:
+    """A test-made network namespace serving DEST_PORTS (network policy tests)."""
+    d = make_destination(DEST_PORTS)
+    yield d
+    d.remove()
+
+
+dest = pytest.fixture(scope="module", name="dest")(_destination)
+other = pytest.fixture(scope="module", name="other")(_destination)  # a second one, apart
 
 
 def skip_on_vms(substrate: str, why: str) -> None:

@@ -20,27 +20,13 @@ from typing import Iterator
 import pytest
 
 import dsec
-from conftest import Server, make_server, stop_server
+from conftest import DEST_PORTS as PORTS
+from conftest import Server, make_server, pool_filled, stop_server
 from dsec.network.hosts import pin_hosts
 from dsec.network.rules import Destination as Rule
 from dsec.network.rules import parse_rule
-from dsec.network.testbed import Destination, make_destination
+from dsec.network.testbed import Destination
 
-PORTS = (8001, 8002)
-
-
-@pytest.fixture(scope="module")
-def dest() -> Iterator[Destination]:
-    d = make_destination(PORTS)
-    yield d
-    d.remove()
-
-
-@pytest.fixture(scope="module")
-def other() -> Iterator[Destination]:
-    d = make_destination(PORTS)
-    yield d
-    d.remove()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -294,10 +280,7 @@ async def test_unresolvable_host_is_refused(net_server: Server) -> None:
 async def test_warm_pool_sandbox_wired_at_claim(net_server: Server, dest: Destination) -> None:
     async with net_server.client() as client:
         await (await client.create(ttl_s=60)).stop()  # the image gets a warm pool
-        deadline = time.monotonic() + 120
-        while not (await client.health())["edges"][0]["warm"]["container"].get("debian-minbase"):
-            assert time.monotonic() < deadline, "the warm pool did not fill"
-            await asyncio.sleep(0.2)
+        await pool_filled(client, "container")
         sb = await client.create(ttl_s=120, network={"testsvc": True})
         try:
             assert await fetch(sb, dest.address, PORTS[0]) == f"hello-{PORTS[0]}"

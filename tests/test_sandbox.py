@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import dsec
-from conftest import VM_SUBSTRATES, image_for, skip_on_vms
+from conftest import VM_SUBSTRATES, image_for, pool_filled, skip_on_vms
 
 
 def _init_pid(sandbox_hostname: str) -> int:
@@ -300,8 +300,7 @@ async def test_warm_pool_sandboxes_run_at_normal_priority(client: dsec.DSecClien
                 "runs at normal priority)")
     image = image_for(substrate)
     await (await client.create(substrate=substrate, image=image, ttl_s=60)).stop()  # its pool fills
-    while not (await client.health())["edges"][0]["warm"][substrate].get(image):
-        await asyncio.sleep(0.05)
+    await pool_filled(client, substrate, image)
     async with await client.create(substrate=substrate, image=image, ttl_s=60, memory_mb=96,
                                    pids=40) as sb:
         name = await _hostname(sb)

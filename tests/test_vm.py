@@ -15,7 +15,8 @@ import pytest
 import dsec
 from dsec.edge.edge import default_edge_id
 from dsec.images.store import ImageStore
-from conftest import VM_ACCEL, VM_SUBSTRATES, Server, make_server, stop_server
+from conftest import (VM_ACCEL, VM_SUBSTRATES, Server, make_server, pool_filled, stop_server,
+                      warm_count)
 
 
 def _traces(server: Server, sandbox_id: str) -> list[str]:
@@ -161,14 +162,9 @@ async def test_vm_warm_pool_hands_out_a_booted_vm_at_normal_priority() -> None:
     try:
         async with srv.client() as client:
             await (await client.create(substrate="microvm", memory_mb=256)).stop()  # pool fills
-            for _ in range(1200):
-                if (await client.health())["edges"][0]["warm"]["microvm"].get("debian-minbase"):
-                    break
-                await asyncio.sleep(0.1)
-            else:
-                pytest.fail("the microvm warm pool never filled")
+            await pool_filled(client, "microvm")
             sb = await client.create(substrate="microvm", memory_mb=256, cpu=0.5)
-            assert not (await client.health())["edges"][0]["warm"]["microvm"].get("debian-minbase")
+            assert not await warm_count(client, "microvm")
             assert (await sb.run("echo warm")).stdout == "warm\n"
             pid = int((srv.state_dir / "vms" / sb.id / "qemu.pid").read_text())
             policies = {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{pid}/task")}

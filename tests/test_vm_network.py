@@ -17,25 +17,12 @@ from typing import Iterator
 
 import pytest
 
-from conftest import VM_ACCEL, VM_SUBSTRATES, Server, make_server, stop_server
-from dsec.network.testbed import Destination, make_destination
+from conftest import (VM_ACCEL, VM_SUBSTRATES, Server, make_server, pool_filled, stop_server,
+                      warm_count)
+from dsec.network.testbed import Destination
 from dsec.network.wiring import Slot
 from dsec.substrates.guest import AGENT_PORT
 from test_network import PORTS, Traces, assert_clean, edge_id, fetch, net_traces, slot_of
-
-
-@pytest.fixture(scope="module")
-def dest() -> Iterator[Destination]:
-    d = make_destination(PORTS)
-    yield d
-    d.remove()
-
-
-@pytest.fixture(scope="module")
-def other() -> Iterator[Destination]:
-    d = make_destination(PORTS)
-    yield d
-    d.remove()
 
 
 @pytest.fixture(scope="module")
@@ -109,15 +96,10 @@ async def test_pooled_restored_microvm_is_wired_at_claim(images, dest: Destinati
         owner = f"microvm@{edge_id(srv)}"
         async with srv.client() as client:
             await (await client.create(substrate="microvm", memory_mb=256)).stop()  # pool fills
-            for _ in range(1200):
-                if (await client.health())["edges"][0]["warm"]["microvm"].get("debian-minbase"):
-                    break
-                await asyncio.sleep(0.1)
-            else:
-                pytest.fail("the microvm warm pool never filled")
+            await pool_filled(client, "microvm")
             sb = await client.create(substrate="microvm", memory_mb=256,
                                      network={"allow": [f"{dest.address}:{PORTS[0]}"]})
-            assert not (await client.health())["edges"][0]["warm"]["microvm"].get("debian-minbase")
+            assert not await warm_count(client, "microvm")
             slot = slot_of(owner, sb.id)
             assert await fetch(sb, dest.address, PORTS[0]) == f"hello-{PORTS[0]}"
             assert await fetch(sb, dest.address, PORTS[1]) is None
