@@ -67,28 +67,34 @@ class Result:
 
 
 class SqliteDatabase(Database):
+    """One connection guarded by a lock, as PostgresDatabase: a transaction of one thread
+    must not take in another thread's statements."""
+
     def __init__(self, path: Path, schema: str) -> None:
         from .sqlite import connect
         self.url = f"sqlite:///{path}"
         self.path = path
+        self._lock = threading.RLock()
         self._db = connect(path, schema)
 
     def execute(self, sql: str, args: Sequence[Any] = ()) -> Result:
-        try:
-            cur = self._db.execute(sql, tuple(args))
-        except sqlite3.IntegrityError as exc:
-            raise IntegrityError(str(exc)) from exc
-        return Result([Row(zip(r.keys(), r)) for r in cur.fetchall()], cur.rowcount)
+        with self._lock:
+            try:
+                cur = self._db.execute(sql, tuple(args))
+            except sqlite3.IntegrityError as exc:
+                raise IntegrityError(str(exc)) from exc
+            return Result([Row(zip(r.keys(), r)) for r in cur.fetchall()], cur.rowcount)
 
     @contextmanager
     def transaction(self) -> Iterator[None]:
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            yield
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
 
     def close(self) -> None:
         self._db.close()
