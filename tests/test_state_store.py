@@ -41,9 +41,10 @@ def test_sandbox_rows_keys_and_events(store: StateStore) -> None:
     store.insert_sandbox(row("sb-e2-b", edge="e2"))
     with pytest.raises(IntegrityError):
         store.insert_sandbox(row("sb-e1-a"))
-    store.mark_running("sb-e1-a", {"pid": 42})
+    store.mark_running("sb-e1-a", {"pid": 42}, 1e10)
     got = store.get_sandbox("sb-e1-a")
     assert got is not None and got.state == "running" and got.runtime == {"pid": 42}
+    assert got.expires_at == 1e10
     assert abs(got.created_at - time.time()) < 600  # full float precision, not REAL(4)
     store.mark_ended("sb-e1-a", "died", "first")
     store.mark_ended("sb-e1-a", "stopped", "second")  # the first recorded end wins

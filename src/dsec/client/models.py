@@ -75,7 +75,8 @@ class CreateRequest(_Model):
     memory_mb: int = Field(512, ge=32, le=1 << 20)
     pids: int = Field(512, ge=16, le=1 << 16, description="maximum number of processes")
     disk_mb: int = Field(DEFAULT_DISK_MB, ge=16, le=1 << 20, description="size of the writable layer")
-    ttl_s: int = Field(600, ge=1, le=7 * 86400)
+    ttl_s: int = Field(600, ge=1, le=7 * 86400,
+                       description="lifetime in seconds, counted from when it is running")
     network: Network = Field("none", description="'none' (loopback only, the default) or a "
                                                  "NetworkPolicy (egress allowlist)")
     env: dict[str, str] = Field(default_factory=dict)

@@ -205,7 +205,8 @@ class Edge:
                 await substrate.destroy(row.id)
             raise
         row.state = "running"
-        self.store.mark_running(row.id, row.runtime)
+        row.expires_at = time.time() + req.ttl_s  # the TTL counts from when it can serve
+        self.store.mark_running(row.id, row.runtime, row.expires_at)
         return row
 
     async def _claim(self, substrate: Substrate, req: CreateRequest, pooled: Pooled,

@@ -107,9 +107,9 @@ class StateStore:
              row.ended_at, row.reason),
         )
 
-    def mark_running(self, sandbox_id: str, runtime: dict[str, Any]) -> None:
-        self._db.execute("UPDATE sandboxes SET state='running', runtime=? WHERE id=?",
-                         (json.dumps(runtime), sandbox_id))
+    def mark_running(self, sandbox_id: str, runtime: dict[str, Any], expires_at: float) -> None:
+        self._db.execute("UPDATE sandboxes SET state='running', runtime=?, expires_at=? WHERE id=?",
+                         (json.dumps(runtime), expires_at, sandbox_id))
 
     def mark_ended(self, sandbox_id: str, state: str, reason: str) -> None:
         """Record the end of a sandbox once; the first recorded reason wins."""
