@@ -27,6 +27,15 @@ def _init_pid(sandbox_hostname: str) -> int:
     raise AssertionError(f"no init process for {sandbox_hostname}")
 
 
+def _cgroup_file(controller: str, sandbox_hostname: str, name: str) -> Path:
+    """A sandbox's cgroup file. os.walk, not a recursive glob: other sandboxes' cgroups (fn
+    workers) come and go during the walk, and a glob fails on a directory that vanished."""
+    found = [Path(d) / name for d, _, _ in os.walk(f"/sys/fs/cgroup/{controller}")
+             if "/dsec-" in d and os.path.basename(d) == sandbox_hostname]
+    assert len(found) == 1, found
+    return found[0]
+
+
 async def _hostname(sb: dsec.AsyncSandbox) -> str:
     """Both substrates name a sandbox's cgroup after its hostname (container: the sandbox id)."""
     return (await sb.run("cat /proc/sys/kernel/hostname")).stdout.strip()
@@ -204,7 +213,7 @@ async def test_fork_bomb_hits_pids_limit(client: dsec.DSecClient, substrate: str
             await sb.run("bomb() { bomb | bomb & }; bomb; sleep 1", timeout_s=5)
         except dsec.CommandTimeout:
             pass
-        (events,) = Path("/sys/fs/cgroup/pids").glob(f"dsec-*/**/{name}/pids.events")
+        events = _cgroup_file("pids", name, "pids.events")
         refused_forks = int(events.read_text().split()[1])
         assert refused_forks > 0  # the kernel refused forks at the limit...
         assert (await sb.run("echo still here")).stdout == "still here\n"  # ...and we live
@@ -308,7 +317,6 @@ async def test_warm_pool_sandboxes_run_at_normal_priority(client: dsec.DSecClien
         # with the limits asked for.
         r = await sb.run("grep -h '^policy' /proc/1/sched /proc/self/sched")
         assert [line.split()[-1] for line in r.stdout.splitlines()] == ["0", "0"]  # SCHED_OTHER
-        limits = Path("/sys/fs/cgroup")
-        (mem,) = limits.glob(f"memory/dsec-*/**/{name}/memory.limit_in_bytes")
-        (pids,) = limits.glob(f"pids/dsec-*/**/{name}/pids.max")
+        mem = _cgroup_file("memory", name, "memory.limit_in_bytes")
+        pids = _cgroup_file("pids", name, "pids.max")
         assert int(mem.read_text()) == 96 << 20 and pids.read_text().strip() == "40"
