@@ -37,6 +37,7 @@ class Member:
     sandboxes: dict[str, int] = field(default_factory=dict)
     pid: int | None = None  # of the edge actor's process, as last reported
     dead: asyncio.Event = field(default_factory=asyncio.Event)
+    error: str | None = None  # why it last failed to report, logged once per change
 
 
 def ensure_edge(node: dict[str, Any], settings: EdgeSettings) -> Any:
@@ -136,8 +137,12 @@ class Members:
         except Exception as exc:  # unreachable for now: no placements until it answers again
             if member.load is not None:
                 member.load.healthy = False
-            log.debug("edge %s did not report: %s", member.edge, exc)
+            error = "no answer in time" if isinstance(exc, asyncio.TimeoutError) else repr(exc)
+            if error != member.error:  # an edge that cannot start says why, once
+                log.warning("edge %s did not report: %s", member.edge, error)
+            member.error = error
             return
+        member.error = None
         member.load = EdgeLoad(edge=member.edge, load=status["load"], capacity=status["capacity"],
                                substrates=status["substrates"], images=status["images"],
                                asked_at=asked_at)
