@@ -27,7 +27,7 @@ import time
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 import httpx
 from rich.console import Console
@@ -167,23 +167,28 @@ class BareCrun:
 class Created:
     """Sandboxes made by a timed series, stopped after it, outside the timings."""
 
-    def __init__(self, client: DSecClient, substrate: str = "container", image: str = IMAGE) -> None:
+    def __init__(self, client: DSecClient, substrate: str = "container", image: str = IMAGE,
+                 **options: Any) -> None:
+        """``options``: more of ``create``'s arguments, for every sandbox of the series."""
         self.client = client
         self.substrate = substrate
         self.image = image
+        self.options = {"ttl_s": 120, **options}
         self.sandboxes: list[AsyncSandbox] = []
 
-    async def first_output(self) -> float:
-        """ms from asking for a sandbox to the first byte of ``echo hi`` run in it."""
+    async def first_output(self, **options: Any) -> float:
+        """ms from asking for a sandbox (``options`` on top of the series') to the first byte
+        of ``echo hi`` run in it."""
         t0 = time.perf_counter()
-        sb = await self.client.create(substrate=self.substrate, image=self.image, ttl_s=120)
+        sb = await self.client.create(**{"substrate": self.substrate, "image": self.image,
+                                         **self.options, **options})
+        self.sandboxes.append(sb)
         async for chunk in sb.stream("echo hi"):
             elapsed = (time.perf_counter() - t0) * 1000
             if not chunk.data.startswith(b"h"):
                 raise RuntimeError(f"unexpected output {chunk.data!r}")
-            break
-        self.sandboxes.append(sb)
-        return elapsed
+            return elapsed
+        raise RuntimeError("no output")
 
     async def wait_warm(self, n: int, timeout_s: float = 120) -> None:
         """Until the server's warm pool holds ``n`` sandboxes."""

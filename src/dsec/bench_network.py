@@ -15,6 +15,7 @@ outside address is involved and no uplink is switched to forwarding.
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import shutil
@@ -37,17 +38,7 @@ VM = {"substrate": "microvm", "memory_mb": 256}
 
 def first_output(created: Created, network: Any, **create: Any) -> Callable[[], Awaitable[float]]:
     """``Created.first_output`` for a create with ``network`` (and ``create``'s options)."""
-    async def run() -> float:
-        t0 = time.perf_counter()
-        sb = await created.client.create(image=IMAGE, ttl_s=120, network=network, **create)
-        async for chunk in sb.stream("echo hi"):
-            elapsed = (time.perf_counter() - t0) * 1000
-            if not chunk.data.startswith(b"h"):
-                raise RuntimeError(f"unexpected output {chunk.data!r}")
-            break
-        created.sandboxes.append(sb)
-        return elapsed
-    return run
+    return functools.partial(created.first_output, network=network, **create)
 
 
 def timed(call: Callable[[], Awaitable[Any]]) -> Callable[[], Awaitable[float]]:

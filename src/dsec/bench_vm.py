@@ -18,16 +18,14 @@ import json
 import os
 import secrets
 import shutil
-import time
 from pathlib import Path
 
 from rich.console import Console
 
-from .bench import Created, Sample, _run_true, bench_server, compare, idle_memory, phase, report
+from .bench import (BENCH_ROOT, IMAGE, Created, Sample, _run_true, bench_server, compare,
+                    idle_memory, phase, report)
 from .images.store import ImageStore
 
-IMAGE = "debian-minbase"
-BENCH_ROOT = Path("/run/dsec-bench")
 IDLE_SETTLE_S = 3.0  # let a fresh guest finish its boot-time work before reading memory
 
 
@@ -35,19 +33,8 @@ class VMCreated(Created):
     """Created sandboxes of one substrate, with their QEMU processes' memory."""
 
     def __init__(self, created: Created, substrate: str, state: Path) -> None:
-        super().__init__(created.client)
-        self.substrate = substrate
+        super().__init__(created.client, substrate, memory_mb=256, ttl_s=600)
         self.state = state
-
-    async def first_output(self) -> float:
-        t0 = time.perf_counter()
-        sb = await self.client.create(substrate=self.substrate, image=IMAGE, memory_mb=256, ttl_s=600)
-        self.sandboxes.append(sb)
-        async for chunk in sb.stream("echo hi"):
-            if not chunk.data.startswith(b"h"):
-                raise RuntimeError(f"unexpected output {chunk.data!r}")
-            return (time.perf_counter() - t0) * 1000
-        raise RuntimeError("no output")
 
     def qemu_memory(self) -> tuple[list[float], list[float]]:
         """(PSS, RSS) in MB of each live sandbox's QEMU."""
