@@ -29,7 +29,8 @@ CAPABILITIES = [
 DENIED_SYSCALLS = [
     "acct", "add_key", "bpf", "clock_adjtime", "clock_settime", "create_module",
     "delete_module", "finit_module", "fsconfig", "fsmount", "fsopen", "fspick",
-    "get_kernel_syms", "init_module", "ioperm", "iopl", "kcmp",
+    "get_kernel_syms", "init_module", "io_uring_enter", "io_uring_register", "io_uring_setup",
+    "ioperm", "iopl", "kcmp",
     "kexec_file_load", "kexec_load", "keyctl", "lookup_dcookie", "mount",
     "mount_setattr", "move_mount", "move_pages", "name_to_handle_at", "nfsservctl",
     "open_by_handle_at", "open_tree", "perf_event_open", "pivot_root",
@@ -38,6 +39,18 @@ DENIED_SYSCALLS = [
     "swapon", "syslog", "umount2", "unshare", "uselib", "userfaultfd", "ustat",
     "vhangup",
 ]
+# /proc and /sys files that show the host kernel's internals (DSec's kernel crash came from a
+# recursive grep reading /proc/kpagecgroup): masked on every substrate that shares the kernel.
+MASKED_PATHS = [
+    "/proc/acpi", "/proc/asound", "/proc/config.gz", "/proc/kallsyms", "/proc/kcore",
+    "/proc/keys", "/proc/kmsg", "/proc/kpagecgroup", "/proc/kpagecount", "/proc/kpageflags",
+    "/proc/latency_stats", "/proc/sched_debug", "/proc/scsi", "/proc/slabinfo",
+    "/proc/timer_list", "/proc/timer_stats", "/proc/vmallocinfo", "/proc/pagetypeinfo",
+    "/sys/firmware", "/sys/devices/virtual/powercap", "/sys/kernel/debug",
+]
+# Host-global kernel settings under /proc: readable, never writable from a sandbox.
+READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
+
 # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET
 CLONE_NAMESPACE_FLAGS = (0x20000, 0x2000000, 0x4000000, 0x8000000, 0x10000000, 0x20000000,
                          0x40000000)
@@ -119,13 +132,7 @@ def container_config(
             },
             "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
             "seccomp": seccomp_profile(),
-            "maskedPaths": [
-                "/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
-                "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi",
-                "/sys/firmware", "/sys/devices/virtual/powercap",
-            ],
-            "readonlyPaths": [
-                "/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger",
-            ],
+            "maskedPaths": MASKED_PATHS,
+            "readonlyPaths": READONLY_PATHS,
         },
     }
