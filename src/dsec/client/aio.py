@@ -585,12 +585,16 @@ class DSecClient:
     # fn substrate: calls into pre-warmed, jailed workers (see docs/FN.md)
     async def call(self, fn: Callable[..., V], *args: Any, substrate: str = "fn",
                    image: str = fn_calls.DEFAULT_IMAGE, timeout_s: float = 60.0,
-                   kwargs: dict[str, Any] | None = None) -> V:
+                   kwargs: dict[str, Any] | None = None, trusted_result: bool = False) -> V:
         """``fn(*args, **kwargs)`` in a fresh jailed worker of ``image``; its return value.
         Raises ``RemoteError`` (``remote_type``, ``traceback``) if it raised,
-        ``CommandTimeout`` past ``timeout_s``, ``SandboxDied`` if the worker died (OOM, signal)."""
+        ``CommandTimeout`` past ``timeout_s``, ``SandboxDied`` if the worker died (OOM, signal).
+        The value must be plain data (None, bool, int, float, str, bytes, list, tuple, dict,
+        set), else ``ResultRefused``: the code in the call shapes its result's pickle.
+        ``trusted_result=True`` unpickles any value, running what the pickle names in this
+        process: only for calls that run no code you do not trust (see docs/FN.md)."""
         fn_calls.check_substrate(substrate)
-        return await fn_calls.call(self._t, fn, args, kwargs or {}, image, timeout_s)
+        return await fn_calls.call(self._t, fn, args, kwargs or {}, image, timeout_s, trusted_result)
 
     async def run_code(self, language: fn_calls.Language, code: str, *, stdin: str = "",
                        image: str = fn_calls.DEFAULT_IMAGE, timeout_s: float = 10.0,
@@ -606,9 +610,11 @@ class DSecClient:
 
     async def map(self, fn: Callable[..., V], items: Iterable[Any], *, concurrency: int = 16,
                   substrate: str = "fn", image: str = fn_calls.DEFAULT_IMAGE,
-                  timeout_s: float = 60.0, return_exceptions: bool = False) -> builtins.list[Any]:
+                  timeout_s: float = 60.0, return_exceptions: bool = False,
+                  trusted_result: bool = False) -> builtins.list[Any]:
         """``[fn(item) for item in items]``, each in its own worker, ``concurrency`` at a
-        time, in order. With ``return_exceptions`` a failed item is its typed error."""
+        time, in order. With ``return_exceptions`` a failed item is its typed error.
+        Results are decoded as in ``call`` (``trusted_result``)."""
         fn_calls.check_substrate(substrate)
         return await fn_calls.map_calls(self._t, fn, items, concurrency, image, timeout_s,
-                                        return_exceptions)
+                                        return_exceptions, trusted_result)

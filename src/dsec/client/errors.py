@@ -168,6 +168,14 @@ class RemoteError(DSecError):
         return str(self.details.get("traceback", ""))
 
 
+class ResultRefused(DSecError):
+    """An fn call's result is not plain data (or is too big to decode safely), and the caller
+    did not opt in to unpickling it (``trusted_result=True``); ``details["reason"]`` says why.
+    Raised by the SDK: nothing of the result was imported or called."""
+
+    code, status = "result_refused", 422
+
+
 ERRORS: dict[str, type[DSecError]] = {
     cls.code: cls
     for cls in (
@@ -198,6 +206,7 @@ ERRORS: dict[str, type[DSecError]] = {
         QuotaExceeded,
         DelegationExceeded,
         RemoteError,
+        ResultRefused,
     )
 }
 

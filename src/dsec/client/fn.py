@@ -2,8 +2,10 @@
 ``POST /v1/call``), ``run_code`` for OJ-style checks (``POST /v1/run_code``), and ``map``.
 
 A call's body is ``cloudpickle.dumps((fn, args, kwargs))`` and its answer the pickled return
-value: the caller unpickles what its function returned, so only call functions whose results
-you would unpickle anyway (the sandbox runs the code; the caller trusts its result's pickle).
+value. That pickle is made by the code that ran in the call (a grader's, and the model code
+it runs), so it is decoded as plain data by default (``plain.loads``: builtin values only,
+nothing imported or called, sizes capped); ``trusted_result=True`` unpickles it fully, for
+callers whose calls run no code they do not trust.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any, Callable, Iterable, Literal
 import cloudpickle
 from pydantic import Field
 
+from . import plain
 from .errors import DSecError, NotSupported
 from .models import DEFAULT_MAX_OUTPUT, _Model
 from .transport import Transport
@@ -84,12 +87,12 @@ _INSTALLED = {Path(sysconfig.get_paths()[k]).resolve()
 
 
 async def call(transport: Transport, fn: Callable[..., Any], args: tuple[Any, ...],
-               kwargs: dict[str, Any], image: str, timeout_s: float) -> Any:
+               kwargs: dict[str, Any], image: str, timeout_s: float, trusted_result: bool) -> Any:
     _ship_by_value(fn)
     payload = cloudpickle.dumps((fn, args, kwargs))
     response = await transport.request("POST", "/v1/call", content=payload,
                                        params={"image": image, "timeout_s": timeout_s})
-    return cloudpickle.loads(response.content)
+    return cloudpickle.loads(response.content) if trusted_result else plain.loads(response.content)
 
 
 async def run_code(transport: Transport, req: RunCodeRequest) -> CodeResult:
@@ -98,13 +101,13 @@ async def run_code(transport: Transport, req: RunCodeRequest) -> CodeResult:
 
 async def map_calls(transport: Transport, fn: Callable[..., Any], items: Iterable[Any],
                     concurrency: int, image: str, timeout_s: float,
-                    return_exceptions: bool) -> list[Any]:
+                    return_exceptions: bool, trusted_result: bool) -> list[Any]:
     gate = asyncio.Semaphore(concurrency)
 
     async def one(item: Any) -> Any:
         async with gate:
             try:
-                return await call(transport, fn, (item,), {}, image, timeout_s)
+                return await call(transport, fn, (item,), {}, image, timeout_s, trusted_result)
             except DSecError as exc:
                 if return_exceptions:
                     return exc

@@ -11,8 +11,14 @@ answers ``run``/files for its lifetime; it lives as long as the server that made
 Host layout under ``<state>/fn/``: ``support/`` (the top, read-only layer every template root
 gets: the template code, cloudpickle, the agent, the seccomp filter, mount points),
 ``roots/<key>`` (mount points, used only inside each template's mount namespace),
-``run/<key>/<worker>/agent.sock`` (agent sockets of fn sandboxes), ``<key>.log``. Cgroups:
+``<key>.log``. Nothing a worker writes is on the host's disk: its /tmp, /work, /dev/shm and
+run directory (an fn sandbox's agent socket, reached at ``/proc/<pid>/root/.dsec/run``) are
+tmpfs mounts of its own namespace, charged to its memory cgroup. Cgroups:
 ``/dsec-fn-<edge>/<key>/{template,<worker>}`` in the cpu, memory and pids hierarchies.
+
+What a worker answers is hostile data: the server passes a call's pickle through without
+unpickling it, parses its errors as plain JSON with sizes capped, and the SDK decodes results
+as plain data unless the caller opts in (``client/fn.py``).
 """
 
 from __future__ import annotations
@@ -36,12 +42,14 @@ from ..images.mount import LayerMounter
 from ..images.store import Image
 from . import cgroups, spawn
 from .base import StartPlan, Substrate
-from .fn_pool import START_TIMEOUT_S, Template, Worker, WorkerGone
+from .fn_pool import START_TIMEOUT_S, Death, Template, Worker, WorkerGone
+from .oci_spec import AGENT_SOCKET, MASKED_PATHS, READONLY_PATHS
 from .seccomp import fn_filter_bpf
 
 LANGUAGES = {"python": "python3", "bash": "bash", "c": "gcc", "cpp": "g++"}
 IMAGE_PYTHON = "/usr/bin/python3"
 COMPILE_TIMEOUT_S = 30.0
+MAX_ERROR_FIELD = 64 << 10  # of a remote error's type, message and traceback, each
 
 
 class FnSubstrate(Substrate):
@@ -62,6 +70,7 @@ class FnSubstrate(Substrate):
         self._templates: dict[str, Template] = {}
         self._template_lock = asyncio.Lock()
         self._sandboxes: dict[str, Worker] = {}
+        self.template_deaths = 0  # templates that exited while the server ran
 
     # host preparation --------------------------------------------------------------------
     async def prepare(self) -> None:
@@ -79,7 +88,7 @@ class FnSubstrate(Substrate):
         support = self.root / "support"
         fn_dir = support / ".dsec" / "fn"
         for d in (fn_dir / "lib", support / ".dsec" / "run", support / ".dsec" / "oldroot",
-                  support / "work", self.root / "roots", self.root / "run"):
+                  support / "work", self.root / "roots"):
             d.mkdir(parents=True, exist_ok=True)
         shutil.copy(Path(__file__).with_name("fn_template.py"), fn_dir / "template.py")
         shutil.copytree(Path(cloudpickle.__file__).parent, fn_dir / "lib" / "cloudpickle",
@@ -117,19 +126,27 @@ class FnSubstrate(Substrate):
             raise NotSupported(f"the fn substrate runs the image's own Python, and image "
                                f"{image.name!r} has no {IMAGE_PYTHON}", image=image.name)
         root = self.root / "roots" / key
-        run = self.root / "run" / key
         root.mkdir(parents=True, exist_ok=True)
-        run.mkdir(parents=True, exist_ok=True)
         parents, limits = _cgroup_parents(f"{self.cgroup_parent}/{key}", *self.limits)
+        prefix = "w" + secrets.token_hex(3)
         launch = {
-            "root": str(root), "run": str(run), "python": IMAGE_PYTHON,
+            "root": str(root), "python": IMAGE_PYTHON,
             "lowers": [str(self.root / "support"), *lowers],
             "template_cgroup_procs": [str(p / "template" / "cgroup.procs") for p in parents],
             "worker_cgroup_parents": [str(p) for p in parents],
             "template": {"preload": list(self.preload), "tmp_mb": self.tmp_mb, "nofile": 1024,
-                         "prefix": "w" + secrets.token_hex(3), "cgroups": limits},
+                         "prefix": prefix, "cgroups": limits,
+                         "masked_paths": MASKED_PATHS, "readonly_paths": READONLY_PATHS},
         }
-        return Template(key, self.pool_size, launch, self.root / f"{key}.log")
+        return Template(key, self.pool_size, launch, self.root / f"{key}.log",
+                        on_exit=lambda: self._after_template(parents, prefix))
+
+    def _after_template(self, parents: list[Path], prefix: str) -> None:
+        """A template died (it should not: nothing a call does reaches it): its workers
+        follow it by their parent-death signal, and their cgroups, which it removed, go
+        now. The next call or create starts a new template."""
+        self.template_deaths += 1
+        asyncio.get_running_loop().run_in_executor(None, _remove_worker_cgroups, parents, prefix)
 
     def _cgroup_of(self, template_key: str) -> str:
         return f"{self.cgroup_parent}/{template_key}"
@@ -140,9 +157,7 @@ class FnSubstrate(Substrate):
         Raises RemoteError (the function raised), CommandTimeout, or SandboxDied."""
         kind, body = await self._exchange(image, b"C" + payload, timeout_s)
         if kind == b"E":
-            error = json.loads(body)
-            raise RemoteError(f"{error['type']}: {error['message']}", remote_type=error["type"],
-                              traceback=error["traceback"])
+            raise _remote_error(body)
         return body
 
     async def run_code(self, image: Image, language: str, code: str, stdin: str,
@@ -165,14 +180,15 @@ class FnSubstrate(Substrate):
         worker = await (await self.template(image)).take()
         try:
             reply = await asyncio.wait_for(worker.exchange(frame), timeout_s)
+            if reply[:1] == b"D":  # the call's process died; the worker saw how
+                status = json.loads(reply[1:])["status"]
+                oom = cgroups.oom_kills(self._cgroup_of(worker.template.key), worker.wid)
+                raise _died(Death(status, oom))
         except asyncio.TimeoutError:
             raise CommandTimeout(f"the call did not return within {timeout_s}s; its worker "
                                  "was killed", timeout_s=timeout_s) from None
         except WorkerGone:
-            death = await worker.ended()
-            reason = death.describe() if death else "the worker ended without answering"
-            raise SandboxDied(f"fn worker died: {reason}", reason=reason,
-                              oom_killed=bool(death and death.oom_kills)) from None
+            raise _died(await worker.ended()) from None
         finally:
             worker.kill()  # it ends by itself after answering; whatever it left behind goes too
             worker.close()
@@ -212,8 +228,9 @@ class FnSubstrate(Substrate):
                            request.memory_mb << 20, request.pids)
 
     def agent(self, sandbox_id: str, runtime: dict[str, Any]) -> AgentClient:
-        return AgentClient(self.root / "run" / runtime["template"] / runtime["worker"] / "agent.sock",
-                           runtime["token"], runtime["pid"])
+        # the socket is in the worker's own tmpfs; SO_PEERCRED tells a reused pid apart
+        return AgentClient(f"/proc/{runtime['pid']}/root{AGENT_SOCKET}", runtime["token"],
+                           runtime["pid"])
 
     def alive(self, sandbox_id: str, runtime: dict[str, Any]) -> bool:
         worker = self._sandboxes.get(sandbox_id)
@@ -251,10 +268,35 @@ class FnSubstrate(Substrate):
         if worker.pidfd >= 0:
             asyncio.get_running_loop().remove_reader(worker.pidfd)
         worker.kill()
-        worker.close()  # the template reaps it and removes its cgroup and run dir
+        worker.close()  # the template reaps it and removes its cgroup
 
     async def leftovers(self) -> set[str]:
         return set()  # fn sandboxes end with their server; prepare() sweeps what they left
+
+
+def _died(death: Death | None) -> SandboxDied:
+    reason = death.describe() if death else "the worker ended without answering"
+    return SandboxDied(f"fn worker died: {reason}", reason=reason,
+                       oom_killed=bool(death and death.oom_kills))
+
+
+def _remote_error(body: bytes) -> RemoteError:
+    """The error a call raised, as its worker's child reported it: untrusted plain data,
+    so only strings, each capped."""
+    try:
+        error = json.loads(body)
+        fields = [error[k][:MAX_ERROR_FIELD] for k in ("type", "message", "traceback")]
+        if not all(isinstance(f, str) for f in fields):
+            raise TypeError
+    except (ValueError, KeyError, TypeError):
+        return RemoteError("the call answered a malformed error", remote_type="", traceback="")
+    kind, message, tb = fields
+    return RemoteError(f"{kind}: {message}", remote_type=kind, traceback=tb)
+
+
+def _remove_worker_cgroups(parents: list[Path], prefix: str) -> None:
+    cgroups.remove_cgroups([d for parent in parents if parent.is_dir()
+                            for d in parent.iterdir() if d.is_dir() and d.name.startswith(prefix + "-")])
 
 
 def _hierarchies() -> list[Path]:

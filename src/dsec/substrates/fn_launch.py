@@ -2,7 +2,8 @@
 
 In a new mount namespace it mounts the image's read-only root (an overlay of the fn support
 layer over the image's layers, with no upper: read-only by construction), a small read-only
-/dev, and the template's host run directory at /.dsec/run; opens the worker cgroup parents
+/dev (nothing of the host is writable there: a worker's run directory is a tmpfs of its
+own); opens the worker cgroup parents
 (the template makes each worker's cgroup through these fds, as it cannot see /sys after the
 pivot); joins the template's own cgroup; pivots into the root; and execs the image's Python
 with ``/.dsec/fn/template.py``. The template dies with the server (parent-death signal).
@@ -64,7 +65,6 @@ def main() -> None:
     _mount("overlay", root, "overlay", MS_RDONLY | MS_NOSUID,
            "lowerdir=" + ":".join(cfg["lowers"]))
     _make_dev(f"{root}/dev")
-    _mount(cfg["run"], f"{root}/.dsec/run", None, MS_BIND)
     template = cfg["template"]
     for cgroup, parent in zip(template["cgroups"], cfg["worker_cgroup_parents"], strict=True):
         fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)

@@ -22,7 +22,7 @@ import sys
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..client.errors import SandboxError
 
@@ -115,8 +115,10 @@ class Worker:
 class Template:
     """One image's template process and its queue of ready workers."""
 
-    def __init__(self, key: str, pool_size: int, launch: dict[str, Any], log_path: Path) -> None:
+    def __init__(self, key: str, pool_size: int, launch: dict[str, Any], log_path: Path,
+                 on_exit: Callable[[], None]) -> None:
         self.key = key
+        self._on_unexpected_exit = on_exit
         self.pool_size = pool_size
         self._launch = launch
         self._log_path = log_path
@@ -126,6 +128,7 @@ class Template:
         self._ctl: socket.socket | None = None
         self.pid = 0
         self._exited = False
+        self._closing = False
 
     def start(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -218,7 +221,10 @@ class Template:
         for worker in self._live.values():
             if not worker.death.done():
                 worker.death.set_result(Death(signal.SIGKILL, 0))
-        log.warning("fn template %s exited; see %s", self.key, self._log_path)
+        if not self._closing:
+            log.warning("fn template %s exited; its workers end with it, the next call starts "
+                        "a new one; see %s", self.key, self._log_path)
+            self._on_unexpected_exit()
 
     def alive(self) -> bool:
         """Asks the pidfd, so a template that just died is known dead before the event loop
@@ -236,6 +242,7 @@ class Template:
         for worker in list(self._live.values()):
             worker.kill()
             worker.close()
+        self._closing = not self._exited
         if not self._exited:
             os.kill(self.pid, signal.SIGKILL)
             self._on_exit()

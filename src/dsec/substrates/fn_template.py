@@ -3,17 +3,26 @@ plus cloudpickle from /.dsec/fn/lib), with the chosen libraries already imported
 
 It forks workers ahead of demand and jails each one before it takes a call: new pid, mount,
 net, ipc and uts namespaces (by a raw clone, so the worker is pid 1 of its own pid namespace
-in one fork), its own cgroup (cpu, memory, pids), its own /proc and /sys (read-only), a
-private /tmp, /work and /dev/shm (tmpfs), a network namespace of its own whose loopback
+in one fork), its own cgroup (cpu, memory, pids), its own /proc and /sys with the container's
+protections (host-global /proc files read-only, host kernel tables masked), a private /tmp,
+/work, /dev/shm and run directory (size- and inode-limited tmpfs, charged to the worker's
+memory cgroup, gone with its mount namespace), a network namespace of its own whose loopback
 stays down (bringing it up costs a millisecond, which only an fn sandbox pays, at its start),
-rlimits, no capabilities, no new privileges, and a seccomp filter last. A jailed worker
-says ``R`` on its socket; the template then hands the socket (and a pidfd) to the server
-over the control socket, so a call never passes through the template. The server
+rlimits, no capabilities, no new privileges, not dumpable, and a seccomp filter last. A
+jailed worker says ``R`` on its socket; the template then hands the socket (and a pidfd) to
+the server over the control socket, so a call never passes through the template. The server
 asks for workers with ``+N`` messages; the template reports each worker's end (wait status
-and OOM kills) and removes its cgroup and run directory.
+and OOM kills) and removes its cgroup: nothing a worker made is on the template's side.
+
+The code of a call never runs in the process that holds the socket (nothing a sandbox runs
+may reach the channel its result travels on): the worker forks the call into a child that
+holds only a pipe, and the worker, which nobody in its namespace can trace or open /proc/1/fd
+of (not dumpable, ptrace and pidfd_getfd denied), builds the reply and checks how the child
+ended. ``run_code`` programs are children of the worker, which builds their verdict itself.
 
 Worker protocol (length-prefixed frames, one request, then the worker exits):
-``C`` + cloudpickle((fn, args, kwargs)) -> ``O`` + cloudpickle(value) | ``E`` + JSON error;
+``C`` + cloudpickle((fn, args, kwargs)) -> ``O`` + cloudpickle(value) | ``E`` + JSON error
+| ``D`` + JSON {"status": wait status} (the call's process died without answering);
 ``X`` + JSON run_code request -> ``J`` + JSON result; ``A`` -> the worker execs the in-sandbox
 agent as its init (it prints ``R`` on the socket once it listens).
 """
@@ -47,7 +56,8 @@ libc.syscall.restype = ctypes.c_long
 SYS_CLONE = 56
 CLONE_FLAGS = 0x20000 | 0x4000000 | 0x8000000 | 0x20000000 | 0x40000000  # NS UTS IPC PID NET
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 4096, 16384, 1 << 18
-PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP = 1, 24, 38, 22
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP = 1, 4, 24, 38, 22
+MS_REMOUNT = 32
 SECCOMP_MODE_FILTER = 2
 RUN = "/.dsec/run"
 AGENT = "/.dsec/agent"
@@ -80,11 +90,13 @@ def jail(wid, sock_fd):
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     _mount("sysfs", "/sys", "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)  # its own net
-    tmp = f"size={CFG['tmp_mb']}m"
+    protect_proc_and_sys()
+    tmp = f"size={CFG['tmp_mb']}m,nr_inodes={CFG['tmp_mb'] * 256}"  # one inode per 4 KiB
     _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, tmp + ",mode=1777")
     _mount("tmpfs", "/work", "tmpfs", MS_NOSUID | MS_NODEV, tmp + ",mode=755")
     _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, tmp + ",mode=1777")
-    _mount(f"{RUN}/{wid}", RUN, None, MS_BIND)  # only its own run dir stays visible
+    # the agent socket of an fn sandbox; the server reaches it through /proc/<pid>/root
+    _mount("tmpfs", RUN, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=64k,nr_inodes=16,mode=700")
     _check(libc.sethostname(wid.encode(), len(wid)), "sethostname")
     nofile = CFG["nofile"]
     resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
@@ -101,10 +113,28 @@ def jail(wid, sock_fd):
     data = (ctypes.c_uint32 * 6)()
     _check(libc.capset(header, data), "capset")
     _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    # /proc/1/{fd,mem} and pidfd_getfd need ptrace access, which a non-dumpable process
+    # grants only to CAP_SYS_PTRACE: nobody in the namespace can reach the worker's socket
+    _check(libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "dumpable")
     program = ctypes.create_string_buffer(SECCOMP_BPF)
     fprog = struct.pack("HxxxxxxQ", len(SECCOMP_BPF) // 8, ctypes.addressof(program))
     fprog_buf = ctypes.create_string_buffer(fprog)
     _check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, fprog_buf, 0, 0), "seccomp")
+
+
+def protect_proc_and_sys():
+    """The container's /proc and /sys protections (oci_spec READONLY_PATHS, MASKED_PATHS):
+    host-global settings read-only, host kernel tables masked (a directory by an empty
+    read-only tmpfs, a file by /dev/null)."""
+    for path in CFG["readonly_paths"]:
+        if os.path.lexists(path):
+            _mount(path, path, None, MS_BIND | MS_REC)
+            _mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    for path in CFG["masked_paths"]:
+        if os.path.isdir(path):
+            _mount("tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=0")
+        elif os.path.lexists(path):
+            _mount("/dev/null", path, None, MS_BIND)
 
 
 def read_frame(sock):
@@ -138,15 +168,73 @@ def serve(sock):
     if kind == b"X":
         send_frame(sock, b"J" + json.dumps(run_code(json.loads(body))).encode())
         return
+    send_frame(sock, call_in_child(sock, body))
+
+
+def call_in_child(sock, body):
+    """Run the call in a child that holds only the write end of a pipe; the reply frame.
+    What the child wrote is the value (or error) whatever it is; how it ended is the
+    worker's own finding, and the worker alone writes to the socket."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        sock.close()
+        _child(body, w)
+    os.close(w)
+    written = _read_until_child_ends(r, pid)
+    _, status = os.waitpid(pid, 0)
+    if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0 and written[:1] in (b"O", b"E"):
+        return written
+    return b"D" + json.dumps({"status": status}).encode()
+
+
+def _child(body, w):
+    code = 0
     try:
-        fn, args, kwargs = cloudpickle.loads(body)
-        reply = b"O" + cloudpickle.dumps(fn(*args, **kwargs))
-    except BaseException as exc:  # noqa: BLE001  (SystemExit and KeyboardInterrupt too)
-        kind = type(exc)
-        reply = b"E" + json.dumps({"type": f"{kind.__module__}.{kind.__qualname__}",
-                                   "message": str(exc),
-                                   "traceback": traceback.format_exc()}).encode()
-    send_frame(sock, reply)
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")  # under memory pressure the call dies, not the worker that reports it
+        try:
+            fn, args, kwargs = cloudpickle.loads(body)
+            reply = b"O" + cloudpickle.dumps(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001  (SystemExit and KeyboardInterrupt too)
+            kind = type(exc)
+            reply = b"E" + json.dumps({"type": f"{kind.__module__}.{kind.__qualname__}",
+                                       "message": str(exc),
+                                       "traceback": traceback.format_exc()}).encode()
+        with open(w, "wb") as out:
+            out.write(reply)
+    except BaseException:  # noqa: BLE001  (the reply could not be made or written)
+        code = 1
+    os._exit(code)
+
+
+def _read_until_child_ends(r, pid):
+    """All the child wrote. Once it has ended, whatever it left running (which might hold
+    the pipe open) is killed, so the pipe reaches its end."""
+    pidfd = os.pidfd_open(pid)
+    poll = select.poll()
+    poll.register(r, select.POLLIN)
+    poll.register(pidfd, select.POLLIN)
+    chunks = []
+    ended = False
+    while not ended:
+        for fd, _ in poll.poll():
+            if fd == pidfd:
+                ended = True
+            elif not (chunk := os.read(r, 1 << 20)):
+                poll.unregister(r)  # closed early: the end of the child still decides
+            else:
+                chunks.append(chunk)
+    try:
+        os.kill(-1, signal.SIGKILL)  # from pid 1: every other process of the worker's namespace
+    except ProcessLookupError:
+        pass
+    while chunk := os.read(r, 1 << 20):
+        chunks.append(chunk)
+    os.close(pidfd)
+    os.close(r)
+    return b"".join(chunks)
 
 
 SOURCES = {"python": ("main.py", None, ["python3", "main.py"]),
@@ -254,7 +342,6 @@ class Template:
     def spawn_one(self):
         self.seq += 1
         wid = f"{self.prefix}-{self.seq}"
-        os.mkdir(f"{RUN}/{wid}")
         for cg in self.cgroups:
             os.mkdir(wid, dir_fd=cg["fd"])
             for name, value in cg["limits"].items():
@@ -311,20 +398,19 @@ class Template:
         return 0
 
     def remove_cgroups(self):
+        """A worker leaves only its cgroups here (its files were in its own tmpfs mounts),
+        and a worker cannot write to a cgroup directory: an rmdir ends it, or fails while
+        the pid namespace is still emptying and is tried again."""
         busy = []
         for wid in self.unremoved:
-            try:
-                for cg in self.cgroups:
-                    try:
-                        os.rmdir(wid, dir_fd=cg["fd"])
-                    except FileNotFoundError:
-                        pass
-            except OSError:  # the pid namespace is still emptying
-                busy.append(wid)
-                continue
-            for name in os.listdir(f"{RUN}/{wid}"):
-                os.unlink(f"{RUN}/{wid}/{name}")
-            os.rmdir(f"{RUN}/{wid}")
+            for cg in self.cgroups:
+                try:
+                    os.rmdir(wid, dir_fd=cg["fd"])
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    busy.append(wid)
+                    break
         self.unremoved = busy
 
 

@@ -2,8 +2,9 @@
 
 The fn substrate's workers run the image's Python, which need not have libseccomp: the host
 compiles the filter once and each worker loads the bytes with one prctl. The deny-list is the
-container substrate's (``oci_spec``) plus ptrace and chroot: an fn worker is root without
-capabilities, and must not trace its neighbours or build itself a new root.
+container substrate's (``oci_spec``) plus ptrace, pidfd_getfd and chroot: an fn worker is
+root without capabilities, and must not trace its neighbours, take their file descriptors (the
+worker's socket to the server) or build itself a new root.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import tempfile
 from ..client.errors import NotSupported
 from .oci_spec import CLONE_NAMESPACE_FLAGS, DENIED_SYSCALLS
 
-FN_DENIED = sorted({*DENIED_SYSCALLS, "ptrace", "chroot", "personality"})
+FN_DENIED = sorted({*DENIED_SYSCALLS, "ptrace", "pidfd_getfd", "chroot", "personality"})
 
 _SCMP_ACT_ALLOW = 0x7FFF0000
 _SCMP_CMP_MASKED_EQ = 7
