@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -46,6 +47,7 @@ from .fn_pool import START_TIMEOUT_S, Death, Template, Worker, WorkerGone
 from .oci_spec import AGENT_SOCKET, MASKED_PATHS, READONLY_PATHS
 from .seccomp import fn_filter_bpf
 
+log = logging.getLogger("dsec.fn")
 LANGUAGES = {"python": "python3", "bash": "bash", "c": "gcc", "cpp": "g++"}
 IMAGE_PYTHON = "/usr/bin/python3"
 COMPILE_TIMEOUT_S = 30.0
@@ -295,8 +297,11 @@ def _remote_error(body: bytes) -> RemoteError:
 
 
 def _remove_worker_cgroups(parents: list[Path], prefix: str) -> None:
-    cgroups.remove_cgroups([d for parent in parents if parent.is_dir()
-                            for d in parent.iterdir() if d.is_dir() and d.name.startswith(prefix + "-")])
+    try:
+        cgroups.remove_cgroups([d for parent in parents if parent.is_dir() for d in parent.iterdir()
+                                if d.is_dir() and d.name.startswith(prefix + "-")])
+    except OSError as exc:  # the server's stop sweeps them at the latest
+        log.warning("could not remove the worker cgroups of a dead fn template (%s): %s", prefix, exc)
 
 
 def _hierarchies() -> list[Path]:

@@ -184,9 +184,12 @@ def call_in_child(sock, body):
     os.close(w)
     written = _read_until_child_ends(r, pid)
     _, status = os.waitpid(pid, 0)
-    if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0 and written[:1] in (b"O", b"E"):
-        return written
-    return b"D" + json.dumps({"status": status}).encode()
+    if not (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0 and written):
+        return b"D" + json.dumps({"status": status}).encode()
+    if written[:1] not in (b"O", b"E"):  # the call wrote into its own pipe
+        return b"E" + json.dumps({"type": "dsec.MalformedReply", "traceback": "",
+                                  "message": "the call wrote a reply that is not one"}).encode()
+    return written
 
 
 def _child(body, w):
@@ -198,15 +201,22 @@ def _child(body, w):
             fn, args, kwargs = cloudpickle.loads(body)
             reply = b"O" + cloudpickle.dumps(fn(*args, **kwargs))
         except BaseException as exc:  # noqa: BLE001  (SystemExit and KeyboardInterrupt too)
-            kind = type(exc)
-            reply = b"E" + json.dumps({"type": f"{kind.__module__}.{kind.__qualname__}",
-                                       "message": str(exc),
-                                       "traceback": traceback.format_exc()}).encode()
+            reply = _error_reply(exc)
         with open(w, "wb") as out:
             out.write(reply)
     except BaseException:  # noqa: BLE001  (the reply could not be made or written)
         code = 1
     os._exit(code)
+
+
+def _error_reply(exc):
+    kind = type(exc)
+    try:
+        message = str(exc)
+    except BaseException:  # noqa: BLE001  (an exception made to fail its own report)
+        message = "<str() of the exception failed>"
+    return b"E" + json.dumps({"type": f"{kind.__module__}.{kind.__qualname__}", "message": message,
+                              "traceback": traceback.format_exc()}).encode()
 
 
 def _read_until_child_ends(r, pid):
