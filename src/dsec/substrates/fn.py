@@ -178,8 +178,13 @@ class FnSubstrate(Substrate):
         _, body = await self._exchange(image, b"X" + json.dumps(request).encode(), outer)
         return json.loads(body)
 
-    async def _exchange(self, image: Image, frame: bytes, timeout_s: float) -> tuple[bytes, bytes]:
+    async def _exchange(self, image: Image, frame: bytes, timeout_s: float,
+                        retry: bool = True) -> tuple[bytes, bytes]:
+        """One request to a fresh worker. A worker that dies because its template did (which
+        no call can cause) is not the call's doing: the call runs once more, on the new
+        template; it had no effect outside its worker (no network, private files)."""
         worker = await (await self.template(image)).take()
+        orphaned = False
         try:
             reply = await asyncio.wait_for(worker.exchange(frame), timeout_s)
             if reply[:1] == b"D":  # the call's process died; the worker saw how
@@ -190,10 +195,17 @@ class FnSubstrate(Substrate):
             raise CommandTimeout(f"the call did not return within {timeout_s}s; its worker "
                                  "was killed", timeout_s=timeout_s) from None
         except WorkerGone:
-            raise _died(await worker.ended()) from None
+            death = await worker.ended()
+            orphaned = retry and not worker.template.alive()
+            if not orphaned:
+                raise _died(death) from None
         finally:
             worker.kill()  # it ends by itself after answering; whatever it left behind goes too
             worker.close()
+        if orphaned:
+            log.warning("an fn call's worker died with its template %s; running it again",
+                        worker.template.key)
+            return await self._exchange(image, frame, timeout_s, retry=False)
         return reply[:1], reply[1:]
 
     # sandboxes: a worker running the agent as its init ------------------------------------
