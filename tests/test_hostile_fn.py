@@ -538,3 +538,14 @@ async def test_a_template_that_dies_anyway_is_replaced_and_leaks_nothing(own_ser
         await _assert_fn_settles(client, srv, edge, live_sandboxes=0)
     log = (Path("/tmp/dsec-test-logs") / f"{srv.state_dir.name}.log").read_text()
     assert "fn template" in log and "exited" in log
+
+
+async def test_run_code_that_leaves_a_daemon_holding_its_output_still_gets_a_verdict(
+        client: dsec.DSecClient) -> None:
+    """A program whose child leaves its session and keeps stdout open: the time-out ends it
+    (and the program) and the result is a verdict, not a hung call."""
+    program = ("import os, time\n"
+               "if os.fork() == 0:\n    os.setsid()\n    time.sleep(600)\n"
+               "print('ALL TESTS PASSED', flush=True)\ntime.sleep(600)\n")
+    r = await client.run_code("python", program, timeout_s=2)
+    assert r.timed_out and not r.ok and r.stdout == "ALL TESTS PASSED\n"

@@ -280,7 +280,8 @@ def _run(argv, stdin, timeout_s, cap):
         out, err = proc.communicate(stdin, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         timed_out = True
-        os.killpg(proc.pid, signal.SIGKILL)
+        # the worker is pid 1: this ends the program and whatever it started, in any session
+        os.kill(-1, signal.SIGKILL)
         out, err = proc.communicate()
     code = proc.returncode
     return {"exit_code": code if code >= 0 else -1, "signal": -code if code < 0 else 0,
