@@ -522,7 +522,11 @@ async def test_a_template_that_dies_anyway_is_replaced_and_leaks_nothing(own_ser
     srv = own_server
     async with srv.client() as client:
         edge = (await client.health())["edges"][0]["id"]
-        assert await client.call(lambda: 1) == 1
+        # the first call of a cold template runs inside its worker's limits (cgroups), not
+        # the template's: a process the worker forks before it was placed would not be
+        cgroups = await client.call(lambda: open("/proc/self/cgroup").read().splitlines())
+        limited = [line for line in cgroups if any(c in line for c in ("memory", "pids", "0::"))]
+        assert limited and all(not line.endswith("/template") for line in limited), cgroups
         await _assert_fn_settles(client, srv, edge, live_sandboxes=0)
         before = {d.name for d in _worker_cgroups(edge)}
         templates = _templates(edge)

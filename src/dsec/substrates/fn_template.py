@@ -15,8 +15,8 @@ asks for workers with ``+N`` messages; the template reports each worker's end (w
 and OOM kills) and removes its cgroup: nothing a worker made is on the template's side.
 
 The code of a call never runs in the process that holds the socket (nothing a sandbox runs
-may reach the channel its result travels on): the worker forks the call into a child that
-holds only a pipe, and the worker, which nobody in its namespace can trace or open /proc/1/fd
+may reach the channel its result travels on): the worker forks (before it says ``R``, off the
+call's path) the child the call runs in, which holds only two pipes, and the worker, which nobody in its namespace can trace or open /proc/1/fd
 of (not dumpable, ptrace and pidfd_getfd denied), builds the reply and checks how the child
 ended. ``run_code`` programs are children of the worker, which builds their verdict itself.
 
@@ -157,10 +157,14 @@ def send_frame(sock, data):
 
 
 def serve(sock):
-    """Take one request, answer it, and let the worker end (it is never reused)."""
+    """Take one request, answer it, and let the worker end (it is never reused). The process
+    a call runs in is forked before the worker says it is ready, off the call's path."""
+    call = CallProcess(sock)
     sock.sendall(b"R")
     request = read_frame(sock)
     kind, body = request[:1], request[1:]
+    if kind != b"C":
+        call.discard()
     if kind == b"A":
         os.dup2(sock.fileno(), 1)  # the agent prints R on stdout once it listens
         os.execve(AGENT, [AGENT, "--listen", f"{RUN}/agent.sock"],
@@ -168,42 +172,63 @@ def serve(sock):
     if kind == b"X":
         send_frame(sock, b"J" + json.dumps(run_code(json.loads(body))).encode())
         return
-    send_frame(sock, call_in_child(sock, body))
+    send_frame(sock, call.run(body))
 
 
-def call_in_child(sock, body):
-    """Run the call in a child that holds only the write end of a pipe; the reply frame.
-    What the child wrote is the value (or error) whatever it is; how it ended is the
-    worker's own finding, and the worker alone writes to the socket."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(r)
-        sock.close()
-        _child(body, w)
-    os.close(w)
-    written = _read_until_child_ends(r, pid)
-    _, status = os.waitpid(pid, 0)
-    if not (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0 and written):
-        return b"D" + json.dumps({"status": status}).encode()
-    if written[:1] not in (b"O", b"E"):  # the call wrote into its own pipe
-        return b"E" + json.dumps({"type": "dsec.MalformedReply", "traceback": "",
-                                  "message": "the call wrote a reply that is not one"}).encode()
-    return written
+class CallProcess:
+    """The child a call runs in: it holds a pipe to read the request from and one to write
+    its reply to, nothing else. What it wrote is the value (or error), whatever it is; how it
+    ended is the worker's own finding, and the worker alone writes to the socket."""
+
+    def __init__(self, sock):
+        req_r, self.req_w = os.pipe()
+        self.res_r, res_w = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            os.close(self.req_w)
+            os.close(self.res_r)
+            sock.close()
+            _child(req_r, res_w)
+        os.close(req_r)
+        os.close(res_w)
+
+    def discard(self):
+        os.close(self.req_w)  # an empty request: the child exits
+        os.close(self.res_r)
+        os.waitpid(self.pid, 0)
+
+    def run(self, body):
+        """The reply frame of the call ``body``."""
+        try:
+            with open(self.req_w, "wb") as f:
+                f.write(body)
+        except OSError:  # the child died before it read it all; its end says how
+            pass
+        written = _read_until_child_ends(self.res_r, self.pid)
+        _, status = os.waitpid(self.pid, 0)
+        if not (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0 and written):
+            return b"D" + json.dumps({"status": status}).encode()
+        if written[:1] not in (b"O", b"E"):  # the call wrote into its own pipe
+            return b"E" + json.dumps({"type": "dsec.MalformedReply", "traceback": "",
+                                      "message": "the call wrote a reply that is not one"}).encode()
+        return written
 
 
-def _child(body, w):
+def _child(req_r, res_w):
     code = 0
     try:
-        with open("/proc/self/oom_score_adj", "w") as f:
-            f.write("1000")  # under memory pressure the call dies, not the worker that reports it
-        try:
-            fn, args, kwargs = cloudpickle.loads(body)
-            reply = b"O" + cloudpickle.dumps(fn(*args, **kwargs))
-        except BaseException as exc:  # noqa: BLE001  (SystemExit and KeyboardInterrupt too)
-            reply = _error_reply(exc)
-        with open(w, "wb") as out:
-            out.write(reply)
+        with open(req_r, "rb") as f:
+            body = f.read()
+        if body:
+            with open("/proc/self/oom_score_adj", "w") as f:
+                f.write("1000")  # under memory pressure the call dies, not the worker that reports it
+            try:
+                fn, args, kwargs = cloudpickle.loads(body)
+                reply = b"O" + cloudpickle.dumps(fn(*args, **kwargs))
+            except BaseException as exc:  # noqa: BLE001  (SystemExit and KeyboardInterrupt too)
+                reply = _error_reply(exc)
+            with open(res_w, "wb") as out:
+                out.write(reply)
     except BaseException:  # noqa: BLE001  (the reply could not be made or written)
         code = 1
     os._exit(code)
@@ -365,6 +390,8 @@ class Template:
             code = 0
             try:
                 ours.close()
+                if theirs.recv(1) != b"G":  # in its own cgroups: everything it forks is too
+                    raise OSError("the template did not place the worker in its cgroups")
                 jail(wid, theirs.fileno())
                 serve(theirs)
             except BaseException:  # noqa: BLE001
@@ -377,6 +404,7 @@ class Template:
             raise OSError(ctypes.get_errno(), "clone")
         for cg in self.cgroups:
             _write_at(cg["fd"], f"{wid}/cgroup.procs", str(pid))
+        ours.sendall(b"G")
         self.workers[pid] = wid
         return wid, pid, ours
 
