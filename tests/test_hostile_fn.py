@@ -540,6 +540,8 @@ async def test_a_template_that_dies_anyway_is_replaced_and_leaks_nothing(own_ser
             assert time.monotonic() < deadline, "the dead template's worker cgroups leaked"
             await asyncio.sleep(0.2)
         await _assert_fn_settles(client, srv, edge, live_sandboxes=0)
+        with srv.http(authenticated=True) as http:
+            assert f'dsec_fn_template_deaths_total{{edge="{edge}"}} 1.0' in http.get("/metrics").text
     log = (Path("/tmp/dsec-test-logs") / f"{srv.state_dir.name}.log").read_text()
     assert "fn template" in log and "exited" in log
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ..store.sqlite import LIVE_STATES
+from ..substrates.fn import FnSubstrate
 
 if TYPE_CHECKING:
     from .edge import Edge
@@ -68,3 +69,10 @@ class EdgeCollector(Collector):
         for (substrate, state), n in sorted(recorded.items()):
             states.add_metric([self.edge.id, substrate, state], n)
         yield from (live, warm, capacity, states)
+        fn = self.edge.substrates.get("fn")
+        if isinstance(fn, FnSubstrate):
+            deaths = CounterMetricFamily(
+                "dsec_fn_template_deaths", "fn templates that exited while the server ran (no "
+                "call can cause it; its workers and fn sandboxes ended with it)", labels=["edge"])
+            deaths.add_metric([self.edge.id], fn.template_deaths)
+            yield deaths
