@@ -220,6 +220,9 @@ def test_sync_facade(server: Server) -> None:
         assert client.call(lambda: "sync") == "sync"
         assert client.map(str, [1, 2]) == ["1", "2"]
         assert client.run_code("python", "print(1)").stdout == "1\n"
+        with pytest.raises(dsec.ResultRefused):  # not plain data: refused unless trusted
+            client.call(lambda: __import__("fractions").Fraction(1, 2))
+        assert str(client.call(lambda: __import__("fractions").Fraction(1, 2), trusted_result=True)) == "1/2"
 
 
 def _edge_cgroups(edge: str) -> list[Path]:
