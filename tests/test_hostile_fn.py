@@ -347,9 +347,9 @@ def litter(depth: int, files: int) -> dict[str, Any]:
     import os
     import subprocess
 
-    def attempt(fn: Callable[[], Any]) -> str:
+    def attempt(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
         try:
-            fn()
+            fn(*args, **kwargs)
             return "ok"
         except OSError as exc:
             return errno.errorcode.get(exc.errno or 0, str(exc.errno))
@@ -359,9 +359,9 @@ def litter(depth: int, files: int) -> dict[str, Any]:
         if not os.access(base, os.W_OK):
             found[base] = "not writable"
             continue
-        found[f"{base} dir"] = attempt(lambda: os.makedirs(f"{base}/agent.sock/x", exist_ok=True))
-        found[f"{base} fifo"] = attempt(lambda: os.mkfifo(f"{base}/fifo"))
-        found[f"{base} link"] = attempt(lambda: os.symlink("/", f"{base}/root"))
+        found[f"{base} dir"] = attempt(os.makedirs, f"{base}/agent.sock/x", exist_ok=True)
+        found[f"{base} fifo"] = attempt(os.mkfifo, f"{base}/fifo")
+        found[f"{base} link"] = attempt(os.symlink, "/", f"{base}/root")
         made = 0
         fd = os.open(base, os.O_DIRECTORY)
         try:  # deeper than PATH_MAX, one directory at a time
@@ -400,7 +400,9 @@ def writable_mounts() -> dict[str, str]:
     """Every mount this process can create a file in, and its file system type."""
     import os
     writable = {}
-    for line in open("/proc/self/mountinfo").read().splitlines():
+    with open("/proc/self/mountinfo") as f:
+        lines = f.read().splitlines()
+    for line in lines:
         fields = line.split()
         point, fstype = fields[4], fields[fields.index("-") + 1]
         if not os.path.isdir(point) or point.startswith("/proc/"):
@@ -524,7 +526,7 @@ async def test_a_template_that_dies_anyway_is_replaced_and_leaks_nothing(own_ser
         edge = (await client.health())["edges"][0]["id"]
         # the first call of a cold template runs inside its worker's limits (cgroups), not
         # the template's: a process the worker forks before it was placed would not be
-        cgroups = await client.call(lambda: open("/proc/self/cgroup").read().splitlines())
+        cgroups = await client.call(lambda: Path("/proc/self/cgroup").read_text().splitlines())
         limited = [line for line in cgroups if any(c in line for c in ("memory", "pids", "0::"))]
         assert limited and all(not line.endswith("/template") for line in limited), cgroups
         await _assert_fn_settles(client, srv, edge, live_sandboxes=0)
