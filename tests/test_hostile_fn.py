@@ -455,20 +455,22 @@ def _worker_cgroups(edge: str) -> list[Path]:
 async def _assert_fn_settles(client: dsec.DSecClient, server: Server, edge: str,
                              live_sandboxes: int, pool_size: int = 8) -> None:
     """Nothing of ended workers is left: each worker cgroup still has its worker, no more of
-    them than the pool, the live fn sandboxes and the warm ones, and no run dirs on the host."""
+    them than the pool, the live fn sandboxes and the warm ones, no process but workers (and
+    their call processes) and agents, and no run dirs on the host."""
     deadline = time.monotonic() + 30
     while True:
         allowed = pool_size + live_sandboxes + await warm_count(client, "fn", IMAGE)
         cgroups = _worker_cgroups(edge)
-        empty = [d for d in cgroups if not _read(d / "cgroup.procs").strip()]
-        names = {d.name for d in cgroups}
-        run_dirs = list((server.state_dir / "fn").glob("run/*/*"))
-        if not empty and len(names) <= allowed and not run_dirs:
-            return
-        procs = {d.name: [_read(Path(f"/proc/{pid}/cmdline")).replace("\0", " ")[:60]
+        procs = {d.name: [_read(Path(f"/proc/{pid}/cmdline")).replace("\0", " ")
                           for pid in _read(d / "cgroup.procs").split()] for d in cgroups}
+        empty = [name for name, cmds in procs.items() if not cmds]
+        strays = [cmd for cmds in procs.values() for cmd in cmds
+                  if cmd and not cmd.startswith(("/usr/bin/python3 -I /.dsec/fn/template.py", "/.dsec/agent "))]
+        run_dirs = list((server.state_dir / "fn").glob("run/*/*"))
+        if not empty and not strays and len(procs) <= allowed and not run_dirs:
+            return
         assert time.monotonic() < deadline, f"left behind: empty cgroups {empty}, " \
-            f"worker cgroups {procs}, run dirs {run_dirs}"
+            f"stray processes {strays}, {len(procs)} worker cgroups, run dirs {run_dirs}"
         await asyncio.sleep(0.2)
 
 
