@@ -251,7 +251,9 @@ async def test_a_hostile_result_never_runs_in_the_client(client: dsec.DSecClient
     def exits_after_writing_its_own_pipe(path: str) -> None:
         import os
         import pickle
-        payload = b"O" + pickle.dumps(Marker(path))
+        import struct
+        reply = b"O" + pickle.dumps(Marker(path))
+        payload = struct.pack(">Q", len(reply)) + reply  # framed as the worker expects it
         for fd in range(3, 64):
             try:
                 os.write(fd, payload)
@@ -285,11 +287,13 @@ async def test_a_hostile_result_never_runs_in_the_client(client: dsec.DSecClient
 
 
 async def test_a_forged_error_reply_is_plain_and_typed(client: dsec.DSecClient) -> None:
-    def forges_error() -> None:
+    def forges_error(framed: bool) -> None:
         import os
+        import struct
+        reply = b'E{"type": 1, "message": ["x"], "traceback": {"a": 2}}'
         for fd in range(3, 64):
             try:
-                os.write(fd, b'E{"type": 1, "message": ["x"], "traceback": {"a": 2}}')
+                os.write(fd, struct.pack(">Q", len(reply)) + reply if framed else reply)
             except OSError:
                 pass
         os._exit(0)
@@ -298,8 +302,11 @@ async def test_a_forged_error_reply_is_plain_and_typed(client: dsec.DSecClient) 
         raise ValueError("x" * (8 << 20))
 
     with pytest.raises(dsec.RemoteError) as info:
-        await client.call(forges_error)
+        await client.call(forges_error, True)  # framed as the worker expects: its fields are not
     assert info.value.remote_type == ""
+    with pytest.raises(dsec.RemoteError) as info:
+        await client.call(forges_error, False)  # not even framed
+    assert info.value.remote_type == "dsec.MalformedReply"
     with pytest.raises(dsec.RemoteError) as info:
         await client.call(huge_message)
     assert len(info.value.message) < 128 << 10

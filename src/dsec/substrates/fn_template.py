@@ -204,14 +204,17 @@ class CallProcess:
                 f.write(body)
         except OSError:  # the child died before it read it all; its end says how
             pass
-        written = _read_until_child_ends(self.res_r, self.pid)
-        _, status = os.waitpid(self.pid, 0)
-        if not (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0 and written):
-            return b"D" + json.dumps({"status": status}).encode()
-        if written[:1] not in (b"O", b"E"):  # the call wrote into its own pipe
+        written = _read_to_end(self.res_r, self.pid)
+        size = struct.unpack(">Q", written[:8])[0] if len(written) >= 8 else -1
+        if size == len(written) - 8 and written[8:9] in (b"O", b"E"):
+            _kill_the_rest()
+            return written[8:]  # a whole reply, whatever the call does after writing it
+        _, status = os.waitpid(self.pid, 0)  # how the call's process ended, by itself
+        _kill_the_rest()
+        if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0 and written:
             return b"E" + json.dumps({"type": "dsec.MalformedReply", "traceback": "",
                                       "message": "the call wrote a reply that is not one"}).encode()
-        return written
+        return b"D" + json.dumps({"status": status}).encode()
 
 
 def _child(req_r, res_w):
@@ -228,7 +231,7 @@ def _child(req_r, res_w):
             except BaseException as exc:  # noqa: BLE001  (SystemExit and KeyboardInterrupt too)
                 reply = _error_reply(exc)
             with open(res_w, "wb") as out:
-                out.write(reply)
+                out.write(struct.pack(">Q", len(reply)) + reply)
     except BaseException:  # noqa: BLE001  (the reply could not be made or written)
         code = 1
     os._exit(code)
@@ -244,32 +247,35 @@ def _error_reply(exc):
                               "traceback": traceback.format_exc()}).encode()
 
 
-def _read_until_child_ends(r, pid):
-    """All the child wrote. Once it has ended, whatever it left running (which might hold
-    the pipe open) is killed, so the pipe reaches its end."""
+def _read_to_end(r, pid):
+    """All that was written to the call's reply pipe, up to its end: the child closed it
+    (having written its reply) or died. Once the child has ended, whatever it left running,
+    which may hold the pipe open too, is killed."""
     pidfd = os.pidfd_open(pid)
     poll = select.poll()
     poll.register(r, select.POLLIN)
     poll.register(pidfd, select.POLLIN)
     chunks = []
-    ended = False
-    while not ended:
-        for fd, _ in poll.poll():
-            if fd == pidfd:
-                ended = True
-            elif not (chunk := os.read(r, 1 << 20)):
-                poll.unregister(r)  # closed early: the end of the child still decides
-            else:
-                chunks.append(chunk)
+    while True:
+        events = dict(poll.poll())
+        if pidfd in events:
+            poll.unregister(pidfd)
+            _kill_the_rest()
+        if r in events:
+            chunk = os.read(r, 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    os.close(pidfd)
+    os.close(r)
+    return b"".join(chunks)
+
+
+def _kill_the_rest():
     try:
         os.kill(-1, signal.SIGKILL)  # from pid 1: every other process of the worker's namespace
     except ProcessLookupError:
         pass
-    while chunk := os.read(r, 1 << 20):
-        chunks.append(chunk)
-    os.close(pidfd)
-    os.close(r)
-    return b"".join(chunks)
 
 
 SOURCES = {"python": ("main.py", None, ["python3", "main.py"]),
@@ -305,8 +311,7 @@ def _run(argv, stdin, timeout_s, cap):
         out, err = proc.communicate(stdin, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         timed_out = True
-        # the worker is pid 1: this ends the program and whatever it started, in any session
-        os.kill(-1, signal.SIGKILL)
+        _kill_the_rest()  # the program and whatever it started, in any session
         out, err = proc.communicate()
     code = proc.returncode
     return {"exit_code": code if code >= 0 else -1, "signal": -code if code < 0 else 0,
