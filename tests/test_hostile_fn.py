@@ -566,3 +566,37 @@ async def test_run_code_that_leaves_a_daemon_holding_its_output_still_gets_a_ver
                "print('ALL TESTS PASSED', flush=True)\ntime.sleep(600)\n")
     r = await client.run_code("python", program, timeout_s=2)
     assert r.timed_out and not r.ok and r.stdout == "ALL TESTS PASSED\n"
+
+
+async def test_an_fn_sandbox_pointing_its_agent_socket_at_a_host_socket_gets_nothing(
+        client: dsec.DSecClient, hostile, tmp_path: Path) -> None:  # noqa: F811
+    """The server reaches an fn sandbox's agent through /proc/<pid>/root, where an absolute
+    symlink resolves in the server's own root: the sandbox swaps its socket for a link to a
+    host socket. The server connects there, finds another listener (SO_PEERCRED) and sends
+    nothing: no token, no request."""
+    import socket
+    host_socket = tmp_path / "host.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(host_socket))
+    listener.listen(16)
+    listener.setblocking(False)
+    try:
+        sb = await create(client, hostile, substrate="fn", image=IMAGE)
+        r = await sb.run(f"rm /.dsec/run/agent.sock && ln -s {host_socket} /.dsec/run/agent.sock && echo swapped")
+        assert r.stdout == "swapped\n"
+        with pytest.raises(dsec.DSecError):
+            await sb.run("echo again")
+        received, connections = b"", 0
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except BlockingIOError:
+                break
+            connections += 1
+            conn.settimeout(5)
+            with conn:
+                while chunk := conn.recv(4096):
+                    received += chunk
+        assert connections and received == b""
+    finally:
+        listener.close()
