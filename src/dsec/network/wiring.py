@@ -107,6 +107,8 @@ class Wiring:
     def __init__(self) -> None:
         self._table_ready = False
         self._lock = threading.Lock()
+        # the uplinks of each slot's rules, as applied by this process (unknown after a restart)
+        self._uplinks_of: dict[int, set[str]] = {}
 
     # links
     def attach(self, owner: str, netns: int) -> Slot:
@@ -187,12 +189,16 @@ class Wiring:
             port = f" meta l4proto {{ tcp, udp }} th dport {rule.port}" if rule.port else ""
             lines.append(f"add rule {TABLE} {slot.chain} ip daddr {rule.network}{port} accept")
         lines.append(f'add element {TABLE} egress {{ "{slot.link}" : jump {slot.chain} }}')
+        uplinks = _uplinks(str(r.network.network_address) for r in egress.rules)
         with _host_lock(), flows.Cutter() as cutter:
             try:
-                self._forward_through(_uplinks(str(r.network.network_address) for r in egress.rules))
+                self._forward_through(uplinks)
                 self._nft("\n".join(lines))
             finally:
-                self._release_uplinks()
+                before = self._uplinks_of.pop(slot.index, None)
+                if before is None or not before <= uplinks:  # one may be needed no more
+                    self._release_uplinks()
+            self._uplinks_of[slot.index] = uplinks
             cutter.cut(slot.sandbox_address, egress.rules)
 
     def _forward_through(self, uplinks: set[str]) -> None:
@@ -229,7 +235,8 @@ class Wiring:
                       f'add element {TABLE} egress {{ "{slot.link}" : jump {slot.chain} }}\n'
                       f'delete element {TABLE} egress {{ "{slot.link}" }}\n'
                       f"delete chain {TABLE} {slot.chain}")
-            self._release_uplinks()
+            if self._uplinks_of.pop(slot.index, None) != set():
+                self._release_uplinks()
 
     def sweep(self) -> None:
         """Remove chains whose link is gone (their sandbox died while its edge was down),
