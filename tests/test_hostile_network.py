@@ -167,14 +167,17 @@ SABOTAGE = {
     "hosts is a FIFO": "rm -rf /etc/hosts && mkfifo /etc/hosts",
     "hosts is a symlink to a host path": "rm -rf /etc/hosts && ln -s {canary} /etc/hosts",
     "hosts is huge": "rm -rf /etc/hosts && head -c 3000000 /dev/zero | tr '\\0' '#' > /etc/hosts",
+    "hosts is the kernel's memory": "rm -rf /etc/hosts && ln -s /proc/kcore /etc/hosts",
     "resolver files are dirs and FIFOs": "rm -rf /etc/hosts /etc/resolv.conf /etc/nsswitch.conf"
                                          " && mkdir /etc/resolv.conf && mkfifo /etc/nsswitch.conf"
                                          " && ln -s /proc/self/fd/0 /etc/hosts",
 }
 
 
+@pytest.mark.parametrize("substrate", ["container", "microvm"])
 async def test_sandbox_files_cannot_break_a_policy_change(hnet_server: Server, dest: Destination,
-                                                          other: Destination, tmp_path: Path) -> None:
+                                                          other: Destination, tmp_path: Path,
+                                                          substrate: str) -> None:
     """Built: host names are resolved on the host; the /etc/hosts pins are a convenience
     written after the rules are in force, bounded in size and time, whose failure is only
     logged. So each change succeeds fully (rules, info.network) whatever the sandbox did to
@@ -185,7 +188,7 @@ async def test_sandbox_files_cannot_break_a_policy_change(hnet_server: Server, d
     to_a = {"allow": ["localhost:9", f"{dest.address}:{PORTS[0]}"]}
     to_b = {"allow": ["localhost:9", f"{other.address}:{PORTS[0]}"]}
     async with hnet_server.client() as client:
-        sb = await client.create(ttl_s=600, image="python-3.11", network=to_a)
+        sb = await client.create(**_create_options(substrate), network=to_a)
         try:
             for i, (what, script) in enumerate(SABOTAGE.items()):
                 r = await sb.run(script.format(canary=canary), timeout_s=60)

@@ -206,9 +206,12 @@ class Wiring:
         not already is guarded first (set ``forwarders``: it forwards nothing but sandbox
         traffic) and switched back off once no rule needs it (``_release_uplinks``)."""
         for uplink in sorted(uplinks):
-            if not _forwarding(uplink):
-                self._nft(f'add element {TABLE} forwarders {{ "{uplink}" }}')
-                _set_forwarding(uplink, True)
+            try:
+                if not _forwarding(uplink):
+                    self._nft(f'add element {TABLE} forwarders {{ "{uplink}" }}')
+                    _set_forwarding(uplink, True)
+            except OSError as exc:  # the interface went away since its route was looked up
+                raise SandboxError(f"could not let {uplink} forward replies: {exc}") from exc
 
     def _release_uplinks(self) -> None:
         """Switch forwarding back off on the uplinks dsec turned it on for that no sandbox's
