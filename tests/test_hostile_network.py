@@ -145,6 +145,13 @@ async def test_narrowing_cuts_open_flows(hnet_server: Server, dest: Destination,
                               f"('{other.address}', {ECHO_PORT}), timeout=5); s.sendall(b'hi');"
                               " print(s.recv(2).decode())"], timeout_s=60)
             assert r.stdout == "hi\n", r.stderr
+
+            # back to none: no flow of its address is left for a later holder of its slot
+            owner = edge_id(hnet_server) if substrate == "container" else f"{substrate}@{edge_id(hnet_server)}"
+            address = Slot(int(slot_of(owner, sb.id).removeprefix("dsec"))).sandbox_address
+            assert await asyncio.to_thread(_flows_from, address) != []
+            await sb.set_network("none")
+            assert await asyncio.to_thread(_flows_from, address) == []
         finally:
             await sb.stop()
 

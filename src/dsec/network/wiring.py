@@ -233,13 +233,16 @@ class Wiring:
             _delete_link(ipr, slot.link)
 
     def remove_rules(self, slot: Slot) -> None:
-        with _host_lock():
+        """Remove the slot's chain and map element, and cut its address's flows: a later
+        sandbox of the same slot gets the same address, and must inherit none of them."""
+        with _host_lock(), flows.Cutter() as cutter:
             self._nft(f"add chain {TABLE} {slot.chain}\n"  # so that the deletes cannot fail
                       f'add element {TABLE} egress {{ "{slot.link}" : jump {slot.chain} }}\n'
                       f'delete element {TABLE} egress {{ "{slot.link}" }}\n'
                       f"delete chain {TABLE} {slot.chain}")
             if self._uplinks_of.pop(slot.index, None) != set():
                 self._release_uplinks()
+            cutter.cut(slot.sandbox_address, ())
 
     def sweep(self) -> None:
         """Remove chains whose link is gone (their sandbox died while its edge was down),
