@@ -299,6 +299,24 @@ def _ipv6_link_local(link: str) -> str | None:
     return out[3].split("/")[0] if len(out) > 3 else None
 
 
+async def _host_loopback_via_gateway(sb: dsec.AsyncSandbox, gateway: str, port: int) -> str:
+    """A guest routes 127.0.0.0/8 out of its NIC to the host, and connects to 127.0.0.1."""
+    bb = "/.dsec/busybox"
+    r = await sb.run(f"echo 1 > /proc/sys/net/ipv4/conf/all/route_localnet && "
+                     f"echo 1 > /proc/sys/net/ipv4/conf/eth0/route_localnet && "
+                     f"{bb} ip route del local 127.0.0.0/8 dev lo table local && "
+                     f"{bb} ip route del local 127.0.0.1 dev lo table local && "
+                     f"{bb} ip route add 127.0.0.0/8 via {gateway} dev eth0 && "
+                     "python3 -c \"import socket\n"
+                     "try:\n"
+                     f"    socket.create_connection(('127.0.0.1', {port}), timeout=5)\n"
+                     "    print('through')\n"
+                     "except OSError as e:\n"
+                     "    print('blocked')\"", timeout_s=120)
+    assert r.exit_code == 0, r.stderr
+    return r.stdout.strip()
+
+
 @pytest.mark.parametrize("substrate", ["container", "microvm"])
 async def test_narrow_policy_reaches_nothing_else(hnet_server: Server, dest: Destination,
                                                   other: Destination, echo_a, substrate: str) -> None:  # type: ignore[no-untyped-def]
@@ -340,6 +358,9 @@ async def test_narrow_policy_reaches_nothing_else(hnet_server: Server, dest: Des
                                   f"('{dest.address}', {ECHO_PORT}), timeout=5); s.sendall(b'ok');"
                                   " print(s.recv(2).decode())"], timeout_s=60)
                 assert r.stdout == "ok\n", r.stderr
+                if substrate == "microvm":  # root in its kernel: the host's loopback, by the gateway
+                    assert await _host_loopback_via_gateway(sb, gateway, port) == "blocked"
+                    assert listener.accepted == []
             finally:
                 await sb.stop()
                 await bystander.stop()
