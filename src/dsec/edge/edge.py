@@ -265,7 +265,7 @@ class Edge:
         sandbox has no pins yet."""
         await substrate.set_network(sandbox_id, runtime, egress)
         if not fresh or (egress is not None and egress.hosts):
-            await pin_in_sandbox(substrate.agent(sandbox_id, runtime),
+            await pin_in_sandbox(sandbox_id, substrate.agent(sandbox_id, runtime),
                                  egress.hosts if egress is not None else ())
 
     async def set_network(self, sandbox_id: str, network: Network) -> SandboxInfo:

@@ -45,8 +45,8 @@ class Cutter:
                  tb: TracebackType | None) -> None:
         self._ct.close()
 
-    def cut(self, address: str, rules: tuple[Rule, ...]) -> int:
-        """Delete the entries of flows from ``address`` that ``rules`` do not allow; how many."""
+    def cut(self, address: str, rules: tuple[Rule, ...]) -> None:
+        """Delete the entries of flows from ``address`` that ``rules`` do not allow."""
         try:
             doomed = [entry.tuple_orig for entry in
                       self._ct.dump_entries(tuple_orig=NFCTAttrTuple(saddr=address))
@@ -59,7 +59,6 @@ class Cutter:
                         raise
         except (OSError, NetlinkError) as exc:
             raise SandboxError(f"could not cut the flows the policy forbids: {exc}") from exc
-        return len(doomed)
 
 
 def allowed(flow: NFCTAttrTuple, rules: tuple[Rule, ...]) -> bool:

@@ -38,16 +38,15 @@ def pin_hosts(current: bytes, pins: tuple[tuple[str, str], ...]) -> bytes:
     return ("\n".join(lines) + "\n").encode() if lines else b""
 
 
-async def pin_in_sandbox(agent: AgentClient, pins: tuple[tuple[str, str], ...]) -> bool:
+async def pin_in_sandbox(sandbox_id: str, agent: AgentClient,
+                         pins: tuple[tuple[str, str], ...]) -> None:
     """Rewrite the sandbox's /etc/hosts block through its agent (the path is resolved inside
-    the sandbox, never on the host). Whether it worked; a failure is logged."""
+    the sandbox, never on the host). A failure is logged, never raised."""
     try:
         await asyncio.wait_for(_pin(agent, pins), PIN_TIMEOUT_S)
-        return True
     except (AgentError, AgentUnavailable, TimeoutError) as exc:
-        log.warning("the policy is in force, but its host names could not be pinned in the "
-                    "sandbox's /etc/hosts: %s", exc)
-        return False
+        log.warning("%s: the policy is in force, but its host names could not be pinned in "
+                    "the sandbox's /etc/hosts: %s", sandbox_id, exc)
 
 
 async def _pin(agent: AgentClient, pins: tuple[tuple[str, str], ...]) -> None:
