@@ -361,6 +361,10 @@ async def test_narrow_policy_reaches_nothing_else(hnet_server: Server, dest: Des
                 if substrate == "microvm":  # root in its kernel: the host's loopback, by the gateway
                     assert await _host_loopback_via_gateway(sb, gateway, port) == "blocked"
                     assert listener.accepted == []
+                # the bystander next door still works, its own policy included
+                r = await bystander.run(["bash", "-c", f"exec 3<>/dev/tcp/{dest.address}/{ECHO_PORT}"
+                                         " && echo -n by >&3 && head -c 2 <&3"], timeout_s=60)
+                assert r.stdout == "by", r.stderr
             finally:
                 await sb.stop()
                 await bystander.stop()
