@@ -248,9 +248,17 @@ class AgentClient:
             if f.type == "p"
         ]
 
-    async def read_file(self, path: str) -> bytes:
-        frames = await self._call("F", [("op", "read"), ("path", path)])
-        return b"".join(f.data("data") for f in frames if f.type == "D")
+    async def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
+        """The file's bytes; past ``max_bytes``, ``AgentError("EFBIG")`` and the rest is not
+        read (the sandbox may have put anything at ``path``)."""
+        data = bytearray()
+        async with aclosing(self._frames("F", [("op", "read"), ("path", path)], "O")) as frames:
+            async for f in frames:
+                if f.type == "D":
+                    data += f.data("data")
+                    if max_bytes is not None and len(data) > max_bytes:
+                        raise AgentError("EFBIG", f"{path} is larger than {max_bytes} bytes")
+        return bytes(data)
 
     async def write_file(self, path: str, data: bytes, mode: int = 0o644, append: bool = False) -> None:
         """Replace ``path`` atomically (temp file + rename) or append to it. Parent

@@ -260,21 +260,20 @@ class Edge:
     async def _apply_network(self, substrate: Substrate, sandbox_id: str,
                              runtime: dict[str, Any], egress: Egress | None,
                              fresh: bool = False) -> None:
-        """Rules first, then the sandbox's /etc/hosts pins. A ``fresh`` sandbox has none yet."""
+        """The rules, all or nothing; then, once they are in force, the sandbox's /etc/hosts
+        pins (a convenience whose failure is logged: that file is the sandbox's). A ``fresh``
+        sandbox has no pins yet."""
         await substrate.set_network(sandbox_id, runtime, egress)
         if not fresh or (egress is not None and egress.hosts):
-            await pin_in_sandbox(substrate.agent(sandbox_id, runtime),
+            await pin_in_sandbox(sandbox_id, substrate.agent(sandbox_id, runtime),
                                  egress.hosts if egress is not None else ())
 
     async def set_network(self, sandbox_id: str, network: Network) -> SandboxInfo:
         """Replace a running sandbox's policy. Rules that cannot be applied leave the previous
-        ones in force (one atomic nft batch)."""
+        ones in force (one atomic nft batch); the record changes once the new ones are."""
         live = self._get(sandbox_id)
         egress = await self._egress(live.substrate, network)
-        try:
-            await self._apply_network(live.substrate, sandbox_id, live.row.runtime, egress)
-        except AgentUnavailable as exc:
-            raise await self._agent_failed(live, exc) from None
+        await self._apply_network(live.substrate, sandbox_id, live.row.runtime, egress)
         live.row.request["network"] = network if network == "none" else network.model_dump()
         self.store.set_request(sandbox_id, live.row.request)
         return self.info(live.row)

@@ -1,16 +1,26 @@
 """The block of a sandbox's /etc/hosts that pins the host names of its network policy.
 
-Names are resolved on the host when the policy is applied; pinning them means the sandbox
-needs no DNS egress, and reaches exactly the addresses its rules allow.
+Names are resolved on the host when the policy is applied (``policy.resolve``, with the host's
+own resolver files); the rules allow the addresses found, whatever the sandbox's files say.
+Pinning them in the sandbox's /etc/hosts is a convenience, so that the sandbox needs no DNS
+egress: that file is the sandbox's, which may have made it a directory, a FIFO, a symlink or a
+huge file. So pinning happens after the policy is in force, is bounded in size and time, and
+its failure is logged, never the policy's: a sandbox cannot make a policy change fail or
+half-apply, nor hold it up.
 """
 
 from __future__ import annotations
 
-from ..agent.client import AgentClient, AgentError
-from ..client.errors import SandboxError
+import asyncio
+import logging
+
+from ..agent.client import AgentClient, AgentError, AgentUnavailable
 
 BEGIN = "# dsec network policy: begin (managed, rewritten on set_network)"
 END = "# dsec network policy: end"
+MAX_HOSTS_BYTES = 1 << 20  # a larger /etc/hosts is not read, and gets no pins
+PIN_TIMEOUT_S = 10.0
+log = logging.getLogger("dsec.network")
 
 
 def pin_hosts(current: bytes, pins: tuple[tuple[str, str], ...]) -> bytes:
@@ -28,16 +38,24 @@ def pin_hosts(current: bytes, pins: tuple[tuple[str, str], ...]) -> bytes:
     return ("\n".join(lines) + "\n").encode() if lines else b""
 
 
-async def pin_in_sandbox(agent: AgentClient, pins: tuple[tuple[str, str], ...]) -> None:
-    """Rewrite the sandbox's /etc/hosts block through its agent: the path is resolved inside
-    the sandbox, never on the host."""
+async def pin_in_sandbox(sandbox_id: str, agent: AgentClient,
+                         pins: tuple[tuple[str, str], ...]) -> None:
+    """Rewrite the sandbox's /etc/hosts block through its agent (the path is resolved inside
+    the sandbox, never on the host). A failure is logged, never raised."""
     try:
-        current = await agent.read_file("/etc/hosts")
-    except AgentError:
+        await asyncio.wait_for(_pin(agent, pins), PIN_TIMEOUT_S)
+    except (AgentError, AgentUnavailable, TimeoutError) as exc:
+        log.warning("%s: the policy is in force, but its host names could not be pinned in "
+                    "the sandbox's /etc/hosts: %s", sandbox_id, exc)
+
+
+async def _pin(agent: AgentClient, pins: tuple[tuple[str, str], ...]) -> None:
+    try:
+        current = await agent.read_file("/etc/hosts", max_bytes=MAX_HOSTS_BYTES)
+    except AgentError as exc:
+        if exc.errno != "ENOENT":
+            raise
         current = b""  # none yet
     updated = pin_hosts(current, pins)
-    try:
-        if updated != current:
-            await agent.write_file("/etc/hosts", updated)
-    except AgentError as exc:
-        raise SandboxError(f"could not pin the policy's host names in /etc/hosts: {exc}") from None
+    if updated != current:
+        await agent.write_file("/etc/hosts", updated)

@@ -43,7 +43,8 @@ class WiredSandboxes:
                   wire: Callable[[], Awaitable[Slot]],
                   unwire: Callable[[Slot], Awaitable[None]]) -> None:
         """Make ``egress`` the sandbox's policy: ``wire`` gives it a slot when it has none,
-        ``unwire`` takes the slot away when the policy goes back to none."""
+        ``unwire`` takes the slot away when the policy goes back to none (or when the rules
+        of a slot just wired cannot be applied: a failure leaves the previous policy)."""
         async with self._lock(sandbox_id):
             slot = self._slots.get(sandbox_id)
             if egress is None:
@@ -51,10 +52,16 @@ class WiredSandboxes:
                     await unwire(slot)
                     del self._slots[sandbox_id]
                 return
-            if slot is None:
-                slot = await wire()
-                self._slots[sandbox_id] = slot
-            await self.run(self.wiring.apply, slot, egress)
+            if slot is not None:
+                await self.run(self.wiring.apply, slot, egress)
+                return
+            slot = await wire()
+            try:
+                await self.run(self.wiring.apply, slot, egress)
+            except BaseException:
+                await unwire(slot)  # all or nothing: back to no network
+                raise
+            self._slots[sandbox_id] = slot
 
     async def remove(self, sandbox_id: str) -> None:
         """The sandbox is gone: remove its rules and host link, if it had any."""

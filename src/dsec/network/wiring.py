@@ -5,9 +5,12 @@ one table, ``inet dsec``.
 Per wired sandbox, a slot ``n`` of 10.200.0.0/16 cut in /30s: host link ``dsec<n>``
 (10.200.x.1) whose other end is the sandbox's ``eth0`` (10.200.x.2, default route via the
 host side), and a chain ``sb<n>`` that the map ``egress`` sends the link's traffic to (forward and
-input hooks alike, so the host itself is just another destination). The chain accepts replies
-and the allowed destinations; everything else from a ``dsec*`` link is rejected, and nothing
-may open a connection into one. Sandboxes never reach each other, whatever their rules. Sandbox sources are masqueraded on their way out.
+input hooks alike, so the host itself is just another destination). The chain judges every
+packet the sandbox sends, of new and open flows alike, and accepts those to the allowed
+destinations; everything else from a ``dsec*`` link is rejected, and nothing may open a
+connection into one (replies to the sandbox pass by conntrack state; a policy change deletes
+the entries of the flows it forbids, see ``flows``). Sandboxes never reach each other,
+whatever their rules. Sandbox sources are masqueraded on their way out.
 
 A slot is claimed by creating its link: the kernel refuses a second ``dsec<n>``, so edges
 sharing the host never collide. The link's alias ``<edge>/<sandbox id>`` says whose it is,
@@ -17,11 +20,14 @@ destroys the VM deletes it); chains whose link is gone are swept.
 IPv4 forwarding is enabled per interface, on the sandbox's link and on the interface that
 routes each allowed destination (replies come in there), never host-wide. An interface on
 which dsec turned forwarding on joins the set ``forwarders``: it forwards nothing that is
-not to or from a sandbox, so the host does not become a router for its neighbours.
+not to or from a sandbox, so the host does not become a router for its neighbours, and is
+switched back off as soon as no sandbox's rule (of any edge: the table is the record) routes
+through it. A host-wide lock serialises these decisions between the edges of a host.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -33,18 +39,21 @@ import struct
 import subprocess
 import threading
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, TypeVar
 
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
 from ..client.errors import SandboxError
+from . import flows
 from .policy import Egress
 
 POOL = ipaddress.IPv4Network("10.200.0.0/16")
 SLOTS = range(1, POOL.num_addresses // 4)
 LINK_PREFIX, TABLE = "dsec", "inet dsec"
 LINK_NAME = re.compile(r"^dsec(\d+)$")
+HOST_LOCK = "/run/dsec-network.lock"
 CLONE_NEWNET = 0x40000000
 TUNSETIFF, TUNSETPERSIST, IFF_TAP, IFF_NO_PI = 0x400454CA, 0x400454CB, 0x0002, 0x1000
 T = TypeVar("T")
@@ -98,6 +107,8 @@ class Wiring:
     def __init__(self) -> None:
         self._table_ready = False
         self._lock = threading.Lock()
+        # the uplinks of each slot's rules, as applied by this process (unknown after a restart)
+        self._uplinks_of: dict[int, set[str]] = {}
 
     # links
     def attach(self, owner: str, netns: int) -> Slot:
@@ -125,7 +136,7 @@ class Wiring:
                     (host,) = ipr.link_lookup(ifname=slot.link)
                     ipr.link("set", index=host, ifalias=owner)
                     ipr.addr("add", index=host, address=slot.host_address, prefixlen=30)
-                    _enable_forwarding(slot.link)
+                    _set_forwarding(slot.link, True)
                     ipr.link("set", index=host, state="up")
                     inside(slot)
                 except BaseException:
@@ -164,23 +175,56 @@ class Wiring:
 
     # nftables
     def apply(self, slot: Slot, egress: Egress) -> None:
-        """Replace the slot's rules with ``egress``'s, in one atomic batch."""
+        """Make ``egress`` the slot's rules, all or nothing. What can fail is done first (route
+        lookups, the uplinks' forwarding, opening the conntrack socket); the rules are then
+        replaced in one atomic nft batch. Every packet the sandbox sends is judged by the
+        rules (no blanket accept of established flows), and the flows the new rules forbid
+        lose their conntrack entries before this returns, so no reply reaches the sandbox
+        through them either."""
         lines = [f"add chain {TABLE} {slot.chain}", f"flush chain {TABLE} {slot.chain}",
                  # a VM's guest (root in its own kernel) may pick any source address; dropped,
                  # not rejected: a reject would go to whoever owns the forged address
-                 f"add rule {TABLE} {slot.chain} ip saddr != {slot.sandbox_address} drop",
-                 f"add rule {TABLE} {slot.chain} ct state established,related accept"]
+                 f"add rule {TABLE} {slot.chain} ip saddr != {slot.sandbox_address} drop"]
         for rule in egress.rules:
             port = f" meta l4proto {{ tcp, udp }} th dport {rule.port}" if rule.port else ""
             lines.append(f"add rule {TABLE} {slot.chain} ip daddr {rule.network}{port} accept")
         lines.append(f'add element {TABLE} egress {{ "{slot.link}" : jump {slot.chain} }}')
-        self._nft("\n".join(lines))
-        with IPRoute() as ipr:
-            for rule in egress.rules:
-                uplink = _uplink(ipr, str(rule.network.network_address))
-                if uplink is not None and not _forwarding(uplink):
+        uplinks = _uplinks(str(r.network.network_address) for r in egress.rules)
+        with _host_lock(), flows.Cutter() as cutter:
+            try:
+                self._forward_through(uplinks)
+                self._nft("\n".join(lines))
+            finally:
+                before = self._uplinks_of.pop(slot.index, None)
+                if before is None or not before <= uplinks:  # one may be needed no more
+                    self._release_uplinks()
+            self._uplinks_of[slot.index] = uplinks
+            cutter.cut(slot.sandbox_address, egress.rules)
+
+    def _forward_through(self, uplinks: set[str]) -> None:
+        """Let each of ``uplinks`` forward (replies to sandboxes come in there); one that did
+        not already is guarded first (set ``forwarders``: it forwards nothing but sandbox
+        traffic) and switched back off once no rule needs it (``_release_uplinks``)."""
+        for uplink in sorted(uplinks):
+            try:
+                if not _forwarding(uplink):
                     self._nft(f'add element {TABLE} forwarders {{ "{uplink}" }}')
-                    _enable_forwarding(uplink)
+                    _set_forwarding(uplink, True)
+            except OSError as exc:  # the interface went away since its route was looked up
+                raise SandboxError(f"could not let {uplink} forward replies: {exc}") from exc
+
+    def _release_uplinks(self) -> None:
+        """Switch forwarding back off on the uplinks dsec turned it on for that no sandbox's
+        rule (of any edge on the host: the table is the record) routes through any more.
+        Called under the host lock."""
+        guarded = _forwarders(_nft_list("set", TABLE, "forwarders"))
+        if not guarded:
+            return
+        needed = _uplinks(re.findall(r"ip daddr ([0-9./]+)", _nft_list("table", TABLE)))
+        for uplink in sorted(guarded - needed):
+            if Path(f"/proc/sys/net/ipv4/conf/{uplink}").exists():
+                _set_forwarding(uplink, False)
+            self._nft(f'delete element {TABLE} forwarders {{ "{uplink}" }}')
 
     def detach(self, slot: Slot) -> None:
         """Remove the slot's rules and link (either may be gone already)."""
@@ -189,28 +233,31 @@ class Wiring:
             _delete_link(ipr, slot.link)
 
     def remove_rules(self, slot: Slot) -> None:
-        self._nft(f"add chain {TABLE} {slot.chain}\n"  # so that the deletes cannot fail
-                  f'add element {TABLE} egress {{ "{slot.link}" : jump {slot.chain} }}\n'
-                  f'delete element {TABLE} egress {{ "{slot.link}" }}\n'
-                  f"delete chain {TABLE} {slot.chain}")
+        """Remove the slot's chain and map element, and cut its address's flows: a later
+        sandbox of the same slot gets the same address, and must inherit none of them."""
+        with _host_lock(), flows.Cutter() as cutter:
+            self._nft(f"add chain {TABLE} {slot.chain}\n"  # so that the deletes cannot fail
+                      f'add element {TABLE} egress {{ "{slot.link}" : jump {slot.chain} }}\n'
+                      f'delete element {TABLE} egress {{ "{slot.link}" }}\n'
+                      f"delete chain {TABLE} {slot.chain}")
+            if self._uplinks_of.pop(slot.index, None) != set():
+                self._release_uplinks()
+            cutter.cut(slot.sandbox_address, ())
 
     def sweep(self) -> None:
-        """Remove chains whose link is gone (their sandbox died while its edge was down) and
-        forwarders that no longer exist."""
-        listing = subprocess.run(["nft", "list", "table", *TABLE.split()], capture_output=True,
-                                 text=True).stdout
+        """Remove chains whose link is gone (their sandbox died while its edge was down),
+        forwarders that no longer exist, and forwarding that no rule needs any more."""
+        listing = _nft_list("table", TABLE)
         chains = {int(i) for i in re.findall(r"chain sb(\d+) ", listing)}
-        forwarders = re.search(r"set forwarders \{[^}]*?elements = \{([^}]*)\}", listing)
-        names = set(re.findall(r'"([^"]+)"', forwarders.group(1))) if forwarders else set()
-        if not chains and not names:
-            return
         with IPRoute() as ipr:
             links = {link.get("ifname") for link in ipr.get_links()}
         for index in chains:
             if Slot(index).link not in links:
                 self.remove_rules(Slot(index))
-        for name in names - links:
-            self._nft(f'delete element {TABLE} forwarders {{ "{name}" }}')
+        with _host_lock():
+            for name in _forwarders(listing) - links:
+                self._nft(f'delete element {TABLE} forwarders {{ "{name}" }}')
+            self._release_uplinks()
 
     def _nft(self, batch: str) -> None:
         """Run a batch, setting the table up first (once per process, and again if the batch
@@ -288,14 +335,40 @@ def _delete_link(ipr: IPRoute, name: str) -> None:
             raise
 
 
-def _enable_forwarding(link: str) -> None:
+def _set_forwarding(link: str, on: bool) -> None:
     with open(f"/proc/sys/net/ipv4/conf/{link}/forwarding", "w") as f:
-        f.write("1")
+        f.write("1" if on else "0")
 
 
 def _forwarding(link: str) -> bool:
     with open(f"/proc/sys/net/ipv4/conf/{link}/forwarding") as f:
         return f.read().strip() == "1"
+
+
+@contextlib.contextmanager
+def _host_lock() -> Iterator[None]:
+    """Serialises, across the edges of this host, the changes that decide which uplinks
+    must forward (each edge's rules count)."""
+    with open(HOST_LOCK, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _nft_list(kind: str, *names: str) -> str:
+    """``nft list`` of a table or set (empty if there is none yet)."""
+    return subprocess.run(["nft", "list", kind, *" ".join(names).split()], capture_output=True,
+                          text=True).stdout
+
+
+def _forwarders(listing: str) -> set[str]:
+    found = re.search(r"set forwarders \{[^}]*?elements = \{([^}]*)\}", listing)
+    return set(re.findall(r'"([^"]+)"', found.group(1))) if found else set()
+
+
+def _uplinks(addresses: Iterable[str]) -> set[str]:
+    with IPRoute() as ipr:
+        return {name for address in set(addresses)
+                if (name := _uplink(ipr, address.split("/")[0])) is not None}
 
 
 def _uplink(ipr: IPRoute, address: str) -> str | None:

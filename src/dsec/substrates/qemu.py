@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import os
 import secrets
@@ -42,6 +43,7 @@ from .pidwatch import PidWatch
 from .spawn import Spawned
 
 ACCELS = ("kvm", "tcg")
+log = logging.getLogger("dsec.qemu")
 START_TIMEOUT_S = 180.0  # a TCG boot on a loaded host takes tens of seconds
 QEMU_OVERHEAD_MB = 256  # QEMU itself (device model, TCG translation cache) above guest RAM
 TCG_CACHE_MB = 64  # translation cache; QEMU's default of 1 GiB would dwarf small guests
@@ -296,7 +298,11 @@ class QemuSubstrate(Substrate):
         async def unwire(slot: Slot) -> None:
             await vmnet.unplug(qmp)
             await self.network.run(self.network.wiring.detach, slot)
-            await vmnet.configure_guest(agent, None)
+            try:  # the host holds nothing of it any more: the guest's side is tidying only
+                await vmnet.configure_guest(agent, None)
+            except SandboxError as exc:
+                log.warning("%s: unplugged, but its eth0 could not be taken down: %s",
+                            sandbox_id, exc)
 
         await self.network.set(sandbox_id, egress, wire, unwire)
 
