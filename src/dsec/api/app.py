@@ -92,7 +92,7 @@ def create_app(router: Router, store: StateStore, registry: CollectorRegistry) -
         call = Call(caller=caller)
         step = request.headers.get("x-dsec-step")
         if step is not None:
-            if not step.isdigit() or int(step) < 1:
+            if not (step.isascii() and step.isdigit()) or int(step) < 1:
                 raise InvalidRequest("X-DSec-Step must be a positive integer", step=step)
             call.step = int(step)
         mode = request.headers.get("x-dsec-on-divergence", "raise")

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ValidationError
 
 from ..trajectory.digest import StepRequest, call_request, exec_request
 from ..trajectory.outcome import decode, output_chunks
+from . import archive
 from . import fn as fn_calls
 from .errors import CommandTimeout, DSecError, FileNotFound, InvalidRequest, ServerUnavailable
 from .models import (CreateRequest, ExecRequest, ExecResult, FileEntry, NetworkRequest, ProcessInfo,
@@ -382,12 +383,16 @@ class Sandbox:
         await self._call(lambda: call_request("upload", buf.getvalue(), path=remote_dir), "PUT",
                          "/archive", _none, content=buf.getvalue(), params={"path": remote_dir})
 
-    async def download(self, remote_dir: str, local_dir: str | Path) -> None:
-        """Copy the contents of ``remote_dir`` into ``local_dir``."""
+    async def download(self, remote_dir: str, local_dir: str | Path, *,
+                       max_bytes: int = archive.DEFAULT_MAX_BYTES,
+                       max_members: int = archive.DEFAULT_MAX_MEMBERS) -> None:
+        """Copy the contents of ``remote_dir`` into ``local_dir``. The archive is sandbox-made:
+        each member is checked and created under ``local_dir`` only (see ``client/archive.py``);
+        ``UnsafeArchive`` if one would land outside, or past ``max_bytes``/``max_members``."""
         data = await self._call(lambda: call_request("download", path=remote_dir), "GET", "/archive",
                                 _content, params={"path": remote_dir})
-        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-            tar.extractall(local_dir, filter="data")
+        await asyncio.to_thread(archive.extract, data, local_dir, max_bytes=max_bytes,
+                                max_members=max_members)
 
     # lifecycle
     async def refresh(self) -> SandboxInfo:

@@ -153,6 +153,14 @@ class DelegationExceeded(DSecError):
 
     code, status = "delegation_exceeded", 409
 
+class UnsafeArchive(DSecError):
+    """An archive that came out of a sandbox would write outside its destination (an absolute
+    name, ``..``, a link out, a device, a member under a symlink) or past its caps (members,
+    bytes). Nothing is written outside the destination; ``details`` name the member."""
+
+    code, status = "unsafe_archive", 422
+
+
 class RemoteError(DSecError):
     """The function of an fn call raised. ``remote_type`` is the exception's qualified type
     name (``builtins.ZeroDivisionError``), ``traceback`` its formatted remote traceback."""
@@ -198,6 +206,7 @@ ERRORS: dict[str, type[DSecError]] = {
         QuotaExceeded,
         DelegationExceeded,
         RemoteError,
+        UnsafeArchive,
     )
 }
 

@@ -34,7 +34,7 @@ from ..api.routing import Router
 from ..client.errors import (CapacityExhausted, DSecError, ImageNotFound, InvalidRequest,
                              NotSupported, QuotaExceeded, SandboxDied, SandboxNotFound,
                              Unauthorized)
-from ..client.models import CreateRequest, SandboxInfo
+from ..client.models import CreateRequest, SandboxInfo, lone_surrogate
 from .auth import Keys
 from .connect import PlainHttpError
 from .envd import ENVD_VERSION, USERS, Envd, gone
@@ -295,6 +295,9 @@ async def _json(request: Request) -> dict[str, Any]:
         raise PlainHttpError(400, {"code": 400, "message": "the body is not valid JSON"}) from None
     if not isinstance(data, dict):
         raise PlainHttpError(400, {"code": 400, "message": "the body must be a JSON object"})
+    if lone_surrogate(data) is not None:
+        raise PlainHttpError(400, {"code": 400, "message": "the body's strings must be valid "
+                                   "Unicode text (a lone surrogate is not)"})
     return data
 
 
@@ -303,7 +306,7 @@ def _int(value: Any, name: str) -> int:
         raise PlainHttpError(400, {"code": 400, "message": f"{name} must be an integer"})
     try:
         number = int(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: JSON Infinity
         raise PlainHttpError(400, {"code": 400, "message": f"{name} must be an integer"}) from None
     if number < 0:
         raise PlainHttpError(400, {"code": 400, "message": f"{name} must not be negative"})
