@@ -17,7 +17,7 @@ from .client.errors import (CapacityExhausted, CommandTimeout, DelegationExceede
                             TrajectoryDiverged, TrajectoryExists, TrajectoryNotFound,
                             Unauthorized)
 from .client.project_models import ProjectInfo, ProjectKey, Quota
-from .client.errors import RemoteError
+from .client.errors import IdempotencyKeyReused, RemoteError, UnsafeArchive
 from .client.fn import CodeResult
 from .client.models import (FileEntry, ProcessInfo, SandboxInfo, StepDiff, StepRecord,
                             TrajectoryInfo)
@@ -36,6 +36,6 @@ __all__ = [
     "QuotaExceeded", "DelegationExceeded", "ProjectNotFound", "ProjectExists", "Forbidden",
     "ProjectInfo", "ProjectKey", "Quota",
     "NetworkPolicy",
-    "RemoteError", "CodeResult",
+    "RemoteError", "CodeResult", "UnsafeArchive", "IdempotencyKeyReused",
 ]
 __version__ = "0.1.0"

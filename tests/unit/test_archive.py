@@ -13,9 +13,9 @@ import io
 import os
 import stat
 import tarfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from dsec.client.archive import extract
 from dsec.client.errors import DSecError, UnsafeArchive

@@ -30,10 +30,11 @@ import io
 import os
 import stat
 import tarfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 from .errors import UnsafeArchive
 

@@ -153,6 +153,13 @@ class DelegationExceeded(DSecError):
 
     code, status = "delegation_exceeded", 409
 
+class IdempotencyKeyReused(DSecError):
+    """The ``Idempotency-Key`` of a create was used before for a different request (another
+    image, options or front-end): a key names one create. Nothing was created."""
+
+    code, status = "idempotency_key_reused", 422
+
+
 class UnsafeArchive(DSecError):
     """An archive that came out of a sandbox would write outside its destination (an absolute
     name, ``..``, a link out, a device, a member under a symlink) or past its caps (members,
@@ -207,6 +214,7 @@ ERRORS: dict[str, type[DSecError]] = {
         DelegationExceeded,
         RemoteError,
         UnsafeArchive,
+        IdempotencyKeyReused,
     )
 }
 
