@@ -64,7 +64,7 @@ for step in steps:
     path = os.path.join(path, comp)
 link = os.path.join(*steps, "l" * 254)
 cve += [(link, tarfile.SYMTYPE, "../" * len(steps), b""),
-        ("escape", tarfile.SYMTYPE, link + "/../..", b""),
+        ("escape", tarfile.SYMTYPE, link + "/..", b""),  # the canary's directory
         ("escape/canary", tarfile.REGTYPE, "", b"pwned")]
 forgeries["cve-2025-4517"] = cve
 os.makedirs(out, exist_ok=True)
@@ -307,6 +307,27 @@ def test_same_key_same_sandbox_and_a_reused_key_is_422(tcp_server: Server) -> No
         assert late.status_code == 201 and late.json()["id"] == first.json()["id"]
         assert late.json()["state"] == "stopped"
         assert live_ids(http) == before
+
+
+def test_a_key_belongs_to_its_project(tcp_server: Server) -> None:
+    """Another project's key with the same Idempotency-Key gets its own sandbox, never a
+    handle on the first project's."""
+    name = "idem-" + secrets.token_hex(3)
+    with tcp_server.http(authenticated=True) as admin:
+        made = admin.post("/v1/projects", json={"name": name, "quota": {
+            "sandboxes": 2, "cpu": 2, "memory_mb": 1024}})
+        assert made.status_code == 201, made.text
+        secret = admin.post("/v1/keys", json={"name": "k", "project": name}).json()["key"]
+        key = "shared-" + secrets.token_hex(6)
+        theirs = keyed(admin, key)
+        with httpx.Client(base_url=tcp_server.url, timeout=120,
+                          headers={"authorization": f"Bearer {secret}"}) as project:
+            mine, again = keyed(project, key), keyed(project, key)
+            assert mine.status_code == again.status_code == 201, (mine.text, again.text)
+            assert mine.json()["id"] == again.json()["id"] != theirs.json()["id"]
+            assert live_ids(project) == [mine.json()["id"]]
+            project.delete(f"/v1/sandboxes/{mine.json()['id']}")
+        admin.delete(f"/v1/sandboxes/{theirs.json()['id']}")
 
 
 def test_racing_creates_with_one_key_make_one_sandbox(tcp_server: Server) -> None:
