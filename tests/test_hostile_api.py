@@ -19,8 +19,10 @@ import asyncio
 import json
 import secrets
 import signal
+import sqlite3
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -426,10 +428,12 @@ def test_a_key_outlives_kill_9_and_a_restart(images: object) -> None:
             again = keyed(http, key)
             assert again.status_code == 201 and again.json()["id"] == first.json()["id"]
             assert live_ids(http) == [first.json()["id"]]
-            # killed in the middle of a keyed create: the retry after the restart makes one
+            # killed in the middle of a keyed create (its claim is in the store, no sandbox
+            # yet): the dead server's claim is taken over, the retry makes exactly one
             cut = "midway-" + secrets.token_hex(6)
             racing = threading.Thread(target=lambda: _swallow(lambda: keyed(http, cut)))
             racing.start()
+            _await_pending_claim(srv.state_dir / "state.db", cut)
         srv.kill(signal.SIGKILL)
         racing.join()
         srv.start()
@@ -440,6 +444,20 @@ def test_a_key_outlives_kill_9_and_a_restart(images: object) -> None:
             assert live_ids(http) == sorted([first.json()["id"], retried.json()["id"]])
     finally:
         stop_server(srv)
+
+
+def _await_pending_claim(db: Path, key: str) -> None:
+    """Until the server has claimed ``key`` and not yet recorded its sandbox."""
+    deadline = time.monotonic() + 60
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as state:
+        while time.monotonic() < deadline:
+            row = state.execute("SELECT sandbox_id FROM idempotency_keys WHERE idem_key=?",
+                                (key,)).fetchone()
+            if row is not None:
+                assert row[0] is None, "the create finished before the kill"
+                return
+            time.sleep(0.002)
+    raise AssertionError("the keyed create never reached the server")
 
 
 def _swallow(call: Any) -> None:

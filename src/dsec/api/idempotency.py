@@ -92,6 +92,8 @@ class Idempotency:
         scope, digest = self._scope(), _digest(kind, req)
         while True:
             claim = self.store.claim(scope, check_key(key), digest, self.owner, LEASE_S, KEY_TTL_S)
+            if claim.state == "pending" and claim.owner is not None and _owner_dead(claim.owner):
+                claim = self.store.take_over(scope, key, claim.owner, self.owner, LEASE_S)
             if claim.state == "mismatch":
                 raise IdempotencyKeyReused("this Idempotency-Key was used for a different create "
                                            "request; use a new key for a new sandbox", key=key)
@@ -101,16 +103,12 @@ class Idempotency:
                 if info is not None:
                     return info, True
                 self.store.forget(scope, key, claim.sandbox_id)
-                continue
-            if claim.state == "claimed":
+            elif claim.state == "claimed":
                 info = await self._create(scope, key, make)
                 if info is not None:
                     return info, False
-                continue
-            if claim.owner is not None and _owner_dead(claim.owner):
-                self.store.take_over(scope, key, claim.owner, self.owner, LEASE_S)
-                continue
-            await asyncio.sleep(POLL_S)
+            else:  # another request is creating under the key: wait for its sandbox
+                await asyncio.sleep(POLL_S)
 
     async def _create(self, scope: str, key: str,
                       make: Callable[[], Awaitable[SandboxInfo]]) -> SandboxInfo | None:

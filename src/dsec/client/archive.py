@@ -78,8 +78,8 @@ def extract(archive: bytes | BinaryIO, destination: str | Path, *,
 def _plan(tar: tarfile.TarFile, max_members: int, max_bytes: int) -> _Plan:
     plan = _Plan()
     total = 0
-    for member in tar:
-        if len(plan.members) >= max_members:
+    for count, member in enumerate(tar):
+        if count >= max_members:
             raise UnsafeArchive(f"the archive holds more than {max_members} members",
                                 max_members=max_members)
         parts = _parts(member.name, member.name)
