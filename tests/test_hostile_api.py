@@ -389,7 +389,15 @@ class CutFirstConnection:
         writer.close()
 
     def close(self) -> None:
+        async def shutdown() -> None:
+            self.server.close()
+            for task in asyncio.all_tasks():
+                if task is not asyncio.current_task():
+                    task.cancel()
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
 
 
 async def test_the_sdk_retries_a_cut_create_with_its_key(tcp_server: Server) -> None:
