@@ -115,6 +115,12 @@ def test_symlink_chains_and_loops(tmp_path: Path) -> None:
     host.refuses(tar(symlink("l", "x/.."), symlink("x", ".")))
     host.refuses(tar(symlink("a", "b"), symlink("b", "a")))
     host.refuses(tar(symlink("self", "self/x")))
+    host.refuses(tar(symlink("long", "a/" * 5000)))  # bounded work, however long the target
+    # ".." out of a missing directory: a later download could make it a symlink to "."
+    host.refuses(tar(symlink("p", "x/..")))
+    extract(tar(directory("x"), symlink("p", "x/..")), host.dest)
+    assert os.readlink(host.dest / "p") == "x/.."
+    host.untouched()
 
 
 def test_symlink_through_what_the_destination_already_holds(tmp_path: Path) -> None:

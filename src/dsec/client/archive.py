@@ -16,8 +16,9 @@ itself, the same on every supported Python:
   ``O_EXCL``; a directory is never replaced, so no symlink can take a directory's place;
 - hard links only name regular files this extraction already wrote;
 - symlinks are made last, once every member is known, and only if their target, resolved
-  through the archive's other symlinks and what the destination already holds, stays inside
-  (no member may lie under one of the archive's symlinks);
+  through the archive's other symlinks and what the destination already holds, stays inside,
+  with ``..`` only out of real directories (no member may lie under one of the archive's
+  symlinks);
 - the member count and the bytes written (sparse members count at their full size) are capped
   before anything is written.
 
@@ -26,6 +27,7 @@ Any refusal is ``UnsafeArchive``; nothing is ever written outside the destinatio
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import stat
@@ -43,6 +45,7 @@ DEFAULT_MAX_BYTES = 2 << 30  # the server's archives hold at most 1 GiB of plain
 MAX_DEPTH = 256  # path components of one member
 MAX_COMPONENT = 255  # bytes, as NAME_MAX
 MAX_SYMLINK_HOPS = 40  # as the kernel's ELOOP limit
+MAX_RESOLVE_STEPS = 4096  # path components one symlink's resolution may walk
 CHUNK = 1 << 20
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -248,23 +251,30 @@ class _Writer:
 
 class _Resolver:
     """Where a symlink's target leads, followed through the archive's symlinks and whatever
-    the destination already holds, without leaving the destination (``..`` at the top is out)."""
+    the destination already holds, without leaving the destination (``..`` at the top is out).
+    Each step is bounded (``MAX_RESOLVE_STEPS`` components, ``MAX_SYMLINK_HOPS`` links), so a
+    forged chain costs the client little time."""
 
     def __init__(self, root: int, symlinks: dict[Parts, str]) -> None:
         self.root = root
         self.symlinks = symlinks
 
     def check(self, link: Parts, target: str) -> None:
-        hops = 0
+        hops = steps = 0
         pending = list(reversed(target.split("/")))
         resolved: list[str] = list(link[:-1])
         while pending:
+            steps += 1
+            if steps > MAX_RESOLVE_STEPS:
+                raise UnsafeArchive("a symlink too long to resolve", member="/".join(link))
             part = pending.pop()
             if part in ("", "."):
                 continue
-            if part == "..":
-                if not resolved:
-                    raise UnsafeArchive("a symlink that points outside the destination",
+            if part == "..":  # only out of a real directory: a missing one could later
+                # become a symlink (another download into the destination) and move the ".."
+                if not resolved or not self._is_dir(tuple(resolved)):
+                    raise UnsafeArchive("a symlink that points outside the destination or "
+                                        "climbs out of a missing directory",
                                         member="/".join(link), target=target)
                 resolved.pop()
                 continue
@@ -280,23 +290,24 @@ class _Resolver:
             pending.extend(reversed(next_target.split("/")))
 
     def _link_at(self, parts: Parts) -> str | None:
-        """The target of the symlink at ``parts`` (the archive's, or one already there)."""
+        """The target of the symlink at ``parts`` (the archive's, or one already there). Every
+        component before the last was checked not to be a symlink as it was added, so the
+        kernel's walk of the path follows none."""
         if parts in self.symlinks:
             return self.symlinks[parts]
-        fd = self.root
-        opened: list[int] = []
         try:
-            for name in parts[:-1]:
-                try:
-                    fd = os.open(name, _DIR_FLAGS, dir_fd=fd)
-                except OSError:
-                    return None  # missing, or a symlink the walk above already expanded
-                opened.append(fd)
-            try:
-                return os.readlink(parts[-1], dir_fd=fd)
-            except OSError:
-                return None  # not a symlink (or not there)
-        finally:
-            for f in opened:
-                os.close(f)
+            return os.readlink("/".join(parts), dir_fd=self.root)
+        except (FileNotFoundError, NotADirectoryError):
+            return None  # not there
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                return None  # there, and not a symlink
+            raise UnsafeArchive(f"a symlink whose target cannot be checked: {exc.strerror}",
+                                member="/".join(parts)) from None
 
+    def _is_dir(self, parts: Parts) -> bool:
+        try:
+            return stat.S_ISDIR(os.stat("/".join(parts), dir_fd=self.root,
+                                        follow_symlinks=False).st_mode)
+        except OSError:
+            return False
