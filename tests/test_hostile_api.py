@@ -423,6 +423,21 @@ async def test_the_sdk_retries_a_cut_create_with_its_key(tcp_server: Server) -> 
         proxy.close()
 
 
+def test_the_sync_facade_carries_keys_and_caps(tcp_server: Server, tmp_path: Path) -> None:
+    key = "sync-" + secrets.token_hex(6)
+    with dsec.Client(tcp_server.url, tcp_server.key, autostart=False) as client:
+        first = client.create(memory_mb=128, idempotency_key=key)
+        try:
+            assert client.create(memory_mb=128, idempotency_key=key).id == first.id
+            first.run("mkdir -p /work/d && head -c 5000 /dev/zero > /work/d/f")
+            with pytest.raises(dsec.UnsafeArchive):
+                first.download("/work/d", tmp_path / "out", max_bytes=4096)
+            first.download("/work/d", tmp_path / "out")
+            assert (tmp_path / "out" / "f").stat().st_size == 5000
+        finally:
+            first.stop()
+
+
 def test_a_key_outlives_kill_9_and_a_restart(images: object) -> None:
     srv = make_server("--capacity", "8", "--warm-pool", "0").start()
     try:
