@@ -17,7 +17,7 @@ from .client.errors import (CapacityExhausted, CommandTimeout, DelegationExceede
                             TrajectoryDiverged, TrajectoryExists, TrajectoryNotFound,
                             Unauthorized)
 from .client.project_models import ProjectInfo, ProjectKey, Quota
-from .client.errors import RemoteError, ResultRefused
+from .client.errors import IdempotencyKeyReused, RemoteError, ResultRefused, UnsafeArchive
 from .client.fn import CodeResult
 from .client.models import (FileEntry, ProcessInfo, SandboxInfo, StepDiff, StepRecord,
                             TrajectoryInfo)
@@ -36,6 +36,6 @@ __all__ = [
     "QuotaExceeded", "DelegationExceeded", "ProjectNotFound", "ProjectExists", "Forbidden",
     "ProjectInfo", "ProjectKey", "Quota",
     "NetworkPolicy",
-    "RemoteError", "ResultRefused", "CodeResult",
+    "RemoteError", "ResultRefused", "CodeResult", "UnsafeArchive", "IdempotencyKeyReused",
 ]
 __version__ = "0.1.0"

@@ -16,7 +16,7 @@ import math
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -27,10 +27,12 @@ from ..agent.client import Output
 from ..client.errors import DSecError, InvalidRequest, Unauthorized
 from ..client.models import (CreateRequest, ExecRequest, ExecResult, FileEntry, NetworkRequest,
                              ProcessInfo, SandboxInfo, SignalRequest, TtlRequest, b64)
+from ..store.idempotency import IdempotencyStore
 from ..store.sqlite import StateStore
 from ..trajectory.recorder import Call
 from .limits import BodyLimit, typed_http_error
 from .fn_routes import fn_routes
+from .idempotency import REPLAYED_HEADER, Idempotency
 from .dashboard import dashboard_routes
 from .project_routes import project_routes
 from .projects import Projects
@@ -71,6 +73,7 @@ def create_app(router: Router, store: StateStore, registry: CollectorRegistry) -
     known_keys: dict[str, str] = {}  # secret -> key id; keys are never revoked yet
     projects = Projects(store, registry)
     projects.attach(router)
+    Idempotency(IdempotencyStore(store.url), router)
 
     async def authenticated(request: Request) -> str:
         """Async on purpose: FastAPI runs a sync dependency in a thread, on every request."""
@@ -92,7 +95,7 @@ def create_app(router: Router, store: StateStore, registry: CollectorRegistry) -
         call = Call(caller=caller)
         step = request.headers.get("x-dsec-step")
         if step is not None:
-            if not step.isdigit() or int(step) < 1:
+            if not (step.isascii() and step.isdigit()) or int(step) < 1:
                 raise InvalidRequest("X-DSec-Step must be a positive integer", step=step)
             call.step = int(step)
         mode = request.headers.get("x-dsec-on-divergence", "raise")
@@ -113,8 +116,15 @@ def create_app(router: Router, store: StateStore, registry: CollectorRegistry) -
         return {"ok": True, "edges": router.describe()}
 
     @app.post("/v1/sandboxes", dependencies=auth, status_code=201)
-    async def create(req: CreateRequest, caller: str = Depends(authenticated)) -> SandboxInfo:
-        return await router.create(req, caller)
+    async def create(req: CreateRequest, response: Response,
+                     caller: str = Depends(authenticated),
+                     idempotency_key: str | None = Header(None)) -> SandboxInfo:
+        """With ``Idempotency-Key``, a retry of the same request gets the same sandbox."""
+        info, replayed = await router.create_once(idempotency_key, "native", req,
+                                                  lambda: router.create(req, caller))
+        if replayed:
+            response.headers[REPLAYED_HEADER] = "true"
+        return info
 
     @app.get("/v1/sandboxes", dependencies=auth)
     async def list_sandboxes() -> list[SandboxInfo]:

@@ -7,6 +7,7 @@ sandbox attached to a trajectory go through the trajectory recorder (``edge_for`
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from ..client.errors import CapacityExhausted, NotSupported, SandboxNotFound
@@ -16,6 +17,7 @@ from ..trajectory.log import TrajectoryLog
 from ..trajectory.recorder import Call, RecordedEdge, Recorder
 
 if TYPE_CHECKING:
+    from .idempotency import Idempotency
     from .projects import Projects
 
 
@@ -32,6 +34,7 @@ class Router:
         self.edges = {edge.id: edge for edge in edges}
         self.recorder = Recorder(trajectories, self) if trajectories is not None else None
         self.access: Projects | None = None  # who sees and creates which sandboxes (quotas)
+        self.idempotency: Idempotency | None = None  # creates under an Idempotency-Key
 
     async def start(self) -> None:
         for edge in self.edges.values():
@@ -69,6 +72,16 @@ class Router:
         if req.trajectory is not None:
             return await self.trajectories().create(req, caller)
         return await self.place(req)
+
+    async def create_once(self, key: str | None, kind: str, req: CreateRequest,
+                          make: Callable[[], Awaitable[SandboxInfo]]) -> tuple[SandboxInfo, bool]:
+        """``make()``'s sandbox, made once per Idempotency-Key (``key``) of the caller's
+        project; True when an earlier request with the key made it (see api/idempotency.py)."""
+        if key is None:
+            return await make(), False
+        if self.idempotency is None:
+            raise NotSupported("this server keeps no idempotency keys")
+        return await self.idempotency.create(key, kind, req, make)
 
     async def place(self, req: CreateRequest) -> SandboxInfo:
         """Start a sandbox on the least-loaded edge that takes it, once the caller's project

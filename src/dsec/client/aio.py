@@ -15,6 +15,7 @@ import builtins
 import io
 import tarfile
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterable, Literal, TypeVar
@@ -24,6 +25,7 @@ from pydantic import BaseModel, ValidationError
 
 from ..trajectory.digest import StepRequest, call_request, exec_request
 from ..trajectory.outcome import decode, output_chunks
+from . import archive
 from . import fn as fn_calls
 from .errors import CommandTimeout, DSecError, FileNotFound, InvalidRequest, ServerUnavailable
 from .models import (CreateRequest, ExecRequest, ExecResult, FileEntry, NetworkRequest, ProcessInfo,
@@ -31,7 +33,7 @@ from .models import (CreateRequest, ExecRequest, ExecResult, FileEntry, NetworkR
                      TrajectoryInfo, b64)
 from .projects import Projects
 from .trajectory import Attachment, OnDivergence, check_on_divergence
-from .transport import Transport
+from .transport import Transport, retrying
 
 
 @dataclass(frozen=True)
@@ -382,12 +384,16 @@ class Sandbox:
         await self._call(lambda: call_request("upload", buf.getvalue(), path=remote_dir), "PUT",
                          "/archive", _none, content=buf.getvalue(), params={"path": remote_dir})
 
-    async def download(self, remote_dir: str, local_dir: str | Path) -> None:
-        """Copy the contents of ``remote_dir`` into ``local_dir``."""
+    async def download(self, remote_dir: str, local_dir: str | Path, *,
+                       max_bytes: int = archive.DEFAULT_MAX_BYTES,
+                       max_members: int = archive.DEFAULT_MAX_MEMBERS) -> None:
+        """Copy the contents of ``remote_dir`` into ``local_dir``. The archive is sandbox-made:
+        each member is checked and created under ``local_dir`` only (see ``client/archive.py``);
+        ``UnsafeArchive`` if one would land outside, or past ``max_bytes``/``max_members``."""
         data = await self._call(lambda: call_request("download", path=remote_dir), "GET", "/archive",
                                 _content, params={"path": remote_dir})
-        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-            tar.extractall(local_dir, filter="data")
+        await asyncio.to_thread(archive.extract, data, local_dir, max_bytes=max_bytes,
+                                max_members=max_members)
 
     # lifecycle
     async def refresh(self) -> SandboxInfo:
@@ -477,15 +483,21 @@ class DSecClient:
 
     async def create(self, substrate: str = "container", image: str = "debian-minbase", *,
                      trajectory: str | None = None, on_divergence: OnDivergence = "raise",
-                     **options: Any) -> Sandbox:
+                     idempotency_key: str | None = None, **options: Any) -> Sandbox:
         """Start a sandbox. Options: cpu, memory_mb, pids, ttl_s, network, env, runtime, labels.
         With ``trajectory``, every call of the sandbox is logged under that new trajectory id
-        (``TrajectoryExists`` if it is taken), to be resumed after a preemption."""
+        (``TrajectoryExists`` if it is taken), to be resumed after a preemption.
+
+        The create carries an ``Idempotency-Key`` (``idempotency_key``, else a fresh one) and
+        is retried with it for ``retry_s`` while the server cannot be reached or the
+        connection drops: a retry gets the sandbox the cut request made, never a second one.
+        Pass your own key to make a create you repeat yourself (after a crash) idempotent."""
         check_on_divergence(on_divergence)
         req = _validated(CreateRequest, substrate=substrate, image=image, trajectory=trajectory,
                          **options)
-        info = SandboxInfo.model_validate(await self._t.json(
-            "POST", "/v1/sandboxes", json=req.model_dump(exclude_unset=True)))
+        headers = {"Idempotency-Key": idempotency_key or str(uuid.uuid4())}
+        info = SandboxInfo.model_validate(await retrying(self._retry_s, lambda: self._t.json(
+            "POST", "/v1/sandboxes", json=req.model_dump(exclude_unset=True), headers=headers)))
         attachment = None if trajectory is None else Attachment(
             trajectory, on_divergence, generation=1, retry_s=self._retry_s)
         return Sandbox(self._t, info, attachment)
@@ -554,19 +566,23 @@ class DSecClient:
             yield line
 
     async def create_many(self, n: int, *, concurrency: int = 32,
+                          idempotency_key: str | None = None,
                           **options: Any) -> list[Sandbox | DSecError]:
         """Start ``n`` sandboxes, at most ``concurrency`` at a time. Returns one entry per
-        sandbox in order: the Sandbox, or the typed error that stopped it."""
+        sandbox in order: the Sandbox, or the typed error that stopped it. Each create has its
+        own key; with ``idempotency_key``, sandbox ``i``'s is ``f"{idempotency_key}-{i}"``, so
+        repeating the whole call gets the same ``n`` sandboxes."""
         gate = asyncio.Semaphore(concurrency)
 
-        async def one() -> Sandbox | DSecError:
+        async def one(i: int) -> Sandbox | DSecError:
             async with gate:
                 try:
-                    return await self.create(**options)
+                    return await self.create(idempotency_key=idempotency_key and
+                                             f"{idempotency_key}-{i}", **options)
                 except DSecError as exc:
                     return exc
 
-        return list(await asyncio.gather(*(one() for _ in range(n))))
+        return list(await asyncio.gather(*(one(i) for i in range(n))))
 
     async def get(self, sandbox_id: str) -> Sandbox:
         info = await self._t.json("GET", f"/v1/sandboxes/{sandbox_id}")

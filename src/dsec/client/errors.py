@@ -153,6 +153,21 @@ class DelegationExceeded(DSecError):
 
     code, status = "delegation_exceeded", 409
 
+class IdempotencyKeyReused(DSecError):
+    """The ``Idempotency-Key`` of a create was used before for a different request (another
+    image, options or front-end): a key names one create. Nothing was created."""
+
+    code, status = "idempotency_key_reused", 422
+
+
+class UnsafeArchive(DSecError):
+    """An archive that came out of a sandbox would write outside its destination (an absolute
+    name, ``..``, a link out, a device, a member under a symlink) or past its caps (members,
+    bytes). Nothing is written outside the destination; ``details`` name the member."""
+
+    code, status = "unsafe_archive", 422
+
+
 class RemoteError(DSecError):
     """The function of an fn call raised. ``remote_type`` is the exception's qualified type
     name (``builtins.ZeroDivisionError``), ``traceback`` its formatted remote traceback."""
@@ -207,6 +222,8 @@ ERRORS: dict[str, type[DSecError]] = {
         DelegationExceeded,
         RemoteError,
         ResultRefused,
+        UnsafeArchive,
+        IdempotencyKeyReused,
     )
 }
 

@@ -21,14 +21,14 @@ from pydantic import Field
 
 from . import plain
 from .errors import DSecError, NotSupported
-from .models import DEFAULT_MAX_OUTPUT, _Model
+from .models import DEFAULT_MAX_OUTPUT, _Model, _Request
 from .transport import Transport
 
 Language = Literal["python", "bash", "c", "cpp"]
 DEFAULT_IMAGE = "python-3.11"
 
 
-class RunCodeRequest(_Model):
+class RunCodeRequest(_Request):
     language: Language
     code: str
     stdin: str = ""

@@ -29,7 +29,43 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class NetworkPolicy(_Model):
+def lone_surrogate(value: Any) -> str | None:
+    """The first string in ``value`` (keys included, at any depth; no recursion) that is not
+    text: JSON's ``"\\udc80"`` escape decodes to a lone surrogate, which no UTF-8 encoder (the
+    response's, the database's, the agent's) accepts further on. None when all are text."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return item
+        elif isinstance(item, dict):
+            pending += [*item.keys(), *item.values()]
+        elif isinstance(item, (list, tuple)):
+            pending += item
+    return None
+
+
+class _Request(_Model):
+    """What a client sends: numbers are finite (no JSON ``Infinity``/``NaN``) and strings are
+    text (no lone surrogates), checked here once for every field of every request, so a bad
+    input is a typed 400 before anything is created."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        bad = lone_surrogate(data)
+        if bad is not None:
+            raise ValueError(f"strings must be valid Unicode text; {ascii(bad)[:80]} holds a "
+                             "lone surrogate")
+        return data
+
+
+class NetworkPolicy(_Request):
     """Egress a sandbox may open (everything else is refused; replies always pass).
 
     ``services`` names entries of the edge's service table (``{"pypi": True, "npm": False}``:
@@ -64,11 +100,11 @@ class NetworkPolicy(_Model):
 Network = Literal["none"] | NetworkPolicy
 
 
-class NetworkRequest(_Model):
+class NetworkRequest(_Request):
     network: Network = Field(description="'none' (loopback only) or a NetworkPolicy")
 
 
-class CreateRequest(_Model):
+class CreateRequest(_Request):
     substrate: Substrate = "container"
     image: str = "debian-minbase"
     cpu: float = Field(1.0, gt=0, le=64)
@@ -104,11 +140,11 @@ class SandboxInfo(_Model):
     network: Network = "none"
 
 
-class TtlRequest(_Model):
+class TtlRequest(_Request):
     ttl_s: int = Field(ge=1, le=7 * 86400)
 
 
-class ExecRequest(_Model):
+class ExecRequest(_Request):
     command: str | list[str] = Field(description="a shell string (run by /bin/sh -c) or an argv list")
     env: dict[str, str] = Field(default_factory=dict)
     cwd: str | None = None
@@ -157,7 +193,7 @@ class ProcessInfo(_Model):
     signal: int = 0
 
 
-class SignalRequest(_Model):
+class SignalRequest(_Request):
     signal: int = Field(15, ge=1, le=64)
 
 
@@ -239,7 +275,7 @@ class StepPage(_Model):
     next_after: int | None = Field(None, description="pass as ``after`` for the next page")
 
 
-class ReplayRequest(_Model):
+class ReplayRequest(_Request):
     into: Literal["new"] = Field("new", description="a fresh sandbox of the trajectory's image")
     generation: int | None = Field(None, ge=0, le=STEP_MAX,
                                    description="generation to replay; default: current")

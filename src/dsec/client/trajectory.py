@@ -15,14 +15,14 @@ answered from the log; one that was running when the server died raises ``StepIn
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Literal, TypeVar
 
 from ..trajectory.digest import StepRequest
 from ..trajectory.outcome import inline
-from .errors import InvalidRequest, ServerUnavailable
+from .errors import InvalidRequest
 from .models import StepPage
+from .transport import retrying
 
 T = TypeVar("T")
 PAGE = 1000
@@ -108,21 +108,7 @@ class Attachment:
 
     async def retrying(self, send: Callable[[], Awaitable[T]]) -> T:
         """``send()``, again while the server cannot be reached, for up to ``retry_s``."""
-        try:
-            return await send()
-        except ServerUnavailable:
-            if self.retry_s <= 0:
-                raise
-        deadline = time.monotonic() + self.retry_s
-        delay = 0.05
-        while True:
-            await asyncio.sleep(delay)
-            try:
-                return await send()
-            except ServerUnavailable:
-                if time.monotonic() + delay > deadline:
-                    raise
-            delay = min(delay * 2, 1.0)
+        return await retrying(self.retry_s, send)
 
 
 def check_on_divergence(value: str) -> OnDivergence:

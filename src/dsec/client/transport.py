@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import httpx
 
@@ -32,6 +32,9 @@ KEEPALIVE = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
              (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 10),
              (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 3),
              (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)]
+
+
+T = TypeVar("T")
 
 
 def state_dir() -> Path:
@@ -142,3 +145,18 @@ def _error(status: int, body: bytes) -> DSecError:
         return error_from_json(json.loads(body))
     except (ValueError, AttributeError):
         return DSecError(f"HTTP {status}: {body[:500].decode(errors='replace')}")
+
+
+async def retrying(retry_s: float, send: Callable[[], Awaitable[T]]) -> T:
+    """``send()``, again after a back-off while the server cannot be reached (or dropped the
+    connection), for up to ``retry_s``: only for calls that are safe to repeat."""
+    deadline = time.monotonic() + retry_s
+    delay = 0.05
+    while True:
+        try:
+            return await send()
+        except ServerUnavailable:
+            if time.monotonic() + delay > deadline:
+                raise
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 1.0)

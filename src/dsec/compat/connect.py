@@ -29,6 +29,7 @@ from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from ..client.models import lone_surrogate
 from .proto import DecodeError, Message, Schema
 
 log = logging.getLogger("dsec.compat.connect")
@@ -147,7 +148,10 @@ class Service:
     def _decode(self, name: str, codec: str, body: bytes) -> Message:
         try:
             if codec == "json":
-                return self.schema.from_json(name, json.loads(body or b"{}"))
+                data = json.loads(body or b"{}")
+                if lone_surrogate(data) is not None:
+                    raise ValueError("a string holds a lone surrogate, which is not text")
+                return self.schema.from_json(name, data)
             return self.schema.decode(name, body)
         except (DecodeError, ValueError) as exc:
             raise ConnectError("invalid_argument", f"cannot decode {name}: {exc}") from None

@@ -7,7 +7,8 @@ E2B SDK's single-gateway configuration works unchanged::
 Control plane (``X-API-Key`` or ``Authorization: Bearer``, any dsec API key; a project
 key sees and creates only its project's sandboxes, see docs/PROJECTS.md):
 
-- ``POST /sandboxes``, ``POST /v2/sandboxes``: create from a template (mapped to a dsec image)
+- ``POST /sandboxes``, ``POST /v2/sandboxes``: create from a template (mapped to a dsec image);
+  the SDK's ``Idempotency-Key`` makes its retries return the same sandbox (api/idempotency.py)
 - ``GET /sandboxes``, ``GET /v2/sandboxes`` (metadata/state/template filters, pagination)
 - ``GET /sandboxes/{id}``, ``DELETE /sandboxes/{id}``, ``POST /sandboxes/{id}/timeout``
 - ``POST /sandboxes/{id}/connect``, ``POST /v2/sandboxes/{id}/connect``
@@ -31,10 +32,10 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from ..api.routing import Router
-from ..client.errors import (CapacityExhausted, DSecError, ImageNotFound, InvalidRequest,
-                             NotSupported, QuotaExceeded, SandboxDied, SandboxNotFound,
-                             Unauthorized)
-from ..client.models import CreateRequest, SandboxInfo
+from ..client.errors import (CapacityExhausted, DSecError, IdempotencyKeyReused, ImageNotFound,
+                             InvalidRequest, NotSupported, QuotaExceeded, SandboxDied,
+                             SandboxNotFound, Unauthorized)
+from ..client.models import CreateRequest, SandboxInfo, lone_surrogate
 from .auth import Keys
 from .connect import PlainHttpError
 from .envd import ENVD_VERSION, USERS, Envd, gone
@@ -133,21 +134,28 @@ def create_e2b_app(router: Router, keys: Keys, templates: dict[str, str] | None 
         except ValidationError as exc:
             return _error(400, f"invalid request: {exc.errors(include_url=False)}")
         try:
-            info = await router.create(req)
+            info, _ = await router.create_once(request.headers.get("idempotency-key"), "e2b", req,
+                                               lambda: set_up(req))
         except ImageNotFound:
             return _error(404, f"template '{template}' not found: it names no dsec image (the "
                                "mapping is in docs/COMPAT.md; DSEC_E2B_TEMPLATES adds to it)")
         except DSecError as exc:
             return _dsec_error(exc)
-        edge = router.edge_for(info.id)
-        try:  # envd's users have homes; the default one is the default working directory
-            for home in USERS.values():
-                await edge.mkdir(info.id, home, parents=True)
-        except DSecError as exc:
-            await edge.stop(info.id, "stopped", "E2B set-up failed")
-            return _dsec_error(exc)
         envd.prune({live.id for live in router.list()})
         return JSONResponse(created(info), status_code=201)
+
+    async def set_up(req: CreateRequest) -> SandboxInfo:
+        """A sandbox as E2B makes them: envd's users have homes, the default one is the
+        default working directory. A sandbox whose set-up fails is stopped."""
+        info = await router.create(req)
+        edge = router.edge_for(info.id)
+        try:
+            for home in USERS.values():
+                await edge.mkdir(info.id, home, parents=True)
+        except DSecError:
+            await edge.stop(info.id, "stopped", "E2B set-up failed")
+            raise
+        return info
 
     app.add_api_route("/sandboxes", create, methods=["POST"], status_code=201)
     app.add_api_route("/v2/sandboxes", create, methods=["POST"], status_code=201)
@@ -295,6 +303,9 @@ async def _json(request: Request) -> dict[str, Any]:
         raise PlainHttpError(400, {"code": 400, "message": "the body is not valid JSON"}) from None
     if not isinstance(data, dict):
         raise PlainHttpError(400, {"code": 400, "message": "the body must be a JSON object"})
+    if lone_surrogate(data) is not None:
+        raise PlainHttpError(400, {"code": 400, "message": "the body's strings must be valid "
+                                   "Unicode text (a lone surrogate is not)"})
     return data
 
 
@@ -303,7 +314,7 @@ def _int(value: Any, name: str) -> int:
         raise PlainHttpError(400, {"code": 400, "message": f"{name} must be an integer"})
     try:
         number = int(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: JSON Infinity
         raise PlainHttpError(400, {"code": 400, "message": f"{name} must be an integer"}) from None
     if number < 0:
         raise PlainHttpError(400, {"code": 400, "message": f"{name} must not be negative"})
@@ -335,4 +346,7 @@ def _dsec_error(exc: DSecError) -> JSONResponse:
         return _error(429, exc.message)
     if isinstance(exc, (InvalidRequest, NotSupported)):
         return _error(400, exc.message)
+    if isinstance(exc, IdempotencyKeyReused):  # E2B's code for it, with the same status
+        return JSONResponse({"code": 422, "message": exc.message,
+                             "error_code": "idempotency_request_mismatch"}, status_code=422)
     return _error(500, exc.message)

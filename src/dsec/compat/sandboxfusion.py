@@ -35,11 +35,11 @@ from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError
 
 from ..api.routing import Router
 from ..client.errors import DSecError
-from ..client.models import CreateRequest, ExecRequest, ExecResult, b64
+from ..client.models import CreateRequest, ExecRequest, ExecResult, _Request, b64
 from ..edge.edge import Edge
 from .auth import Keys
 
@@ -74,8 +74,8 @@ LANGUAGES = {
 }
 
 
-class RunCodeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class RunCodeRequest(_Request):
+    model_config = ConfigDict(extra="ignore")  # finite numbers and text only, as every request
 
     code: str
     language: str
@@ -128,7 +128,8 @@ class SandboxFusion:
         try:
             req = RunCodeRequest.model_validate(await request.json())
         except ValueError as exc:
-            errors = exc.errors(include_url=False) if isinstance(exc, ValidationError) else str(exc)
+            errors = (exc.errors(include_url=False, include_input=False, include_context=False)
+                      if isinstance(exc, ValidationError) else str(exc))
             return JSONResponse({"detail": errors}, status_code=422)
         language = LANGUAGES.get(req.language)
         if language is None:

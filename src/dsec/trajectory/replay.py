@@ -89,16 +89,22 @@ def _entry(e: FileEntry) -> tuple[Any, ...]:
 
 
 def _members(tar: bytes) -> list[tuple[Any, ...]] | str:
+    """What a sandbox-made archive holds, compared by content hash. Read as a plain tar only
+    (never decompressed) and hashed in chunks up to the archive's own size, so a forged sparse
+    member cannot make the server expand terabytes."""
     try:
-        with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
+        with tarfile.open(fileobj=io.BytesIO(tar), mode="r:") as archive:
             members = []
-            for m in archive.getmembers():
+            for m in archive:
+                if m.size > len(tar):
+                    return f"unreadable archive: {m.name!r} claims {m.size} bytes"
+                digest = hashlib.sha256()
                 data = archive.extractfile(m) if m.isfile() else None
-                content = data.read() if data is not None else b""
-                members.append((m.name, m.type, m.mode, m.linkname,
-                                hashlib.sha256(content).hexdigest()))
+                while data is not None and (chunk := data.read(1 << 20)):
+                    digest.update(chunk)
+                members.append((m.name, m.type, m.mode, m.linkname, digest.hexdigest()))
             return members
-    except tarfile.TarError as exc:
+    except (tarfile.TarError, EOFError, ValueError, OverflowError) as exc:
         return f"unreadable archive: {exc}"
 
 
