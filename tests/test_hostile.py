@@ -265,7 +265,7 @@ async def test_forged_agent_requests_from_inside_are_refused(client, hostile) ->
 
 async def test_a_fake_agent_socket_gets_no_token(client, hostile, server) -> None:
     sb = await with_probe(client, hostile)
-    run_dir = server.state_dir / "sandboxes" / sb.id / "run"
+    run_dir = server.state_dir / "sandboxes" / sb.id / "disk" / "run"
     await sb.start(["python3", "/work/probe.py", "impostor"])
     deadline = time.monotonic() + 60
     while not (run_dir / "impostor-ready").exists():

@@ -43,6 +43,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from ..agent.client import Output
+from ..agent.tools import BIN, SHELL
 from ..api.routing import Router
 from ..client.errors import (CapacityExhausted, CommandTimeout, DSecError, FileNotFound,
                              InvalidRequest, NotSupported, ProcessNotFound, SandboxDied,
@@ -59,6 +60,7 @@ USERS = {"user": "/home/user", "root": "/root"}
 DEFAULT_USER = "user"
 _WRITE_CHUNK = 32 << 20  # one agent frame carries at most 64 MiB
 _REMEMBERED_PROCS = 256  # per sandbox: what envd knows of the processes it started
+OWN_TOOLS = {"PATH": BIN}  # envd's helper scripts run dsec's shell and tools, never the image's
 
 
 @dataclass
@@ -506,7 +508,7 @@ class Envd:
         script = 'for p do printf "%s\\0" "$(readlink -- "$p")"; done'
         try:
             result = await target.edge.run(target.sandbox_id, ExecRequest(
-                command=["/bin/sh", "-c", script, "sh", *paths], timeout_s=30))
+                command=[SHELL, "-c", script, "sh", *paths], env=OWN_TOOLS, timeout_s=30))
         except DSecError as exc:
             raise rpc_error(exc, target) from None
         values = result.stdout_bytes.decode(errors="replace").split("\0")  # one more: the last NUL
@@ -590,7 +592,8 @@ class Envd:
         script = 'mkdir -p -- "$(dirname -- "$2")" && mv -T -- "$1" "$2"'
         try:
             result = await target.edge.run(target.sandbox_id, ExecRequest(
-                command=["/bin/sh", "-c", script, "sh", source, destination], timeout_s=60))
+                command=[SHELL, "-c", script, "sh", source, destination], env=OWN_TOOLS,
+                timeout_s=60))
         except DSecError as exc:
             raise rpc_error(exc, target) from None
         if result.exit_code != 0:
