@@ -86,7 +86,9 @@ class ContainerSubstrate(Substrate):
     def _runtime_cmd(self, runtime: str) -> list[str]:
         cmd = [spawn.resolve(runtime), "--root", str(self.runtime_root / runtime)]  # NotSupported if absent
         if runtime == "runsc":
-            cmd += ["--network=none", "--host-uds=create"]  # the agent binds its socket on the host
+            # --host-uds: the agent binds its socket on the host; --oci-seccomp: the deny-list of
+            # oci_spec.py holds inside gVisor too (io_uring, mount, ...), not only on its sentry
+            cmd += ["--network=none", "--host-uds=create", "--oci-seccomp"]
         return cmd
 
     async def start(self, plan: StartPlan) -> dict[str, Any]:
@@ -207,7 +209,7 @@ class ContainerSubstrate(Substrate):
         d = self._dir(sandbox_id)
         self._pids.forget(sandbox_id)
         for runtime in RUNTIMES:
-            if (self.runtime_root / runtime / sandbox_id).exists():
+            if sandbox_id in _state_ids(self.runtime_root / runtime):
                 await spawn.run([*self._runtime_cmd(runtime), "delete", "--force", sandbox_id])
         await self.network.remove(sandbox_id)
         await asyncio.get_running_loop().run_in_executor(self._io, self._teardown, sandbox_id, d)
@@ -229,13 +231,20 @@ class ContainerSubstrate(Substrate):
     async def leftovers(self) -> set[str]:
         ids = {p.name for p in self.root.iterdir()} if self.root.exists() else set()
         for runtime in RUNTIMES:
-            rt = self.runtime_root / runtime
-            if rt.exists():
-                ids.update(p.name for p in rt.iterdir() if p.is_dir())
+            ids.update(_state_ids(self.runtime_root / runtime))
         ids.update(cgroups.sandbox_cgroups(self.cgroup_parent))
         ids.update(m.relative_to(self.root).parts[0] for m in _mounts_under(self.root))
         ids.update(self.network.ids())
         return ids
+
+
+def _state_ids(runtime_root: Path) -> set[str]:
+    """Sandboxes a runtime holds state for: a directory each under crun and runc, files
+    ``<id>_sandbox:<id>.state`` and ``.lock`` under runsc (which ``runsc delete`` removes)."""
+    if not runtime_root.exists():
+        return set()
+    return {p.name if p.is_dir() else p.name.partition("_sandbox:")[0]
+            for p in runtime_root.iterdir() if p.is_dir() or "_sandbox:" in p.name}
 
 
 def _mounts_under(d: Path) -> list[Path]:
