@@ -343,7 +343,8 @@ async def test_upload_tar_with_escaping_members_stays_inside(client, hostile, se
         assert not await sb.exists(escaped)
     assert not marker.exists()  # nothing on the host
     entries = {e.name: e for e in await sb.list_files("/work/up")}
-    assert entries.get("etc-link") is None or entries["etc-link"].type == "symlink"
+    # dsec's tar (busybox) defers links: etc-link/passwd made a directory in the upload dir
+    assert entries.get("etc-link") is None or entries["etc-link"].type in ("symlink", "dir")
     # a download of a tree with a link to / carries the link, not the whole file system
     await sb.run("ln -sfn / /work/up/root-link")
     with server.http(authenticated=True) as http:
