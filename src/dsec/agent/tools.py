@@ -10,8 +10,8 @@ never a name looked up in the sandbox's PATH):
   shared object is the program's interpreter, and it reads no file and no ``LD_*`` variable;
   the copy here names ``/.dsec/bin/klibc.so`` as its interpreter. A glibc shell would load the
   image's libraries and obey the image's ``/etc/ld.so.preload``, both writable by the sandbox.
-- ``tar``, ``mv`` and the few other tools dsec's own scripts use are applets of the host's
-  static busybox (busybox-static), hard links named after the applet. Busybox's ash is not the
+- ``tar`` is an applet of the host's static busybox (busybox-static), a hard link named after
+  it; dsec's scripts run other applets as ``/.dsec/bin/busybox mv``. Busybox's ash is not the
   shell: Debian builds it to prefer its applets over PATH, so a user's ``ls`` or ``grep``
   would silently become busybox's.
 
@@ -44,7 +44,7 @@ KLIBC = BIN + "/klibc.so"  # the interpreter named by SHELL
 
 HOST_BUSYBOX = Path("/bin/busybox")
 HOST_DASH = Path("/usr/lib/klibc/bin/sh")
-APPLETS = ("tar", "mv", "readlink", "mkdir", "dirname")
+APPLETS = ("tar",)
 _PT_INTERP = 3
 
 

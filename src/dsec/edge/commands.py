@@ -17,7 +17,7 @@ import posixpath
 import re
 import shlex
 
-from ..agent.tools import BIN, RUN_DIR, SHELL
+from ..agent.tools import BUSYBOX, RUN_DIR, SHELL
 from ..client.errors import InvalidRequest
 from ..client.models import ExecRequest
 
@@ -30,7 +30,7 @@ _SESSION_SCRIPT = """\
 __dsec_state={state}
 [ -f "$__dsec_state" ] && . "$__dsec_state" && cd "$__DSEC_PWD" 2>/dev/null
 {setup}trap '__dsec_rc=$?; __DSEC_PWD=$PWD; export __DSEC_PWD; \
-export -p > "$__dsec_state.tmp" && {bin}/mv -f "$__dsec_state.tmp" "$__dsec_state"; exit $__dsec_rc' 0
+export -p > "$__dsec_state.tmp" && {busybox} mv -f "$__dsec_state.tmp" "$__dsec_state"; exit $__dsec_rc' 0
 __dsec_cmd=$1; shift; eval "$__dsec_cmd"
 """
 
@@ -71,5 +71,5 @@ def exec_argv(req: ExecRequest) -> tuple[list[str], str]:
     if req.cwd:
         setup += f"cd {shlex.quote(cwd)} || exit 1\n"
     script = _SESSION_SCRIPT.format(state=shlex.quote(f"{SESSION_DIR}/session-{req.session}.sh"),
-                                    setup=setup, bin=BIN)
+                                    setup=setup, busybox=BUSYBOX)
     return [SHELL, "-c", script, "dsec-session", command], cwd
