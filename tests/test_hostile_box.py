@@ -23,6 +23,7 @@ import pytest
 import dsec
 from conftest import Server, make_server, stop_server
 from dsec.substrates.oci_spec import MASKED_PATHS
+from dsec.substrates.tree import remove_tree
 from test_hostile import assert_host_fine, assert_no_trace, create, hostile, sandbox  # noqa: F401
 from test_recovery import first_edge_id, host_traces
 
@@ -174,6 +175,26 @@ async def test_restart_with_hostile_trees_and_unremovable_leftovers(own_server: 
         assert traces["dirs"] == [stuck.name] and not traces["mounts"] and not traces["loops"]
     finally:
         subprocess.run(["chattr", "-i", str(stuck / "run" / "immutable")], check=True)
+
+
+def test_remove_tree_never_crosses_a_mount(tmp_path: Path) -> None:
+    """A disk still mounted in a dir being removed (an unmount that failed) is left whole,
+    and the removal says so."""
+    top = tmp_path / "sandbox"
+    mounted = top / "disk"
+    mounted.mkdir(parents=True)
+    (top / "config.json").write_text("{}")
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(mounted)], check=True)
+    try:
+        (mounted / "work").write_text("the sandbox's")
+        with pytest.raises(OSError, match="mount point"):
+            remove_tree(top)
+        assert (mounted / "work").read_text() == "the sandbox's"
+        assert not (top / "config.json").exists()
+    finally:
+        subprocess.run(["umount", str(mounted)], check=True)
+    remove_tree(top)
+    assert not top.exists()
 
 
 def _mkdirs(path: Path) -> Path:
