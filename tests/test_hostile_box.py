@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import os
 import signal
+import socket
 import subprocess
 import tarfile
 import time
@@ -310,6 +311,31 @@ async def test_fn_sandbox_runs_dsecs_own_shell(client, hostile, tmp_path: Path) 
     await sb.upload(tmp_path / "up", "/work/up")
     await sb.download("/work/up", tmp_path / "down")
     assert (tmp_path / "down" / "in").read_bytes() == b"through dsec's tar"
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+async def test_a_linked_agent_socket_never_reaches_a_host_socket(client, hostile, tmp_path: Path,
+                                                                 runtime: str) -> None:
+    """The sandbox puts a link to a host socket where its agent's socket was: the edge's
+    next call fails typed, and the host socket never sees a connection (under runsc there
+    is no listener pid to check, so this is what keeps the token on the edge)."""
+    host = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    host.bind(str(tmp_path / "host.sock"))
+    host.listen()
+    host.setblocking(False)
+    try:
+        sb = await create(client, hostile, runtime=runtime)
+        r = await sb.run(f"ln -sfn {tmp_path / 'host.sock'} /.dsec/run/agent.sock")
+        if runtime == "runsc":  # gVisor does not let the sandbox unlink the host's socket
+            assert r.exit_code != 0 and "not permitted" in r.stderr
+            assert (await sb.run("echo agent")).stdout == "agent\n"
+        else:
+            with pytest.raises(dsec.SandboxError, match="not a socket"):
+                await sb.run("echo this must not reach the host")
+        with pytest.raises(BlockingIOError):
+            host.accept()
+    finally:
+        host.close()
 
 
 # --- items 8 and 9 ------------------------------------------------------------------------------
