@@ -292,7 +292,8 @@ async def test_dsec_bin_cannot_be_changed(client, hostile, runtime: str) -> None
              "libc = ctypes.CDLL(None, use_errno=True)\n"
              "rc = libc.mount(b'/tmp', b'/.dsec/bin', None, 4096, None)\n"  # MS_BIND
              "print(rc, os.strerror(ctypes.get_errno()))\n"
-             "caps = int([l for l in open('/proc/self/status') if l.startswith('CapEff')][0].split()[1], 16)\n"
+             "eff = [l for l in open('/proc/self/status') if l.startswith('CapEff')][0]\n"
+             "caps = int(eff.split()[1], 16)\n"
              "print('sys_admin' if caps & (1 << 21) else 'no sys_admin')\n")
     r = await sb.run(["python3.11", "-c", probe])
     assert r.stdout.splitlines() == ["-1 Operation not permitted", "no sys_admin"], r
