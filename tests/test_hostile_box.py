@@ -164,7 +164,7 @@ async def test_restart_with_hostile_trees_and_unremovable_leftovers(own_server: 
     try:
         own_server.start()
         log = (Path("/tmp/dsec-test-logs") / f"{own_server.state_dir.name}.log").read_text()
-        assert f"could not remove leftover sandbox {stuck.name}" in log
+        assert f"could not remove all of sandbox {stuck.name}'s directory" in log
         async with own_server.client() as client:
             assert [s.id for s in await client.list()] == [live.id]
             again = await client.get(live.id)

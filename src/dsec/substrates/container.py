@@ -13,9 +13,10 @@ one read-only bind at /.dsec (agent/tools.py). The agent is the container's init
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import errno
+import json
+import logging
+import os
 import secrets
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -37,6 +38,7 @@ from .pidwatch import PidWatch
 from .spawn import Spawned
 from .tree import remove_tree
 
+log = logging.getLogger("dsec.container")
 RUNTIMES = ("crun", "runc", "runsc")
 START_TIMEOUT_S = 30.0
 
@@ -226,7 +228,10 @@ class ContainerSubstrate(Substrate):
                     raise
                 unmount(mount, lazy=True)  # detached now, freed when its last user goes
         release(d / "disk.img")
-        remove_tree(d)
+        try:
+            remove_tree(d)
+        except OSError:  # the stop still answers; the next start finds the dir and retries
+            log.exception("could not remove all of sandbox %s's directory", sandbox_id)
 
     async def leftovers(self) -> set[str]:
         ids = {p.name for p in self.root.iterdir()} if self.root.exists() else set()
