@@ -101,7 +101,8 @@ async def probe(sb: dsec.AsyncSandbox, *args: str) -> dict[str, str]:
 async def test_fork_bomb(client, sandbox, hostile) -> None:
     sb = await create(client, hostile, pids=64)
     with pytest.raises(dsec.CommandTimeout):
-        await sb.run("bomb() { bomb | bomb & }; bomb; sleep 100", timeout_s=5)
+        # exec: the shell becomes the sleep, with no fork of its own for the bomb to refuse
+        await sb.run("bomb() { bomb | bomb & }; bomb; exec sleep 100", timeout_s=5)
     await assert_host_fine(sandbox)
     deadline = time.monotonic() + 60
     while (r := await sb.run("echo recovered", timeout_s=30)).stdout != "recovered\n":
