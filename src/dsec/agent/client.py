@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import errno
 import os
 import socket
+import stat
 import struct
 from collections.abc import AsyncGenerator, Iterable
 from contextlib import aclosing
@@ -132,7 +134,17 @@ class AgentClient:
     async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         if isinstance(self.address, tuple):
             return await asyncio.open_connection(*self.address, limit=_READ_LIMIT)
-        return await asyncio.open_unix_connection(self.address, limit=_READ_LIMIT)
+        # The socket file sits in a directory the sandbox writes: a link it put there must not
+        # take the edge to another socket on the host (runsc has no peer pid to check). So the
+        # file itself is opened without following links, must be a socket, and is connected
+        # to through that descriptor.
+        fd = os.open(self.address, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                raise ConnectionRefusedError(errno.ENOTSOCK, f"{self.address} is not a socket")
+            return await asyncio.open_unix_connection(f"/proc/self/fd/{fd}", limit=_READ_LIMIT)
+        finally:
+            os.close(fd)
 
     async def claim(self) -> None:
         """Make the agent ours: it accepts one claim, then only requests with this token."""

@@ -300,8 +300,8 @@ class Sandbox:
                   cwd: str | None = None, stdin: bytes | str | None = None,
                   timeout_s: float | None = 60.0, max_output_bytes: int | None = None,
                   session: str | None = None) -> CommandResult:
-        """Run a command to completion. A string runs under ``/bin/sh -c``; a list is an argv.
-        Raises ``CommandTimeout`` (with ``.result`` holding partial output) on timeout."""
+        """Run a command to completion. A string runs under dsec's ``/.dsec/bin/sh -c``; a list
+        is an argv. Raises ``CommandTimeout`` (with ``.result`` holding partial output) on timeout."""
         req = self._exec_request(command, env, cwd, stdin, timeout_s, max_output_bytes, session)
         wire = await self._call(lambda: exec_request("exec", req), "POST", "/exec", _exec_result,
                                 json=req.model_dump(exclude_unset=True))

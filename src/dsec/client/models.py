@@ -145,7 +145,8 @@ class TtlRequest(_Request):
 
 
 class ExecRequest(_Request):
-    command: str | list[str] = Field(description="a shell string (run by /bin/sh -c) or an argv list")
+    command: str | list[str] = Field(
+        description="a shell string (run by dsec's own /.dsec/bin/sh -c) or an argv list")
     env: dict[str, str] = Field(default_factory=dict)
     cwd: str | None = None
     stdin_b64: str | None = None

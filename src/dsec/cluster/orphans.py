@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import shutil
 from pathlib import Path
 
 import ray
@@ -20,6 +19,7 @@ import ray
 from ..images.mount import locked
 from ..store.sqlite import StateStore
 from ..substrates.container import ContainerSubstrate
+from ..substrates.tree import remove_tree
 from .ids import edge_id_for
 
 log = logging.getLogger("dsec.cluster")
@@ -33,11 +33,16 @@ def edge_dirs(state_dir: Path) -> list[Path]:
 async def sweep_edge(edge_dir: Path) -> int:
     """Destroy every sandbox of the edge whose directory this is; the number destroyed."""
     substrate = ContainerSubstrate(edge_dir, edge_dir.name)
-    left = await substrate.leftovers()
-    for sandbox_id in left:
-        await substrate.destroy(sandbox_id)
+    removed = 0
+    for sandbox_id in await substrate.leftovers():
+        try:
+            await substrate.destroy(sandbox_id)
+        except Exception:  # one sandbox's remains never stop the sweep
+            log.exception("could not remove sandbox %s of dead edge %s", sandbox_id, edge_dir.name)
+            continue
+        removed += 1
     await substrate.close()
-    return len(left)
+    return removed
 
 
 async def reclaim_dead_edges(state_dir: Path, own: str, store: StateStore) -> list[str]:
@@ -54,7 +59,10 @@ async def reclaim_dead_edges(state_dir: Path, own: str, store: StateStore) -> li
             for row in store.sandboxes(edge=edge, live_only=True):
                 store.mark_ended(row.id, "died", f"its node died (removed by edge {own})")
             removed = await sweep_edge(edge_dir)
-            shutil.rmtree(edge_dir, ignore_errors=True)
+            try:
+                remove_tree(edge_dir)  # iterative, and never into a disk still mounted
+            except OSError:
+                log.exception("could not remove all of dead edge %s's directory", edge)
         log.warning("edge %s: removed %d sandboxes of dead edge %s", own, removed, edge)
         reclaimed.append(edge)
     return reclaimed

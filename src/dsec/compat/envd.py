@@ -43,6 +43,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from ..agent.client import Output
+from ..agent.tools import BUSYBOX, SHELL
 from ..api.routing import Router
 from ..client.errors import (CapacityExhausted, CommandTimeout, DSecError, FileNotFound,
                              InvalidRequest, NotSupported, ProcessNotFound, SandboxDied,
@@ -503,10 +504,10 @@ class Envd:
         return entry_info(e, path, links.get(path))
 
     async def _symlink_targets(self, target: Target, paths: list[str]) -> dict[str, str]:
-        script = 'for p do printf "%s\\0" "$(readlink -- "$p")"; done'
+        script = f'for p do printf "%s\\0" "$({BUSYBOX} readlink -- "$p")"; done'
         try:
             result = await target.edge.run(target.sandbox_id, ExecRequest(
-                command=["/bin/sh", "-c", script, "sh", *paths], timeout_s=30))
+                command=[SHELL, "-c", script, "sh", *paths], timeout_s=30))
         except DSecError as exc:
             raise rpc_error(exc, target) from None
         values = result.stdout_bytes.decode(errors="replace").split("\0")  # one more: the last NUL
@@ -587,10 +588,10 @@ class Envd:
         home = call.state["home"]
         source, destination = resolve(msg.get("source", ""), home), resolve(msg.get("destination", ""), home)
         await self._entry(target, source)  # not_found if missing
-        script = 'mkdir -p -- "$(dirname -- "$2")" && mv -T -- "$1" "$2"'
+        script = f'{BUSYBOX} mkdir -p -- "$({BUSYBOX} dirname -- "$2")" && {BUSYBOX} mv -T -- "$1" "$2"'
         try:
             result = await target.edge.run(target.sandbox_id, ExecRequest(
-                command=["/bin/sh", "-c", script, "sh", source, destination], timeout_s=60))
+                command=[SHELL, "-c", script, "sh", source, destination], timeout_s=60))
         except DSecError as exc:
             raise rpc_error(exc, target) from None
         if result.exit_code != 0:

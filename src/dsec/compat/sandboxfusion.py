@@ -37,6 +37,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import ConfigDict, Field, ValidationError
 
+from ..agent.tools import SHELL
 from ..api.routing import Router
 from ..client.errors import DSecError
 from ..client.models import CreateRequest, ExecRequest, ExecResult, _Request, b64
@@ -152,7 +153,7 @@ class SandboxFusion:
         try:
             key = (info.image_digest, req.language)
             if key not in self._available:
-                check = await edge.run(info.id, ExecRequest(command=["/bin/sh", "-c", language.requires],
+                check = await edge.run(info.id, ExecRequest(command=[SHELL, "-c", language.requires],
                                                             timeout_s=30))
                 self._available[key] = check.exit_code == 0
             if not self._available[key]:
@@ -195,7 +196,7 @@ class SandboxFusion:
     async def _exec(edge: Edge, sandbox_id: str, command: str, timeout_s: float,
                     stdin: str | None) -> ExecResult:
         return await edge.run(sandbox_id, ExecRequest(
-            command=["/bin/bash", "-c", command], cwd=WORKDIR, timeout_s=timeout_s,
+            command=[SHELL, "-c", command], cwd=WORKDIR, timeout_s=timeout_s,
             stdin_b64=b64(stdin.encode()) if stdin is not None else None, max_output_bytes=MAX_OUTPUT))
 
     @staticmethod

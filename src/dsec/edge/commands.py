@@ -1,7 +1,12 @@
 """Turning an exec request into the argv and environment the agent runs.
 
-Named shell sessions are a thin layer over plain execs: each session command runs in
-``/bin/sh`` which first restores the session's state (its exported environment and cwd) and,
+Commands run in dsec's own shell, ``/.dsec/bin/sh`` (read-only in every sandbox, see
+agent/tools.py), never the image's ``/bin/sh``, which the sandbox may have replaced: what a
+command string exits with is what the result says. Programs the command itself names are the
+image's (docs/SECURITY.md).
+
+Named shell sessions are a thin layer over plain execs: each session command runs in dsec's
+shell, which first restores the session's state (its exported environment and cwd) and,
 on exit, saves it again as a sourceable script. The agent stays stateless; a session
 survives any single command, including one that calls ``exit``.
 """
@@ -12,11 +17,12 @@ import posixpath
 import re
 import shlex
 
+from ..agent.tools import BUSYBOX, RUN_DIR, SHELL
 from ..client.errors import InvalidRequest
 from ..client.models import ExecRequest
 
 DEFAULT_CWD = "/work"
-SESSION_DIR = "/.dsec/run"
+SESSION_DIR = RUN_DIR
 _SESSION_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -24,7 +30,7 @@ _SESSION_SCRIPT = """\
 __dsec_state={state}
 [ -f "$__dsec_state" ] && . "$__dsec_state" && cd "$__DSEC_PWD" 2>/dev/null
 {setup}trap '__dsec_rc=$?; __DSEC_PWD=$PWD; export __DSEC_PWD; \
-export -p > "$__dsec_state.tmp" && mv -f "$__dsec_state.tmp" "$__dsec_state"; exit $__dsec_rc' EXIT
+export -p > "$__dsec_state.tmp" && {busybox} mv -f "$__dsec_state.tmp" "$__dsec_state"; exit $__dsec_rc' 0
 __dsec_cmd=$1; shift; eval "$__dsec_cmd"
 """
 
@@ -54,7 +60,7 @@ def exec_argv(req: ExecRequest) -> tuple[list[str], str]:
     check_env(req.env)
     cwd = sandbox_path(req.cwd) if req.cwd else DEFAULT_CWD
     if req.session is None:
-        argv = ["/bin/sh", "-c", req.command] if isinstance(req.command, str) else list(req.command)
+        argv = [SHELL, "-c", req.command] if isinstance(req.command, str) else list(req.command)
         if not argv:
             raise InvalidRequest("command must not be empty")
         return argv, cwd
@@ -65,5 +71,5 @@ def exec_argv(req: ExecRequest) -> tuple[list[str], str]:
     if req.cwd:
         setup += f"cd {shlex.quote(cwd)} || exit 1\n"
     script = _SESSION_SCRIPT.format(state=shlex.quote(f"{SESSION_DIR}/session-{req.session}.sh"),
-                                    setup=setup)
-    return ["/bin/sh", "-c", script, "dsec-session", command], cwd
+                                    setup=setup, busybox=BUSYBOX)
+    return [SHELL, "-c", script, "dsec-session", command], cwd

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from ..agent.client import AgentClient, AgentError, AgentUnavailable, Exit, Output
+from ..agent.tools import TAR
 from ..client.errors import (CapacityExhausted, DSecError, FileNotFound, InvalidRequest,
                              NotSupported, ProcessNotFound, SandboxDied, SandboxError,
                              SandboxNotFound)
@@ -122,7 +123,12 @@ class Edge:
         for substrate in self.substrates.values():
             for sandbox_id in await substrate.leftovers() - adopted:
                 log.info("removing leftover sandbox %s", sandbox_id)
-                await substrate.destroy(sandbox_id)
+                try:
+                    await substrate.destroy(sandbox_id)
+                except Exception as exc:  # one sandbox's remains never stop the edge starting
+                    log.exception("could not remove leftover sandbox %s", sandbox_id)
+                    self.store.event("cleanup_failed", sandbox_id, reason=repr(exc)[:500])
+                    continue
                 self.store.event("cleanup", sandbox_id, reason="leftover after restart")
 
     def _adopt(self, row: SandboxRow, substrate: Substrate) -> None:
@@ -446,12 +452,13 @@ class Edge:
 
     async def upload_tar(self, sandbox_id: str, path: str, tar: bytes) -> None:
         path = sandbox_path(path)
-        await self._tar(sandbox_id, ["tar", "-x", "--no-same-owner", "-C", path, "-f", "-"], tar)
+        await self._tar(sandbox_id, [TAR, "-x", "-o", "-C", path, "-f", "-"], tar)
 
     async def download_tar(self, sandbox_id: str, path: str) -> bytes:
-        return await self._tar(sandbox_id, ["tar", "-c", "-C", sandbox_path(path), "-f", "-", "."])
+        return await self._tar(sandbox_id, [TAR, "-c", "-C", sandbox_path(path), "-f", "-", "."])
 
     async def _tar(self, sandbox_id: str, argv: list[str], stdin: bytes | None = None) -> bytes:
+        """dsec's own tar (busybox's, read-only in the sandbox), never the image's."""
         req = ExecRequest(command=argv, stdin_b64=b64(stdin) if stdin is not None else None,
                           timeout_s=600, max_output_bytes=ARCHIVE_LIMIT)
         result = await self.run(sandbox_id, req)

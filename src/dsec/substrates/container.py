@@ -1,26 +1,29 @@
 """The container substrate: an OCI runtime (crun, runc or runsc) over an overlayfs rootfs.
 
 Per sandbox, under ``<state>/sandboxes/<id>/``: ``disk.img`` mounted at ``disk`` (an ext4 file
-system of ``disk_mb``, see disk.py) holding ``upper`` and ``work`` (the writable layer),
-``rootfs`` (the overlay of the image's read-only layers under ``upper``), ``run`` (bind-mounted
-at /.dsec/run, holds the agent socket), ``config.json``, ``pid`` and ``runtime.log``. The
-agent is the container's init; it prints ``R`` on stdout once it listens, so start-up waits
-on an event, never a poll.
+system of ``disk_mb``, see disk.py) holding ``upper`` and ``work`` (the writable layer) and
+``run`` (bind-mounted at /.dsec/run: the agent socket and session state), ``rootfs`` (the
+overlay of the image's read-only layers under ``upper``), ``config.json``, ``pid`` and
+``runtime.log``. Everything a sandbox can write is on its own disk, in its quota; the host
+never walks it: clean-up unmounts the disk and unlinks its file. dsec's agent and tools are
+one read-only bind at /.dsec (agent/tools.py). The agent is the container's init; it prints
+``R`` on stdout once it listens, so start-up waits on an event, never a poll.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import logging
 import os
 import secrets
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from ..agent.build import agent_binary
 from ..agent.client import AgentClient
+from ..agent.tools import sandbox_tree
 from ..client.errors import NotSupported, SandboxError
 from ..client.models import DEFAULT_DISK_MB, CreateRequest
 from ..images.mount import LayerMounter, overlay_mount, unmount
@@ -33,7 +36,9 @@ from .disk import DiskPool, release
 from .oci_spec import container_config
 from .pidwatch import PidWatch
 from .spawn import Spawned
+from .tree import remove_tree
 
+log = logging.getLogger("dsec.container")
 RUNTIMES = ("crun", "runc", "runsc")
 START_TIMEOUT_S = 30.0
 
@@ -57,7 +62,7 @@ class ContainerSubstrate(Substrate):
         self.edge_id = edge_id
         self.mounter = mounter or LayerMounter()
         self.disks = DiskPool(state_dir / "disks", (DEFAULT_DISK_MB,))
-        self._agent_binary: Path | None = None
+        self._tree: Path | None = None  # mounted read-only at /.dsec
         self._pids = PidWatch(self.cgroup_parent)
         # Bundle set-up and teardown wait on kernel locks (mounts, cgroups) under load: in
         # threads, they never stall the event loop.
@@ -71,7 +76,7 @@ class ContainerSubstrate(Substrate):
             (self.runtime_root / runtime).mkdir(parents=True, exist_ok=True)
         if self.default_runtime == "crun":
             cgroups.prepare_hybrid_host()
-        self._agent_binary = await asyncio.to_thread(agent_binary)
+        self._tree = await asyncio.to_thread(sandbox_tree)
         await self.network.recover()
 
     async def close(self) -> None:
@@ -83,7 +88,9 @@ class ContainerSubstrate(Substrate):
     def _runtime_cmd(self, runtime: str) -> list[str]:
         cmd = [spawn.resolve(runtime), "--root", str(self.runtime_root / runtime)]  # NotSupported if absent
         if runtime == "runsc":
-            cmd += ["--network=none", "--host-uds=create"]  # the agent binds its socket on the host
+            # --host-uds: the agent binds its socket on the host; --oci-seccomp: the deny-list of
+            # oci_spec.py holds inside gVisor too (io_uring, mount, ...), not only on its sentry
+            cmd += ["--network=none", "--host-uds=create", "--oci-seccomp"]
         return cmd
 
     async def start(self, plan: StartPlan) -> dict[str, Any]:
@@ -164,27 +171,27 @@ class ContainerSubstrate(Substrate):
     def _bundle(self, plan: StartPlan, d: Path) -> None:
         """The OCI bundle: the overlay rootfs and config.json (in a worker thread)."""
         disk = d / "disk"
-        upper, work, rootfs, run = disk / "upper", disk / "work", d / "rootfs", d / "run"
+        upper, work, run, rootfs = disk / "upper", disk / "work", disk / "run", d / "rootfs"
         d.mkdir()
         self.disks.attach(d / "disk.img", disk, plan.request.disk_mb)
-        for p in (work, rootfs, run):
+        for p in (work, run, rootfs):
             p.mkdir()
         # Mount points and the default cwd exist in the writable layer before it is mounted.
-        (upper / ".dsec" / "run").mkdir(parents=True)
-        (upper / ".dsec" / "agent").touch()
+        (upper / ".dsec").mkdir(parents=True)
         (upper / "work").mkdir()
         lowers = self.mounter.lowerdirs(plan.image)  # mounts a layer the first time (ms, once)
         overlay_mount(lowers, upper, work, rootfs)
-        assert self._agent_binary is not None, "prepare() runs before start()"
-        config = container_config(plan.sandbox_id, plan.request, str(rootfs),
-                                  str(self._agent_binary), str(run), self.cgroup_parent)
+        assert self._tree is not None, "prepare() runs before start()"
+        config = container_config(plan.sandbox_id, plan.request, str(rootfs), str(self._tree),
+                                  str(run), self.cgroup_parent)
         (d / "config.json").write_text(json.dumps(config))
 
     def agent(self, sandbox_id: str, runtime: dict[str, Any]) -> AgentClient:
         # gVisor's sentry, not the agent, holds the host end of the socket: no pid to check.
         peer = None if runtime["runtime"] == "runsc" else runtime["pid"]
         # No token: a sandbox started before agents were claimed (its agent takes none).
-        return AgentClient(self._dir(sandbox_id) / "run" / "agent.sock", runtime.get("token"), peer)
+        return AgentClient(self._dir(sandbox_id) / "disk" / "run" / "agent.sock", runtime.get("token"),
+                           peer)
 
     def alive(self, sandbox_id: str, runtime: dict[str, Any]) -> bool:
         return self._pids.alive(sandbox_id, runtime.get("pid"))
@@ -204,29 +211,45 @@ class ContainerSubstrate(Substrate):
         d = self._dir(sandbox_id)
         self._pids.forget(sandbox_id)
         for runtime in RUNTIMES:
-            if (self.runtime_root / runtime / sandbox_id).exists():
+            if sandbox_id in _state_ids(self.runtime_root / runtime):
                 await spawn.run([*self._runtime_cmd(runtime), "delete", "--force", sandbox_id])
         await self.network.remove(sandbox_id)
         await asyncio.get_running_loop().run_in_executor(self._io, self._teardown, sandbox_id, d)
 
     def _teardown(self, sandbox_id: str, d: Path) -> None:
-        """What the runtime leaves or never made: cgroups, the overlay, the bundle dir."""
+        """What the runtime leaves or never made: cgroups, the overlay, the disk, the bundle
+        dir. Once the disk is unmounted, the dir holds only what dsec wrote (see tree.py)."""
         cgroups.remove_cgroups(cgroups.sandbox_dirs(self.cgroup_parent, sandbox_id))
         for mount in _mounts_under(d):
-            unmount(mount)
+            try:
+                unmount(mount)
+            except OSError as exc:
+                if exc.errno != errno.EBUSY:
+                    raise
+                unmount(mount, lazy=True)  # detached now, freed when its last user goes
         release(d / "disk.img")
-        shutil.rmtree(d, ignore_errors=True)
+        try:
+            remove_tree(d)
+        except OSError:  # the stop still answers; the next start finds the dir and retries
+            log.exception("could not remove all of sandbox %s's directory", sandbox_id)
 
     async def leftovers(self) -> set[str]:
         ids = {p.name for p in self.root.iterdir()} if self.root.exists() else set()
         for runtime in RUNTIMES:
-            rt = self.runtime_root / runtime
-            if rt.exists():
-                ids.update(p.name for p in rt.iterdir() if p.is_dir())
+            ids.update(_state_ids(self.runtime_root / runtime))
         ids.update(cgroups.sandbox_cgroups(self.cgroup_parent))
         ids.update(m.relative_to(self.root).parts[0] for m in _mounts_under(self.root))
         ids.update(self.network.ids())
         return ids
+
+
+def _state_ids(runtime_root: Path) -> set[str]:
+    """Sandboxes a runtime holds state for: a directory each under crun and runc, files
+    ``<id>_sandbox:<id>.state`` and ``.lock`` under runsc (which ``runsc delete`` removes)."""
+    if not runtime_root.exists():
+        return set()
+    return {p.name if p.is_dir() else p.name.partition("_sandbox:")[0]
+            for p in runtime_root.iterdir() if p.is_dir() or "_sandbox:" in p.name}
 
 
 def _mounts_under(d: Path) -> list[Path]:

@@ -9,7 +9,8 @@ function, reads the result, and the worker ends; the pool refills in the backgro
 answers ``run``/files for its lifetime; it lives as long as the server that made it.
 
 Host layout under ``<state>/fn/``: ``support/`` (the top, read-only layer every template root
-gets: the template code, cloudpickle, the agent, the seccomp filter, mount points),
+gets: the template code, cloudpickle, the agent, dsec's shell and tar in ``.dsec/bin``, the
+seccomp filter, mount points),
 ``roots/<key>`` (mount points, used only inside each template's mount namespace),
 ``<key>.log``. Nothing a worker writes is on the host's disk: its /tmp, /work, /dev/shm and
 run directory (an fn sandbox's agent socket, reached at ``/proc/<pid>/root/.dsec/run``) are
@@ -36,6 +37,7 @@ import cloudpickle
 
 from ..agent.build import agent_binary
 from ..agent.client import AgentClient
+from ..agent.tools import install_tools
 from ..client.errors import (CommandTimeout, NotSupported, RemoteError, SandboxDied,
                              SandboxError)
 from ..client.models import CreateRequest
@@ -97,6 +99,7 @@ class FnSubstrate(Substrate):
                         ignore=shutil.ignore_patterns("__pycache__"))
         (fn_dir / "seccomp.bpf").write_bytes(fn_filter_bpf())
         shutil.copy(agent_binary(), support / ".dsec" / "agent")
+        install_tools(support / ".dsec" / "bin")  # dsec's shell and tar (agent/tools.py)
 
     async def close(self) -> None:
         for sandbox_id in list(self._sandboxes):

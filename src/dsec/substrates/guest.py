@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..agent.build import agent_binary
+from ..agent.tools import HOST_DASH, install_tools
 from ..client.errors import NotSupported
 from .vmnet import AGENT_MAC, GUEST_BUSYBOX, POLICY_MAC
 
@@ -75,6 +76,7 @@ for d in proc sys dev tmp work .dsec; do mkdir -p /newroot/$d; done
 mount -t tmpfs -o mode=0755 dsec /newroot/.dsec
 cp /dsec-agent /newroot/.dsec/agent
 cp /bin/busybox /newroot@GUEST_BUSYBOX@
+cp -a /dsec-bin /newroot/.dsec/bin
 mkdir /newroot/.dsec/run
 mount -o remount,ro /newroot/.dsec
 mount -t tmpfs -o mode=0700 run /newroot/.dsec/run
@@ -130,7 +132,8 @@ def guest_boot() -> GuestBoot:
             .replace("@AGENT_MAC@", AGENT_MAC).replace("@POLICY_MAC@", POLICY_MAC)
             .replace("@AGENT_ADDRESS@", GUEST_IP.split("/")[0]).replace("@AGENT_PORT@", str(AGENT_PORT)))
     digest = hashlib.sha256()
-    for part in (b"initramfs+pvh", kernel.read_bytes(), BUSYBOX.read_bytes(), agent.read_bytes(), init.encode(),
+    for part in (b"initramfs+pvh", kernel.read_bytes(), BUSYBOX.read_bytes(), HOST_DASH.read_bytes(),
+                 agent.read_bytes(), init.encode(),
                  *(f"{name}\0".encode() + path.read_bytes() for name, path in modules)):
         digest.update(hashlib.sha256(part).digest())
     out_dir = Path(os.environ.get("DSEC_CACHE", "/var/cache/dsec")) / "vm" / digest.hexdigest()[:16]
@@ -192,6 +195,7 @@ def _build_initramfs(target: Path, init: str, agent: Path, modules: list[tuple[s
         (root / "modules").mkdir()
         shutil.copy(BUSYBOX, root / "bin" / "busybox")
         shutil.copy(agent, root / "dsec-agent")
+        install_tools(root / "dsec-bin")  # dsec's shell and tar, /.dsec/bin in the guest
         (root / "init").write_text(init)
         (root / "init").chmod(0o755)
         for name, path in modules:

@@ -10,12 +10,11 @@ from __future__ import annotations
 import resource
 from typing import Any
 
+from ..agent.tools import AGENT_PATH, DSEC_DIR, RUN_DIR
 from ..client.models import CreateRequest
 from .cgroups import CPU_PERIOD_US
 
-AGENT_PATH = "/.dsec/agent"
-AGENT_RUN_DIR = "/.dsec/run"
-AGENT_SOCKET = AGENT_RUN_DIR + "/agent.sock"
+AGENT_SOCKET = RUN_DIR + "/agent.sock"
 
 # What a root user in an ordinary Docker container may do, less raw sockets, mknod and
 # audit: enough for apt, pip and chown-ing a workspace.
@@ -78,7 +77,7 @@ def container_config(
     sandbox_id: str,
     request: CreateRequest,
     rootfs: str,
-    agent_binary: str,
+    dsec_tree: str,
     run_dir: str,
     cgroup_parent: str,
 ) -> dict[str, Any]:
@@ -117,9 +116,12 @@ def container_config(
              "options": ["nosuid", "noexec", "nodev"]},
             {"destination": "/sys", "type": "sysfs", "source": "sysfs",
              "options": ["nosuid", "noexec", "nodev", "ro"]},
-            {"destination": AGENT_PATH, "type": "bind", "source": agent_binary,
+            # dsec's agent and tools (agent/tools.py), read-only; a mount point, so the sandbox
+            # can neither rename /.dsec away nor put a fake /.dsec/bin in its place.
+            {"destination": DSEC_DIR, "type": "bind", "source": dsec_tree,
              "options": ["bind", "ro", "nosuid", "nodev"]},
-            {"destination": AGENT_RUN_DIR, "type": "bind", "source": run_dir,
+            # on the sandbox's own disk (container.py): whatever is written here is in its quota
+            {"destination": RUN_DIR, "type": "bind", "source": run_dir,
              "options": ["bind", "rw", "nosuid", "nodev", "noexec"]},
         ],
         "linux": {
