@@ -6,10 +6,12 @@ those, a fake shell would report ``exit 7`` as exit 0 and a fake tar an upload i
 extracted. So the edge only ever runs ``/.dsec/bin/sh`` and ``/.dsec/bin/tar`` (absolute paths,
 never a name looked up in the sandbox's PATH):
 
-- ``sh`` is dash (what Debian's /bin/sh is) built against klibc, from klibc-utils. klibc's one
-  shared object is the program's interpreter, and it reads no file and no ``LD_*`` variable;
-  the copy here names ``/.dsec/bin/klibc.so`` as its interpreter. A glibc shell would load the
-  image's libraries and obey the image's ``/etc/ld.so.preload``, both writable by the sandbox.
+- ``sh`` is mksh (the MirBSD Korn shell) built statically against musl, from Debian's mksh
+  package: a static program loads no library and reads no ``LD_*`` variable or
+  ``/etc/ld.so.preload``, so nothing of the image runs inside it (a glibc shell would load the
+  image's libraries; a static glibc one would still load the image's NSS modules). It is POSIX
+  with what agents' commands reach for beyond it: ``set -o pipefail``, ``trap ... EXIT``,
+  ``[[ ]]``, ``local``, ``ulimit``.
 - ``tar`` is an applet of the host's static busybox (busybox-static), a hard link named after
   it; dsec's scripts run other applets as ``/.dsec/bin/busybox mv``. Busybox's ash is not the
   shell: Debian builds it to prefer its applets over PATH, so a user's ``ls`` or ``grep``
@@ -27,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import struct
 from pathlib import Path
 
 from ..client.errors import NotSupported
@@ -40,49 +41,26 @@ BIN = DSEC_DIR + "/bin"
 SHELL = BIN + "/sh"
 TAR = BIN + "/tar"
 BUSYBOX = BIN + "/busybox"
-KLIBC = BIN + "/klibc.so"  # the interpreter named by SHELL
 
 HOST_BUSYBOX = Path("/bin/busybox")
-HOST_DASH = Path("/usr/lib/klibc/bin/sh")
+HOST_SHELL = Path("/usr/lib/x86_64-linux-musl/bin/mksh")
 APPLETS = ("tar",)
-_PT_INTERP = 3
 
 
 def install_tools(dest: Path) -> None:
-    """Make ``dest`` (absent) hold ``sh``, its interpreter, busybox and the applets: the
-    contents of ``/.dsec/bin`` in every sandbox."""
-    for host, package in ((HOST_BUSYBOX, "busybox-static"), (HOST_DASH, "klibc-utils")):
+    """Make ``dest`` (absent) hold ``sh``, busybox and the applets: the contents of
+    ``/.dsec/bin`` in every sandbox."""
+    for host, package in ((HOST_BUSYBOX, "busybox-static"), (HOST_SHELL, "mksh")):
         if not host.is_file():
             raise NotSupported(f"dsec runs sandbox commands with its own tools and needs "
                                f"{host}: apt-get install {package}")
-    dash = HOST_DASH.read_bytes()
-    offset, size, interp = _interpreter(dash)
-    new = KLIBC.encode()
-    if len(new) >= size:
-        raise NotSupported(f"{HOST_DASH}'s interpreter field is too short for {KLIBC}")
     dest.mkdir(parents=True)
-    shutil.copyfile(interp, dest / "klibc.so")
-    (dest / "sh").write_bytes(dash[:offset] + new.ljust(size, b"\0") + dash[offset + size:])
+    shutil.copyfile(HOST_SHELL, dest / "sh")
     shutil.copyfile(HOST_BUSYBOX, dest / "busybox")
-    for name in ("klibc.so", "sh", "busybox"):
+    for name in ("sh", "busybox"):
         os.chmod(dest / name, 0o755)
     for applet in APPLETS:
         os.link(dest / "busybox", dest / applet)  # busybox picks the applet by its name
-
-
-def _interpreter(elf: bytes) -> tuple[int, int, Path]:
-    """(offset, size, path) of the PT_INTERP of a little-endian 64-bit ELF."""
-    if elf[:4] != b"\x7fELF" or elf[4] != 2 or elf[5] != 1:
-        raise NotSupported(f"{HOST_DASH} is not a little-endian 64-bit ELF program")
-    phoff, = struct.unpack_from("<Q", elf, 0x20)
-    phentsize, phnum = struct.unpack_from("<HH", elf, 0x36)
-    for i in range(phnum):
-        at = phoff + i * phentsize
-        if struct.unpack_from("<I", elf, at)[0] == _PT_INTERP:
-            offset, = struct.unpack_from("<Q", elf, at + 8)
-            size, = struct.unpack_from("<Q", elf, at + 32)
-            return offset, size, Path(elf[offset:offset + size].rstrip(b"\0").decode())
-    raise NotSupported(f"{HOST_DASH} has no program interpreter (klibc-utils changed?)")
 
 
 def sandbox_tree() -> Path:
@@ -90,7 +68,7 @@ def sandbox_tree() -> Path:
     ``bin/`` and the ``run/`` mount point. It appears by an atomic rename, whole or not at all."""
     agent = agent_binary()
     digest = hashlib.sha256()
-    for part in (agent, HOST_DASH, HOST_BUSYBOX, Path(__file__)):
+    for part in (agent, HOST_SHELL, HOST_BUSYBOX, Path(__file__)):
         digest.update(part.read_bytes() if part.is_file() else b"")
     cache = Path(os.environ.get("DSEC_CACHE", "/var/cache/dsec")) / "sandbox"
     tree = cache / digest.hexdigest()[:16]

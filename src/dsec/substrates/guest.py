@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..agent.build import agent_binary
-from ..agent.tools import HOST_DASH, install_tools
+from ..agent.tools import HOST_SHELL, install_tools
 from ..client.errors import NotSupported
 from .vmnet import AGENT_MAC, GUEST_BUSYBOX, POLICY_MAC
 
@@ -132,7 +132,7 @@ def guest_boot() -> GuestBoot:
             .replace("@AGENT_MAC@", AGENT_MAC).replace("@POLICY_MAC@", POLICY_MAC)
             .replace("@AGENT_ADDRESS@", GUEST_IP.split("/")[0]).replace("@AGENT_PORT@", str(AGENT_PORT)))
     digest = hashlib.sha256()
-    for part in (b"initramfs+pvh", kernel.read_bytes(), BUSYBOX.read_bytes(), HOST_DASH.read_bytes(),
+    for part in (b"initramfs+pvh", kernel.read_bytes(), BUSYBOX.read_bytes(), HOST_SHELL.read_bytes(),
                  agent.read_bytes(), init.encode(),
                  *(f"{name}\0".encode() + path.read_bytes() for name, path in modules)):
         digest.update(hashlib.sha256(part).digest())
