@@ -104,7 +104,7 @@ def _entry(f: Frame) -> Entry:
 
 def _exec_fields(
     argv: list[str], env: dict[str, str], cwd: str | None, stdin: bytes | None,
-    timeout_ms: int, max_output: int, mode: str,
+    timeout_ms: int, max_output: int, mode: str, privileged: bool = False,
 ) -> list[tuple[str, Value]]:
     if not argv:
         raise ValueError("argv must not be empty")
@@ -114,6 +114,8 @@ def _exec_fields(
         fields.append(("cwd", cwd))
     if stdin is not None:
         fields.append(("stdin", stdin))
+    if privileged:
+        fields.append(("privileged", 1))
     return fields + [("timeout_ms", timeout_ms), ("max_output", max_output), ("mode", mode)]
 
 
@@ -196,20 +198,22 @@ class AgentClient:
 
     def exec(
         self, argv: list[str], *, env: dict[str, str], cwd: str | None = None, stdin: bytes | None = None,
-        timeout_ms: int = 0, max_output: int = 16 << 20,
+        timeout_ms: int = 0, max_output: int = 16 << 20, privileged: bool = False,
     ) -> AsyncGenerator[Output | Exit, None]:
         """Run ``argv`` and stream its output; the last item is its Exit. ``env`` is the whole
-        environment; ``stdin=None`` means /dev/null."""
-        return self._stream("E", _exec_fields(argv, env, cwd, stdin, timeout_ms, max_output, "wait"))
+        environment; ``stdin=None`` means /dev/null. ``privileged`` keeps the capabilities a
+        ``--confine``d agent takes from commands (for dsec's own, e.g. a VM's network set-up)."""
+        return self._stream("E", _exec_fields(argv, env, cwd, stdin, timeout_ms, max_output, "wait",
+                                              privileged))
 
     async def run(
         self, argv: list[str], *, env: dict[str, str], cwd: str | None = None, stdin: bytes | None = None,
-        timeout_ms: int = 0, max_output: int = 16 << 20,
+        timeout_ms: int = 0, max_output: int = 16 << 20, privileged: bool = False,
     ) -> RunResult:
         """``exec`` collected: the whole output and the exit status."""
         out = {1: bytearray(), 2: bytearray()}
         async with aclosing(self.exec(argv, env=env, cwd=cwd, stdin=stdin, timeout_ms=timeout_ms,
-                                      max_output=max_output)) as events:
+                                      max_output=max_output, privileged=privileged)) as events:
             async for ev in events:
                 if isinstance(ev, Output):
                     out[ev.fd] += ev.data
