@@ -23,6 +23,7 @@
 #include <string.h>
 #include <linux/capability.h>
 #include <sys/prctl.h>
+#include <sys/reboot.h>
 #include <sys/syscall.h>
 #include <sys/resource.h>
 #include <sys/signalfd.h>
@@ -905,21 +906,27 @@ static const char *boot_error(char *line)
     return NULL;
 }
 
+/* The guest stops (as PID 1, powered off: a clean console, not a panic) rather than ever
+ * serve unclaimed. */
+static void __attribute__((noreturn)) boot_failed(const char *what, const char *why)
+{
+    fprintf(stderr, "dsec-agent: %s: %s\n", what, why);
+    if (getpid() == 1)
+        reboot(RB_POWER_OFF);
+    exit(1);
+}
+
 static void boot_from(const char *device)
 {
     char line[BOOT_LINE + 1];
     size_t len = 0;
     int fd = open(device, O_RDWR | O_CLOEXEC | O_NOCTTY);
-    if (fd < 0) {
-        fprintf(stderr, "dsec-agent: %s: %s\n", device, strerror(errno));
-        exit(1);
-    }
+    if (fd < 0)
+        boot_failed(device, strerror(errno));
     while (len < BOOT_LINE && !memchr(line, '\n', len)) {
         ssize_t n = read(fd, line + len, BOOT_LINE - len);
-        if (n < 0 && errno != EINTR) {
-            fprintf(stderr, "dsec-agent: read %s: %s\n", device, strerror(errno));
-            exit(1);
-        }
+        if (n < 0 && errno != EINTR)
+            boot_failed(device, strerror(errno));
         if (n <= 0) { /* nothing connected on the host side yet */
             usleep(10000);
             continue;
@@ -931,10 +938,8 @@ static void boot_from(const char *device)
     const char *err = nl ? (*nl = 0, boot_error(line)) : "boot message too long";
     char reply[128];
     int n = snprintf(reply, sizeof reply, err ? "ERR %s\n" : "OK\n", err);
-    if (write(fd, reply, n) != n || err) {
-        fprintf(stderr, "dsec-agent: boot message: %s\n", err ? err : strerror(errno));
-        exit(1);
-    }
+    if (write(fd, reply, n) != n || err)
+        boot_failed("boot message", err ? err : strerror(errno));
     close(fd);
 }
 

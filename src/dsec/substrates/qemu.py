@@ -238,34 +238,41 @@ class QemuSubstrate(Substrate):
     async def _boot_agent(self, alive: Callable[[], bool], d: Path, token: str, hostname: str) -> None:
         """Claim the agent out of band: its token, the guest's name and the time, over the
         guest's boot port (a virtio-serial port whose host end only root can open). The
-        agent serves nothing before it has them, and answers ``OK`` or ``ERR reason``."""
+        agent serves nothing before it has them, and answers ``OK`` or ``ERR reason`` (and
+        then stops the guest)."""
         now = time.time_ns()
         message = f"{token} {hostname[:HOSTNAME_MAX]} {now // 10**9} {now % 10**9}\n"
         deadline = time.monotonic() + START_TIMEOUT_S
-        reader, writer = await asyncio.open_unix_connection(str(d / BOOT_SOCKET))
         try:
-            writer.write(message.encode())
-            await writer.drain()
-            while True:  # the guest reads it once its agent runs; QEMU may die meanwhile
-                try:
-                    answer = await asyncio.wait_for(reader.readline(), 0.2)
-                    break
-                except asyncio.TimeoutError:
-                    if not alive():
-                        raise self._stopped_booting(d) from None
-                    if time.monotonic() > deadline:
-                        raise SandboxError(f"the {self.name}'s agent did not take its token within "
-                                           f"{START_TIMEOUT_S:.0f}s: {_tail(d / 'console.log')}") from None
+            reader, writer = await asyncio.open_unix_connection(str(d / BOOT_SOCKET))
+            try:
+                writer.write(message.encode())
+                await writer.drain()
+                while True:  # the guest reads it once its agent runs; QEMU may die meanwhile
+                    try:
+                        answer = await asyncio.wait_for(reader.readline(), 0.2)
+                        break
+                    except asyncio.TimeoutError:
+                        if not alive():
+                            raise self._stopped_booting(d) from None
+                        if time.monotonic() > deadline:
+                            raise SandboxError(f"the {self.name}'s agent did not take its token within "
+                                               f"{START_TIMEOUT_S:.0f}s: {_tail(d / 'console.log')}") from None
+            finally:
+                writer.close()
         except OSError as exc:
-            raise SandboxError(f"the {self.name}'s boot port failed: {exc}") from None
-        finally:
-            writer.close()
-        if answer == b"OK\n":
-            return
-        if not alive():
-            raise self._stopped_booting(d)
-        raise SandboxError(f"the {self.name}'s agent refused its boot message: "
-                           f"{answer.decode(errors='replace').strip()[:200] or 'no answer'}")
+            answer = f"boot port: {exc}".encode()
+        if answer != b"OK\n":
+            raise await self._not_claimed(alive, d, answer.decode(errors="replace").strip()[:200])
+
+    async def _not_claimed(self, alive: Callable[[], bool], d: Path, why: str) -> SandboxError:
+        """Why a claim failed: a guest that stops (as the agent does when it refuses its boot
+        message) says so on its console, which is the better reason once QEMU has exited."""
+        for _ in range(100):
+            if not alive():
+                return self._stopped_booting(d)
+            await asyncio.sleep(0.02)
+        return SandboxError(f"the {self.name}'s agent could not be claimed: {why or 'no answer'}")
 
     def _stopped_booting(self, d: Path) -> SandboxError:
         return SandboxError(f"the {self.name} stopped while booting: {_tail(d / 'console.log')}")
