@@ -272,12 +272,19 @@ open("/usr/sbin/request-key", "w").write("#!/.dsec/bin/busybox sh\n/.dsec/bin/bu
 os.chmod("/usr/sbin/request-key", 0o755)
 libc.syscall(249, b"user", b"dsec-hostile", b"callout", -2)  # request_key: the kernel's helper runs
 time.sleep(1)
+for node in ("/dev/console", "/dev/ttyS0"):  # the console is a file on the host's disk
+    try:
+        os.write(os.open(node, os.O_WRONLY), b"x" * 100000); print("console=ok")
+    except OSError as e:
+        print("console=" + e.strerror)
+print("mknod=" + err(libc.mknod(b"/tmp/ttyS0", 0o20600, os.makedev(4, 64))))
+print("console_level=" + err(libc.klogctl(8, None, 8)))
 print("bnd=" + sh("grep CapBnd /proc/self/status").split()[-1])
 print("nnp=" + sh("grep NoNewPrivs /proc/self/status").split()[-1])
 print("same=" + str(hashlib.sha256(open("/.dsec/bin/busybox", "rb").read()).hexdigest() == before))
 """
 CONFINED = {21: "CAP_SYS_ADMIN", 19: "CAP_SYS_PTRACE", 16: "CAP_SYS_MODULE", 17: "CAP_SYS_RAWIO",
-            12: "CAP_NET_ADMIN", 13: "CAP_NET_RAW", 39: "CAP_BPF"}
+            12: "CAP_NET_ADMIN", 13: "CAP_NET_RAW", 39: "CAP_BPF", 27: "CAP_MKNOD", 34: "CAP_SYSLOG"}
 
 
 async def test_dsec_path_in_a_guest_survives_a_hostile_root(client, server) -> None:
@@ -297,6 +304,9 @@ async def test_dsec_path_in_a_guest_survives_a_hostile_root(client, server) -> N
         bounding = int(got["bnd"], 16)
         assert not [name for bit, name in CONFINED.items() if bounding >> bit & 1]
         assert got["nnp"] == "1" and got["same"] == "True"
+        assert got["console"] == "No such file or directory"
+        assert got["mknod"] == got["console_level"] == "Operation not permitted"
+        assert (server.state_dir / "vms" / sb.id / "console.log").stat().st_size < 16384
         # The fakes took /bin/sh's and tar's places; dsec's own shell and tar did not move.
         assert (await sb.run("exit 7")).stdout == "ALL TESTS PASSED\n"  # /bin/sh: the image's, faked
         assert (await sb.run(["/.dsec/bin/sh", "-c", "exit 7"])).exit_code == 7

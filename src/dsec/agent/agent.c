@@ -431,11 +431,14 @@ static void write_stdin(struct proc *p)
 
 /* --confine (a VM guest, where commands run as root of the guest's kernel): what a command
  * must not do to dsec's own path. Remounting or mounting over /.dsec, ptrace or /proc/1/mem of
- * the agent, loading kernel code (modules, BPF, kexec), raw memory and I/O, and taking over
- * the agent's NIC (sniffing its traffic for the token, redirecting its port to an impostor). */
+ * the agent, loading kernel code (modules, BPF, kexec), raw memory and I/O, taking over the
+ * agent's NIC (sniffing its traffic for the token, redirecting its port to an impostor), and
+ * writing to the host's disk through the serial console (a device node made anew, or the
+ * kernel's console log level raised). */
 static const int confined_caps[] = {
     CAP_NET_ADMIN, CAP_NET_RAW, CAP_SYS_MODULE, CAP_SYS_RAWIO, CAP_SYS_PTRACE, CAP_SYS_ADMIN,
     CAP_SYS_BOOT, CAP_MAC_OVERRIDE, CAP_MAC_ADMIN, CAP_PERFMON, CAP_BPF, CAP_CHECKPOINT_RESTORE,
+    CAP_MKNOD, CAP_SYSLOG,
 };
 static int confine;
 

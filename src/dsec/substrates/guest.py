@@ -17,7 +17,8 @@ over the agent's NIC. The kernel's usermode helpers, which it starts as root fro
 the sandbox's file system (``/sbin/request-key`` on any ``request_key``; ``modprobe``; a
 ``core_pattern`` pipe), get no capabilities (``kernel.usermodehelper.bset`` is empty);
 module auto-loading is off (every module the guest needs is loaded by the init); and
-``/proc/sys`` and ``/sys`` are read-only, so none of that can be changed back.
+``/proc/sys`` and ``/sys`` are read-only, so none of that can be changed back. The serial
+console (a file on the host's disk) has no device node once the agent holds it.
 
 Disks are found by their virtio serial (``layer0`` .. ``layerN-1``, ``rw``), not by probe order.
 Built artefacts (the initramfs, and the kernel unpacked for PVH entry) are cached under
@@ -129,6 +130,9 @@ done
 mkdir -p /newroot/dev/pts /newroot/dev/shm
 mount -t devpts devpts /newroot/dev/pts
 mount -t tmpfs -o mode=1777 shm /newroot/dev/shm
+# The serial console is a file on the host's disk (QEMU's console.log): once the agent holds it
+# (its stdout, for `R` and boot errors), no node leads to it (and commands cannot mknod one).
+rm -f /newroot/dev/console /newroot/dev/ttyS* || fail "cannot remove the console's device nodes"
 exec switch_root /newroot /.dsec/agent --listen tcp:@AGENT_ADDRESS@:@AGENT_PORT@ \
   --token-from "$boot" --confine
 """
