@@ -252,7 +252,7 @@ class QemuSubstrate(Substrate):
                     try:
                         answer = await asyncio.wait_for(reader.readline(), 0.2)
                         break
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         if not alive():
                             raise self._stopped_booting(d) from None
                         if time.monotonic() > deadline:
