@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import dsec
-from conftest import VM_ACCEL, Server, make_server, stop_server
+from conftest import VM_ACCEL, VM_SUBSTRATES, Server, make_server, stop_server
 from dsec.edge.edge import default_edge_id
 from test_vm import _qemu_pids, _traces
 
@@ -287,8 +287,9 @@ CONFINED = {21: "CAP_SYS_ADMIN", 19: "CAP_SYS_PTRACE", 16: "CAP_SYS_MODULE", 17:
             12: "CAP_NET_ADMIN", 13: "CAP_NET_RAW", 39: "CAP_BPF", 27: "CAP_MKNOD", 34: "CAP_SYSLOG"}
 
 
-async def test_dsec_path_in_a_guest_survives_a_hostile_root(client, server) -> None:
-    sb = await client.create(substrate="microvm", image="python-3.11", memory_mb=512, ttl_s=300)
+@pytest.mark.parametrize("substrate", VM_SUBSTRATES)
+async def test_dsec_path_in_a_guest_survives_a_hostile_root(client, server, substrate) -> None:
+    sb = await client.create(substrate=substrate, image="python-3.11", memory_mb=512, ttl_s=300)
     try:
         await sb.write_file("/work/attack.py", ATTACK.encode())
         r = await sb.run(["python3", "/work/attack.py"], timeout_s=120)
