@@ -18,7 +18,9 @@ import pytest
 
 import dsec
 from conftest import VM_ACCEL, VM_SUBSTRATES, Server, make_server, stop_server
+from dsec.agent.client import AgentUnavailable
 from dsec.edge.edge import default_edge_id
+from dsec.substrates.qemu import QemuSubstrate
 from test_vm import _qemu_pids, _traces
 
 NOBODY = 65534
@@ -317,6 +319,48 @@ async def test_dsec_path_in_a_guest_survives_a_hostile_root(client, server, subs
     finally:
         await sb.stop()
     assert _traces(server, sb.id) == []
+
+
+# A local user's fake agent on a port: it reports every byte it receives, then answers `O`.
+IMPOSTOR = r"""
+import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", int(sys.argv[1])))
+s.listen()
+print("listening", flush=True)
+while True:
+    c, _ = s.accept()
+    c.settimeout(2)
+    try:
+        print("received", len(c.recv(65536)), flush=True)
+    except OSError:
+        print("received 0", flush=True)
+    c.sendall(b"\0\0\0\1O")
+    c.close()
+"""
+
+
+async def test_a_local_user_on_a_dead_vms_port_gets_no_token(client, server) -> None:
+    """Once a VM's QEMU has gone, a local user can bind its agent port. The edge's client
+    checks who owns the socket it reached (the kernel's sock_diag) before sending anything:
+    the impostor receives no byte, so no token, and answers nothing that is believed."""
+    sb = await client.create(substrate="microvm", image="debian-minbase", memory_mb=256, ttl_s=300)
+    runtime = _runtime(server, sb.id)
+    await sb.stop()
+    impostor = subprocess.Popen(["/usr/bin/python3", "-c", IMPOSTOR, str(runtime["port"])], user=NOBODY,
+                                group=NOBODY, extra_groups=[], cwd="/", stdout=subprocess.PIPE, text=True)
+    try:
+        assert impostor.stdout.readline() == "listening\n"
+        agent = QemuSubstrate.agent(None, sb.id, runtime)  # what the edge would use for this VM
+        with pytest.raises(AgentUnavailable) as info:
+            await agent.run(["true"], env={})
+        assert "served by uid 65534" in str(info.value)
+        with pytest.raises(AgentUnavailable):
+            await agent.ping()
+    finally:
+        impostor.kill()
+    assert "received" not in impostor.communicate()[0]
 
 
 async def test_server_restarts_with_vms_and_their_tokens() -> None:

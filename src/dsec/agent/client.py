@@ -17,6 +17,7 @@ from collections.abc import AsyncGenerator, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass
 
+from .peer import loopback_peer_uid
 from .protocol import Frame, Value, encode, read_frame
 
 _READ_LIMIT = 4 << 20  # StreamReader buffer; frames carry up to 1 MiB of data
@@ -123,13 +124,16 @@ class AgentClient:
     """``address`` is a Unix socket path, or a ``(host, port)`` pair for TCP. ``token`` is sent
     with every request (see ``claim``). ``peer_pid``, when given, must be the pid that listens
     on the Unix socket (SO_PEERCRED): a process in the sandbox that replaced the socket file
-    with its own cannot receive the token or answer in the agent's name."""
+    with its own cannot receive the token or answer in the agent's name. ``peer_uid``, for a
+    loopback TCP address, must own the socket at the other end (``peer.py``): a local user
+    who bound a VM's port once its QEMU had gone gets nothing either."""
 
     def __init__(self, address: str | os.PathLike[str] | tuple[str, int], token: str | None = None,
-                 peer_pid: int | None = None) -> None:
+                 peer_pid: int | None = None, peer_uid: int | None = None) -> None:
         self.address = address if isinstance(address, tuple) else os.fspath(address)
         self.token = token
         self.peer_pid = peer_pid
+        self.peer_uid = peer_uid
 
     async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         if isinstance(self.address, tuple):
@@ -143,9 +147,14 @@ class AgentClient:
         await self._call("C", [("token", self.token)], authenticated=False)
 
     def _check_peer(self, writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        if self.peer_uid is not None:
+            uid = loopback_peer_uid(sock)
+            if uid != self.peer_uid:
+                raise AgentUnavailable(f"agent port {self.address} is served by uid {uid}, "
+                                       f"not the agent's {self.peer_uid}")
         if self.peer_pid is None:
             return
-        sock = writer.get_extra_info("socket")
         pid, _, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                      _PEERCRED.size))
         if pid != self.peer_pid:

@@ -289,7 +289,8 @@ class QemuSubstrate(Substrate):
 
     # inspection
     def agent(self, sandbox_id: str, runtime: dict[str, Any]) -> AgentClient:
-        return AgentClient(("127.0.0.1", runtime["port"]), runtime.get("token"))
+        """Over the port forward, which only QEMU (running as the edge's user) may hold."""
+        return AgentClient(("127.0.0.1", runtime["port"]), runtime.get("token"), peer_uid=os.geteuid())
 
     def alive(self, sandbox_id: str, runtime: dict[str, Any]) -> bool:
         return self._pids.alive(sandbox_id, runtime.get("pid"))
