@@ -21,7 +21,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/capability.h>
 #include <sys/prctl.h>
+#include <sys/reboot.h>
+#include <sys/syscall.h>
 #include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
@@ -426,8 +429,42 @@ static void write_stdin(struct proc *p)
     buf_free(b);
 }
 
+/* --confine (a VM guest, where commands run as root of the guest's kernel): what a command
+ * must not do to dsec's own path. Remounting or mounting over /.dsec, ptrace or /proc/1/mem of
+ * the agent, loading kernel code (modules, BPF, kexec), raw memory and I/O, taking over the
+ * agent's NIC (sniffing its traffic for the token, redirecting its port to an impostor), and
+ * writing to the host's disk through the serial console (a device node made anew, or the
+ * kernel's console log level raised). */
+static const int confined_caps[] = {
+    CAP_NET_ADMIN, CAP_NET_RAW, CAP_SYS_MODULE, CAP_SYS_RAWIO, CAP_SYS_PTRACE, CAP_SYS_ADMIN,
+    CAP_SYS_BOOT, CAP_MAC_OVERRIDE, CAP_MAC_ADMIN, CAP_PERFMON, CAP_BPF, CAP_CHECKPOINT_RESTORE,
+    CAP_MKNOD, CAP_SYSLOG,
+};
+static int confine;
+
+/* Drop confined_caps from the bounding and inheritable sets (so no exec can regain them) and
+ * set no_new_privs. Returns -1 with errno set if the kernel refuses any step. */
+static int confine_self(void)
+{
+    struct __user_cap_header_struct hdr = {_LINUX_CAPABILITY_VERSION_3, 0};
+    struct __user_cap_data_struct data[2];
+    for (size_t i = 0; i < sizeof confined_caps / sizeof *confined_caps; i++)
+        if (prctl(PR_CAPBSET_DROP, confined_caps[i], 0, 0, 0))
+            return -1;
+    if (syscall(SYS_capget, &hdr, data))
+        return -1;
+    for (size_t i = 0; i < sizeof confined_caps / sizeof *confined_caps; i++) {
+        uint32_t bit = 1u << (confined_caps[i] % 32);
+        int w = confined_caps[i] / 32;
+        data[w].inheritable &= ~bit, data[w].permitted &= ~bit, data[w].effective &= ~bit;
+    }
+    if (syscall(SYS_capset, &hdr, data))
+        return -1;
+    return prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0);
+}
+
 static void __attribute__((noreturn))
-child(char **argv, char **envp, const char *cwd, int in, int out, int err)
+child(char **argv, char **envp, const char *cwd, int in, int out, int err, int privileged)
 {
     struct sigaction dfl = {.sa_handler = SIG_DFL};
     sigset_t none;
@@ -443,6 +480,10 @@ child(char **argv, char **envp, const char *cwd, int in, int out, int err)
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
     setrlimit(RLIMIT_NOFILE, &nofile);
+    if (confine && !privileged && confine_self()) {
+        dprintf(2, "dsec-agent: cannot confine the command: %s\n", strerror(errno));
+        _exit(126);
+    }
     if (cwd && chdir(cwd)) {
         dprintf(2, "%s: %s\n", cwd, strerror(errno));
         _exit(126);
@@ -472,7 +513,7 @@ static int stdio_pipe(int fds[2], int parent_reads)
 static void do_exec(struct conn *c, const struct req *r)
 {
     struct buf *o = &c->out;
-    int nargv = 0, nenv = 0, background = 0;
+    int nargv = 0, nenv = 0, background = 0, privileged;
     long long timeout, max_output;
     char *cwd, *mode;
     struct field *in = get(r, "stdin");
@@ -488,7 +529,8 @@ static void do_exec(struct conn *c, const struct req *r)
         return reply_err(o, EINVAL, "argv is required");
     if (get_str(r, "cwd", &cwd) || get_str(r, "mode", &mode) ||
         get_num(r, "timeout_ms", 10, 0, LLONG_MAX / 2, 0, &timeout) ||
-        get_num(r, "max_output", 10, 0, SIZE_MAX / 2, DEFAULT_MAX_OUTPUT, &max_output))
+        get_num(r, "max_output", 10, 0, SIZE_MAX / 2, DEFAULT_MAX_OUTPUT, &max_output) ||
+        get_flag(r, "privileged", &privileged))
         return reply_err(o, EINVAL, "malformed exec field");
     if (mode && !(background = !strcmp(mode, "background")) && strcmp(mode, "wait"))
         return reply_err(o, EINVAL, "mode must be wait or background");
@@ -518,7 +560,7 @@ static void do_exec(struct conn *c, const struct req *r)
         goto out;
     }
     if (pid == 0)
-        child(argv, envp, cwd, pi[1], po[1], pe[1]);
+        child(argv, envp, cwd, pi[1], po[1], pe[1], privileged);
     close(po[1]), close(pe[1]), close(pi[1]);
 
     struct proc *p = xcalloc(1, sizeof *p);
@@ -837,6 +879,71 @@ static void do_claim(struct conn *c, const struct req *r)
     memcpy(token, f->v, f->n);
     token_len = f->n;
     reply_ok(&c->out);
+}
+
+/* --token-from DEVICE (a VM guest): the edge's boot message comes over a virtio-serial port
+ * whose host end only root on the host can reach (a Unix socket in a 0700 directory), never
+ * over the network: "TOKEN HOSTNAME SECONDS NANOSECONDS\n". The agent takes the token as if
+ * claimed (so a `C` over TCP is refused), sets the guest's name and clock (a snapshot-restored
+ * guest has its template's), answers "OK\n" (or "ERR reason\n" and exits), and closes the port
+ * for good. No connection is served before. A read returns 0 while nothing is connected on
+ * the host side (a template saved for snapshots waits here; each restore gets its own). */
+#define BOOT_LINE 512
+static const char *boot_error(char *line)
+{
+    char got[TOKEN_MAX + 2], host[65];
+    long long sec;
+    long nsec;
+    int used = 0;
+    if (sscanf(line, "%257s %64s %lld %ld%n", got, host, &sec, &nsec, &used) != 4 || line[used])
+        return "malformed boot message";
+    if (strlen(got) < TOKEN_MIN || strlen(got) > TOKEN_MAX)
+        return "the token must be 16 to 256 bytes";
+    token_len = strlen(got);
+    memcpy(token, got, token_len);
+    if (sethostname(host, strlen(host)))
+        return "sethostname failed";
+    struct timespec now = {sec, nsec};
+    if (clock_settime(CLOCK_REALTIME, &now))
+        return "clock_settime failed";
+    return NULL;
+}
+
+/* The guest stops (as PID 1, powered off: a clean console, not a panic) rather than ever
+ * serve unclaimed. */
+static void __attribute__((noreturn)) boot_failed(const char *what, const char *why)
+{
+    fprintf(stderr, "dsec-agent: %s: %s\n", what, why);
+    if (getpid() == 1)
+        reboot(RB_POWER_OFF);
+    exit(1);
+}
+
+static void boot_from(const char *device)
+{
+    char line[BOOT_LINE + 1];
+    size_t len = 0;
+    int fd = open(device, O_RDWR | O_CLOEXEC | O_NOCTTY);
+    if (fd < 0)
+        boot_failed(device, strerror(errno));
+    while (len < BOOT_LINE && !memchr(line, '\n', len)) {
+        ssize_t n = read(fd, line + len, BOOT_LINE - len);
+        if (n < 0 && errno != EINTR)
+            boot_failed(device, strerror(errno));
+        if (n <= 0) { /* nothing connected on the host side yet */
+            usleep(10000);
+            continue;
+        }
+        len += n;
+    }
+    line[len] = 0;
+    char *nl = strchr(line, '\n');
+    const char *err = nl ? (*nl = 0, boot_error(line)) : "boot message too long";
+    char reply[128];
+    int n = snprintf(reply, sizeof reply, err ? "ERR %s\n" : "OK\n", err);
+    if (write(fd, reply, n) != n || err)
+        boot_failed("boot message", err ? err : strerror(errno));
+    close(fd);
 }
 
 /* Constant time in the token's bytes: a wrong guess says nothing about how close it was. */
@@ -1159,8 +1266,19 @@ int main(int argc, char **argv)
     sigset_t set;
     struct rlimit raised;
 
-    if (argc != 3 || strcmp(argv[1], "--listen")) {
-        fprintf(stderr, "usage: dsec-agent --listen PATH|tcp:ADDRESS:PORT\n");
+    const char *listen_at = NULL, *token_from = NULL;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--listen") && i + 1 < argc)
+            listen_at = argv[++i];
+        else if (!strcmp(argv[i], "--token-from") && i + 1 < argc)
+            token_from = argv[++i];
+        else if (!strcmp(argv[i], "--confine"))
+            confine = 1;
+        else
+            listen_at = NULL, i = argc;
+    }
+    if (!listen_at) {
+        fprintf(stderr, "usage: dsec-agent --listen PATH|tcp:ADDRESS:PORT [--token-from DEVICE] [--confine]\n");
         return 2;
     }
     signal(SIGPIPE, SIG_IGN);
@@ -1176,9 +1294,11 @@ int main(int argc, char **argv)
     raised = (struct rlimit){nofile.rlim_max, nofile.rlim_max};
     setrlimit(RLIMIT_NOFILE, &raised);
 
-    int lfd = listen_on(argv[2]);
+    int lfd = listen_on(listen_at);
     if (write(1, "R", 1) != 1)
         return 1;
+    if (token_from)
+        boot_from(token_from);
     int null = open("/dev/null", O_RDWR);
     for (int fd = 0; fd < 3; fd++)
         dup2(null, fd);

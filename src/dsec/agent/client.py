@@ -19,6 +19,7 @@ from collections.abc import AsyncGenerator, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass
 
+from .peer import loopback_peer_uid
 from .protocol import Frame, Value, encode, read_frame
 
 _READ_LIMIT = 4 << 20  # StreamReader buffer; frames carry up to 1 MiB of data
@@ -106,7 +107,7 @@ def _entry(f: Frame) -> Entry:
 
 def _exec_fields(
     argv: list[str], env: dict[str, str], cwd: str | None, stdin: bytes | None,
-    timeout_ms: int, max_output: int, mode: str,
+    timeout_ms: int, max_output: int, mode: str, privileged: bool = False,
 ) -> list[tuple[str, Value]]:
     if not argv:
         raise ValueError("argv must not be empty")
@@ -116,6 +117,8 @@ def _exec_fields(
         fields.append(("cwd", cwd))
     if stdin is not None:
         fields.append(("stdin", stdin))
+    if privileged:
+        fields.append(("privileged", 1))
     return fields + [("timeout_ms", timeout_ms), ("max_output", max_output), ("mode", mode)]
 
 
@@ -123,13 +126,16 @@ class AgentClient:
     """``address`` is a Unix socket path, or a ``(host, port)`` pair for TCP. ``token`` is sent
     with every request (see ``claim``). ``peer_pid``, when given, must be the pid that listens
     on the Unix socket (SO_PEERCRED): a process in the sandbox that replaced the socket file
-    with its own cannot receive the token or answer in the agent's name."""
+    with its own cannot receive the token or answer in the agent's name. ``peer_uid``, for a
+    loopback TCP address, must own the socket at the other end (``peer.py``): a local user
+    who bound a VM's port once its QEMU had gone gets nothing either."""
 
     def __init__(self, address: str | os.PathLike[str] | tuple[str, int], token: str | None = None,
-                 peer_pid: int | None = None) -> None:
+                 peer_pid: int | None = None, peer_uid: int | None = None) -> None:
         self.address = address if isinstance(address, tuple) else os.fspath(address)
         self.token = token
         self.peer_pid = peer_pid
+        self.peer_uid = peer_uid
 
     async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         if isinstance(self.address, tuple):
@@ -153,9 +159,14 @@ class AgentClient:
         await self._call("C", [("token", self.token)], authenticated=False)
 
     def _check_peer(self, writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        if self.peer_uid is not None:
+            uid = loopback_peer_uid(sock)
+            if uid != self.peer_uid:
+                raise AgentUnavailable(f"agent port {self.address} is served by uid {uid}, "
+                                       f"not the agent's {self.peer_uid}")
         if self.peer_pid is None:
             return
-        sock = writer.get_extra_info("socket")
         pid, _, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                      _PEERCRED.size))
         if pid != self.peer_pid:
@@ -208,20 +219,22 @@ class AgentClient:
 
     def exec(
         self, argv: list[str], *, env: dict[str, str], cwd: str | None = None, stdin: bytes | None = None,
-        timeout_ms: int = 0, max_output: int = 16 << 20,
+        timeout_ms: int = 0, max_output: int = 16 << 20, privileged: bool = False,
     ) -> AsyncGenerator[Output | Exit, None]:
         """Run ``argv`` and stream its output; the last item is its Exit. ``env`` is the whole
-        environment; ``stdin=None`` means /dev/null."""
-        return self._stream("E", _exec_fields(argv, env, cwd, stdin, timeout_ms, max_output, "wait"))
+        environment; ``stdin=None`` means /dev/null. ``privileged`` keeps the capabilities a
+        ``--confine``d agent takes from commands (for dsec's own, e.g. a VM's network set-up)."""
+        return self._stream("E", _exec_fields(argv, env, cwd, stdin, timeout_ms, max_output, "wait",
+                                              privileged))
 
     async def run(
         self, argv: list[str], *, env: dict[str, str], cwd: str | None = None, stdin: bytes | None = None,
-        timeout_ms: int = 0, max_output: int = 16 << 20,
+        timeout_ms: int = 0, max_output: int = 16 << 20, privileged: bool = False,
     ) -> RunResult:
         """``exec`` collected: the whole output and the exit status."""
         out = {1: bytearray(), 2: bytearray()}
         async with aclosing(self.exec(argv, env=env, cwd=cwd, stdin=stdin, timeout_ms=timeout_ms,
-                                      max_output=max_output)) as events:
+                                      max_output=max_output, privileged=privileged)) as events:
             async for ev in events:
                 if isinstance(ev, Output):
                     out[ev.fd] += ev.data

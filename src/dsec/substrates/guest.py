@@ -7,6 +7,19 @@ writable layer is the sandbox's own ext4 disk, then becomes the agent (``switch_
 ``exec``), listening on TCP: the edge reaches it through QEMU's loopback port forward, on the
 NIC the init names ``agent0``; ``eth0`` is the NIC network policies use (``vmnet.py``).
 
+The agent is claimed out of band: it takes its token from the virtio-serial port
+``dsec.boot`` (``--token-from``), whose host end is a Unix socket in the sandbox's root-only
+directory, and serves nothing before. dsec's own execution path in the guest is
+``/.dsec/bin`` (busybox, with ``sh`` and ``tar``) and ``/.dsec/agent``, on a tmpfs the init
+fills from the initramfs and remounts read-only; commands run ``--confine``d (agent.c): without
+the capabilities to remount or mount over it, ptrace the agent, load kernel code or take
+over the agent's NIC. The kernel's usermode helpers, which it starts as root from paths in
+the sandbox's file system (``/sbin/request-key`` on any ``request_key``; ``modprobe``; a
+``core_pattern`` pipe), get no capabilities (``kernel.usermodehelper.bset`` is empty);
+module auto-loading is off (every module the guest needs is loaded by the init); and
+``/proc/sys`` and ``/sys`` are read-only, so none of that can be changed back. The serial
+console (a file on the host's disk) has no device node once the agent holds it.
+
 Disks are found by their virtio serial (``layer0`` .. ``layerN-1``, ``rw``), not by probe order.
 Built artefacts (the initramfs, and the kernel unpacked for PVH entry) are cached under
 ``$DSEC_CACHE/vm/<digest>/``, keyed by everything they hold.
@@ -27,15 +40,16 @@ from pathlib import Path
 from ..agent.build import agent_binary
 from ..agent.tools import HOST_SHELL, install_tools
 from ..client.errors import NotSupported
-from .vmnet import AGENT_MAC, GUEST_BUSYBOX, POLICY_MAC
+from .vmnet import AGENT_MAC, POLICY_MAC
 
 AGENT_PORT = 7000  # inside the guest
+BOOT_PORT = "dsec.boot"  # the virtio-serial port that carries the agent's token
 GUEST_IP = "10.0.2.15/24"  # QEMU user networking's fixed guest address; no route beyond its subnet
 BUSYBOX = Path("/bin/busybox")
 # Loaded in this order; a module the kernel has built in is simply absent from modules.dep.
 MODULES = ("virtio_ring", "virtio", "virtio_mmio", "virtio_pci_legacy_dev",
            "virtio_pci_modern_dev", "virtio_pci", "virtio_blk", "failover", "net_failover",
-           "virtio_net", "libcrc32c", "erofs", "overlay")
+           "virtio_net", "virtio_console", "libcrc32c", "erofs", "overlay")
 
 INIT = r"""#!/bin/busybox sh
 # dsec guest init: mount the image, then become the agent.
@@ -74,10 +88,9 @@ mount -t overlay overlay -o "lowerdir=$lower,upperdir=/rw/upper,workdir=/rw/work
   || fail "cannot mount the overlay"
 for d in proc sys dev tmp work .dsec; do mkdir -p /newroot/$d; done
 mount -t tmpfs -o mode=0755 dsec /newroot/.dsec
+mkdir /newroot/.dsec/run /newroot/.dsec/bin
 cp /dsec-agent /newroot/.dsec/agent
-cp /bin/busybox /newroot@GUEST_BUSYBOX@
-cp -a /dsec-bin /newroot/.dsec/bin
-mkdir /newroot/.dsec/run
+cp -a /dsec-bin/. /newroot/.dsec/bin/
 mount -o remount,ro /newroot/.dsec
 mount -t tmpfs -o mode=0700 run /newroot/.dsec/run
 nic() {  # the interface whose MAC address is $1
@@ -91,14 +104,36 @@ ip link set "$(nic @POLICY_MAC@)" name eth0
 ip link set lo up
 ip link set agent0 up
 ip addr add @GUEST_IP@ dev agent0
-hostname "$(arg hostname)"
-for fs in proc sys dev; do
+port() {  # the device of the virtio-serial port named $1 (ports appear as the host adds them)
+  for i in $(seq 500); do
+    for n in /sys/class/virtio-ports/*/name; do
+      [ -e "$n" ] && [ "$(cat $n)" = "$1" ] && { p=${n%/name}; echo /dev/${p##*/}; return; }
+    done
+    usleep 10000
+  done
+  fail "no virtio-serial port named $1"
+}
+boot=$(port @BOOT_PORT@)
+# The kernel starts usermode helpers (request-key, modprobe, a core_pattern pipe) as root from
+# paths in the sandbox's file system: they get no capabilities at all; module auto-loading
+# is off (everything needed is loaded above); /proc/sys and /sys are read-only below.
+for set in bset inheritable; do
+  echo "0 0" > /proc/sys/kernel/usermodehelper/$set || fail "cannot limit usermode helpers"
+done
+echo > /proc/sys/kernel/modprobe || fail "cannot turn module auto-loading off"
+mount --bind /proc/sys /proc/sys && mount -o remount,bind,ro /proc/sys \
+  && mount -o remount,bind,ro /sys || fail "cannot make /proc/sys and /sys read-only"
+for fs in proc sys dev; do  # with what is mounted below them
   mount --move /$fs /newroot/$fs || fail "the image has no /$fs directory to mount on"
 done
 mkdir -p /newroot/dev/pts /newroot/dev/shm
 mount -t devpts devpts /newroot/dev/pts
 mount -t tmpfs -o mode=1777 shm /newroot/dev/shm
-exec switch_root /newroot /.dsec/agent --listen tcp:@AGENT_ADDRESS@:@AGENT_PORT@
+# The serial console is a file on the host's disk (QEMU's console.log): once the agent holds it
+# (its stdout, for `R` and boot errors), no node leads to it (and commands cannot mknod one).
+rm -f /newroot/dev/console /newroot/dev/ttyS* || fail "cannot remove the console's device nodes"
+exec switch_root /newroot /.dsec/agent --listen tcp:@AGENT_ADDRESS@:@AGENT_PORT@ \
+  --token-from "$boot" --confine
 """
 
 
@@ -128,9 +163,10 @@ def guest_boot() -> GuestBoot:
     release = kernel.name.removeprefix("vmlinuz-")
     modules = _module_files(Path("/lib/modules") / release)
     agent = agent_binary()
-    init = (INIT.replace("@GUEST_IP@", GUEST_IP).replace("@GUEST_BUSYBOX@", GUEST_BUSYBOX)
+    init = (INIT.replace("@GUEST_IP@", GUEST_IP)
             .replace("@AGENT_MAC@", AGENT_MAC).replace("@POLICY_MAC@", POLICY_MAC)
-            .replace("@AGENT_ADDRESS@", GUEST_IP.split("/")[0]).replace("@AGENT_PORT@", str(AGENT_PORT)))
+            .replace("@AGENT_ADDRESS@", GUEST_IP.split("/")[0]).replace("@AGENT_PORT@", str(AGENT_PORT))
+            .replace("@BOOT_PORT@", BOOT_PORT))
     digest = hashlib.sha256()
     for part in (b"initramfs+pvh", kernel.read_bytes(), BUSYBOX.read_bytes(), HOST_SHELL.read_bytes(),
                  agent.read_bytes(), init.encode(),

@@ -16,5 +16,6 @@ class MicroVMSubstrate(QemuSubstrate):
     name = "microvm"
     machine = "microvm"
     disk_device = "virtio-blk-device"
+    serial_device = "virtio-serial-device"
     net_device = "virtio-net-device"
     pvh = True

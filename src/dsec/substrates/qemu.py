@@ -10,6 +10,13 @@ OOM counts, and the proof of ownership of a stored pid.
 
 The agent is reached over TCP: QEMU user networking with ``restrict=on`` (the guest can reach
 nothing outside) forwards one loopback port of the host to the agent's port in the guest.
+Any local user can connect to that port (and read it in QEMU's argv), so it is never how the
+agent is claimed: the edge hands the agent its token (with the guest's name and the time)
+over a virtio-serial port whose host end, ``boot.sock``, is in the sandbox's directory,
+which only root can enter (``_boot_agent``); the agent serves nothing before, and refuses
+every request without the token after. Nothing secret is in QEMU's argv or environment.
+A snapshot template is saved with its agent still waiting for that message, so each restore
+gets its own token.
 Network policies use a second NIC, connected to the host only while a policy is set
 (``vmnet.py``); QEMU's QMP socket, ``qmp.sock``, is how it is plugged in and out.
 Acceleration is KVM, or TCG (full emulation: slower, still a hardware-level VM boundary) by
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -30,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..agent.client import AgentClient, AgentError, AgentUnavailable
+from ..agent.client import AgentClient
 from ..client.errors import InvalidRequest, NotSupported, SandboxError
 from ..client.models import CreateRequest
 from ..network.policy import Egress
@@ -38,7 +46,7 @@ from ..network.wired import WiredSandboxes
 from ..network.wiring import Slot
 from . import cgroups, spawn, vmnet, vmsnapshot
 from .base import StartPlan, Substrate
-from .guest import AGENT_PORT, GuestBoot, guest_boot, host_tsc_khz
+from .guest import AGENT_PORT, BOOT_PORT, GuestBoot, guest_boot, host_tsc_khz
 from .pidwatch import PidWatch
 from .spawn import Spawned
 
@@ -48,7 +56,8 @@ START_TIMEOUT_S = 180.0  # a TCG boot on a loaded host takes tens of seconds
 QEMU_OVERHEAD_MB = 256  # QEMU itself (device model, TCG translation cache) above guest RAM
 TCG_CACHE_MB = 64  # translation cache; QEMU's default of 1 GiB would dwarf small guests
 PORT_ATTEMPTS = 5  # a freshly chosen free port can be taken before QEMU binds it
-GUEST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+BOOT_SOCKET = "boot.sock"  # QEMU's end of the guest's boot port (guest.BOOT_PORT)
+HOSTNAME_MAX = 64  # the kernel's limit
 MIN_MEMORY_MB = 128  # the guest kernel and its initramfs do not boot in less
 
 
@@ -58,6 +67,7 @@ class QemuSubstrate(Substrate):
     machine: str
     disk_device: str
     net_device: str
+    serial_device: str  # the virtio-serial controller that carries the boot port
     pvh: bool  # enter the uncompressed kernel directly instead of through firmware
     network_policies = True
 
@@ -113,7 +123,7 @@ class QemuSubstrate(Substrate):
             raise
 
     async def _start(self, plan: StartPlan, boot: GuestBoot, d: Path) -> dict[str, Any]:
-        d.mkdir()
+        d.mkdir(mode=0o700)  # QEMU's sockets in it (QMP, the boot port) are root's alone
         if self.snapshots:
             template = await self._template(plan, boot, d)
             await vmsnapshot.overlay(template, d / "disk.qcow2")
@@ -134,16 +144,12 @@ class QemuSubstrate(Substrate):
         self._set_limits(plan.sandbox_id, plan.request)
         if self.snapshots:
             await vmsnapshot.resume(d / "qmp.sock")
-        await self._wait_for_agent(lambda: self._pids.alive(plan.sandbox_id, pid), port, d,
-                                   booting=not self.snapshots)
-        facts = {"pid": pid, "port": port, "accel": self.accel, "token": secrets.token_hex(32)}
-        agent = self.agent(plan.sandbox_id, facts)
-        await agent.claim()  # before any user command can run (snapshots are taken unclaimed)
-        if self.snapshots:  # the template's hostname and clock came with its memory
-            await agent.write_file("/proc/sys/kernel/hostname", plan.sandbox_id.encode(), append=True)
-            await agent.run(["date", "-u", "-s", f"@{time.time():.3f}"], env={"PATH": GUEST_PATH},
-                            cwd="/", timeout_ms=10_000)
-        return facts
+        alive = functools.partial(self._pids.alive, plan.sandbox_id, pid)
+        if not self.snapshots:  # a restored agent listens already: it was saved waiting
+            await self._wait_until_listening(alive, d)
+        token = secrets.token_hex(32)
+        await self._boot_agent(alive, d, token, plan.sandbox_id)
+        return {"pid": pid, "port": port, "accel": self.accel, "token": token}
 
     async def _launch(self, plan: StartPlan, boot: GuestBoot, d: Path, disk: tuple[Path, str],
                       extra: list[str]) -> tuple[int, int]:
@@ -177,10 +183,10 @@ class QemuSubstrate(Substrate):
             scratch = vmsnapshot.scratch_for(target)
             try:
                 await _mkfs(scratch / "disk.ext4", req.disk_mb)
-                pid, port = await self._launch(plan, boot, scratch, (scratch / "disk.ext4", "raw"), [])
+                pid, _ = await self._launch(plan, boot, scratch, (scratch / "disk.ext4", "raw"), [])
                 (d / "template.pid").write_text(str(pid))
-                try:
-                    await self._wait_for_agent(lambda: _is_our_qemu(pid, plan.sandbox_id), port, scratch)
+                try:  # saved unclaimed: its agent waits for a boot message, one per restore
+                    await self._wait_until_listening(lambda: _is_our_qemu(pid, plan.sandbox_id), scratch)
                     await vmsnapshot.save(scratch / "qmp.sock", scratch / "state.bin")
                 finally:
                     if _is_our_qemu(pid, plan.sandbox_id):
@@ -198,7 +204,7 @@ class QemuSubstrate(Substrate):
             raise NotSupported("VM sandboxes need EROFS image layers (this image store keeps "
                                "plain directories)")
         accel = "kvm" if self.accel == "kvm" else f"tcg,tb-size={TCG_CACHE_MB}"
-        cmdline = f"console=ttyS0 quiet panic=-1 dsec.layers={len(layers)} dsec.hostname={plan.sandbox_id}"
+        cmdline = f"console=ttyS0 quiet panic=-1 dsec.layers={len(layers)}"
         if self.accel == "tcg":
             cmdline += f" tsc_early_khz={host_tsc_khz()} tsc=reliable"
         argv = ["qemu-system-x86_64", "-name", plan.sandbox_id, "-M", self.machine,
@@ -209,6 +215,9 @@ class QemuSubstrate(Substrate):
                 "-initrd", str(boot.initramfs), "-append", cmdline,
                 "-serial", f"file:{d / 'console.log'}",
                 "-qmp", f"unix:{d / 'qmp.sock'},server=on,wait=off",
+                "-chardev", f"socket,id=boot,path={d / BOOT_SOCKET},server=on,wait=off",
+                "-device", f"{self.serial_device},id=serial",
+                "-device", f"virtserialport,bus=serial.0,chardev=boot,name={BOOT_PORT}",
                 "-daemonize", "-pidfile", str(d / "qemu.pid")]
         disks = [(layer.path, "raw", f"layer{i}", "on") for i, layer in enumerate(layers)]
         for i, (path, fmt, serial, readonly) in enumerate([*disks, (*disk, "rw", "off")]):
@@ -216,34 +225,56 @@ class QemuSubstrate(Substrate):
                      "-device", f"{self.disk_device},drive=d{i},serial={serial}"]
         return argv + vmnet.nic_args(self.net_device, port, AGENT_PORT)
 
-    async def _wait_for_agent(self, alive: Callable[[], bool], port: int, d: Path,
-                              booting: bool = True) -> None:
-        """Until the agent answers. A booting guest's agent prints ``R`` on the console once it
-        listens; only then is it asked: QEMU accepts on the forwarded port at once, and a
-        connection made before the guest listens waits out the user-mode network's SYN
-        retransmission (seconds). Each ask has a time limit, growing, for the same reason."""
-        agent = AgentClient(("127.0.0.1", port))
+    async def _wait_until_listening(self, alive: Callable[[], bool], d: Path) -> None:
+        """Until a booting guest's agent listens: it prints ``R`` on the console, then waits
+        for its boot message (so the message's clock is read at once)."""
         deadline = time.monotonic() + START_TIMEOUT_S
-        attempt_s = 1.0
-        while True:
+        while b"R" not in _read(d / "console.log"):
             if not alive():
                 raise self._stopped_booting(d)
             if time.monotonic() > deadline:
-                raise SandboxError(f"the {self.name}'s agent did not answer within "
+                raise SandboxError(f"the {self.name}'s agent did not start within "
                                    f"{START_TIMEOUT_S:.0f}s: {_tail(d / 'console.log')}")
-            if booting and b"R" not in _read(d / "console.log"):
-                await asyncio.sleep(0.02)
-                continue
-            try:
-                await asyncio.wait_for(agent.ping(), attempt_s)
-                return
-            except AgentError as exc:
-                if exc.errno == "EACCES":  # it answers, and only a claim will do: it is ready
-                    return
-                raise
-            except (AgentUnavailable, asyncio.TimeoutError):
-                attempt_s = min(attempt_s * 2, 8.0)
             await asyncio.sleep(0.02)
+
+    async def _boot_agent(self, alive: Callable[[], bool], d: Path, token: str, hostname: str) -> None:
+        """Claim the agent out of band: its token, the guest's name and the time, over the
+        guest's boot port (a virtio-serial port whose host end only root can open). The
+        agent serves nothing before it has them, and answers ``OK`` or ``ERR reason`` (and
+        then stops the guest)."""
+        now = time.time_ns()
+        message = f"{token} {hostname[:HOSTNAME_MAX]} {now // 10**9} {now % 10**9}\n"
+        deadline = time.monotonic() + START_TIMEOUT_S
+        try:
+            reader, writer = await asyncio.open_unix_connection(str(d / BOOT_SOCKET))
+            try:
+                writer.write(message.encode())
+                await writer.drain()
+                while True:  # the guest reads it once its agent runs; QEMU may die meanwhile
+                    try:
+                        answer = await asyncio.wait_for(reader.readline(), 0.2)
+                        break
+                    except TimeoutError:
+                        if not alive():
+                            raise self._stopped_booting(d) from None
+                        if time.monotonic() > deadline:
+                            raise SandboxError(f"the {self.name}'s agent did not take its token within "
+                                               f"{START_TIMEOUT_S:.0f}s: {_tail(d / 'console.log')}") from None
+            finally:
+                writer.close()
+        except OSError as exc:
+            answer = f"boot port: {exc}".encode()
+        if answer != b"OK\n":
+            raise await self._not_claimed(alive, d, answer.decode(errors="replace").strip()[:200])
+
+    async def _not_claimed(self, alive: Callable[[], bool], d: Path, why: str) -> SandboxError:
+        """Why a claim failed: a guest that stops (as the agent does when it refuses its boot
+        message) says so on its console, which is the better reason once QEMU has exited."""
+        for _ in range(100):
+            if not alive():
+                return self._stopped_booting(d)
+            await asyncio.sleep(0.02)
+        return SandboxError(f"the {self.name}'s agent could not be claimed: {why or 'no answer'}")
 
     def _stopped_booting(self, d: Path) -> SandboxError:
         return SandboxError(f"the {self.name} stopped while booting: {_tail(d / 'console.log')}")
@@ -260,7 +291,8 @@ class QemuSubstrate(Substrate):
 
     # inspection
     def agent(self, sandbox_id: str, runtime: dict[str, Any]) -> AgentClient:
-        return AgentClient(("127.0.0.1", runtime["port"]), runtime.get("token"))
+        """Over the port forward, which only QEMU (running as the edge's user) may hold."""
+        return AgentClient(("127.0.0.1", runtime["port"]), runtime.get("token"), peer_uid=os.geteuid())
 
     def alive(self, sandbox_id: str, runtime: dict[str, Any]) -> bool:
         return self._pids.alive(sandbox_id, runtime.get("pid"))

@@ -13,5 +13,6 @@ class VMSubstrate(QemuSubstrate):
     name = "vm"
     machine = "q35"
     disk_device = "virtio-blk-pci"
+    serial_device = "virtio-serial-pci"
     net_device = "virtio-net-pci"
     pvh = False  # a PC boots through its firmware

@@ -8,7 +8,8 @@ an emulated hub that has no other way out, so it goes nowhere. Applying a policy
 ``dsec<n>`` on the host (``Wiring.attach_tap``: the slot, rules and clean-up that containers
 use, unchanged), hot-plugs it into that hub over QMP (``netdev_add`` of the tap, then of a hub
 port joined to it), and gives the guest's ``eth0`` its address and default route through the
-agent, with the busybox that the guest's init left in ``/.dsec``. Going back to ``"none"``
+agent, with the busybox that the guest's init left in ``/.dsec/bin``, run ``privileged``
+(commands of the sandbox itself have no ``CAP_NET_ADMIN`` in a VM: see agent.c). Going back to ``"none"``
 unplugs the tap and removes it. Hot-plugging a backend rather than a device works on both
 machines: a microvm has no bus to hot-plug a device into.
 """
@@ -24,7 +25,7 @@ from .vmsnapshot import QMP
 
 AGENT_MAC = "52:54:00:12:34:56"
 POLICY_MAC = "52:54:00:d5:ec:00"
-GUEST_BUSYBOX = "/.dsec/busybox"  # put there by the guest's init
+GUEST_BUSYBOX = "/.dsec/bin/busybox"  # put there, read-only, by the guest's init
 HUB, TAP_ID, PORT_ID = 0, "policy-tap", "policy-port"
 
 
@@ -79,7 +80,7 @@ async def configure_guest(agent: AgentClient, slot: Slot | None) -> None:
     script = " && ".join(f"{GUEST_BUSYBOX} {step}" for step in steps)
     try:
         done = await agent.run([GUEST_BUSYBOX, "sh", "-c", script], env={}, cwd="/",
-                               timeout_ms=30_000)
+                               timeout_ms=30_000, privileged=True)
     except (AgentError, AgentUnavailable) as exc:
         raise SandboxError(f"could not configure the guest's network: {exc}") from None
     if done.exit_code != 0:

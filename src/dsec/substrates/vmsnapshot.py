@@ -9,8 +9,9 @@ continues the guest (QMP ``cont``) once the state is loaded.
 
 Caveats, why this is opt-in: every restored guest starts from the same memory, so its
 kernel's random pool is the template's until it reseeds (this kernel has no vmgenid driver
-to force that). The edge sets each restored guest's hostname and clock (``date``, where the
-image has it); programs that need fresh randomness must reseed.
+to force that). Each restored guest gets its own token, hostname and clock from the edge's
+boot message (the template is saved with its agent waiting for one: ``qemu._boot_agent``);
+programs that need fresh randomness must reseed.
 """
 
 from __future__ import annotations
