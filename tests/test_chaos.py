@@ -39,7 +39,9 @@ def chaos_server(images) -> Iterator[Server]:  # type: ignore[no-untyped-def]
 
 
 def _clients(server: Server) -> list[dsec.DSecClient]:
-    return [server.client() for _ in range(CLIENTS)]
+    # a create is retried (same idempotency key) while the server is away: a short retry keeps
+    # the burst going through a server that stays dead
+    return [server.client(retry_s=2) for _ in range(CLIENTS)]
 
 
 async def _close(clients: list[dsec.DSecClient]) -> None:

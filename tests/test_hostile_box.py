@@ -364,6 +364,6 @@ async def test_host_kernel_tables_read_empty_and_io_uring_is_denied(client, host
         assert lines[table] in ("0", "denied"), (table, r.stdout)
     assert lines["io_uring"] in ("-1 Operation not permitted", "-1 Function not implemented"), r.stdout
     # a recursive grep through /proc (DSec's kernel crash) ends, and the sandbox lives on
-    await sb.run("timeout 100 grep -r x /proc/ > /dev/null 2>&1", timeout_s=120)
+    await sb.run("timeout 15 grep -r x /proc/ > /dev/null 2>&1", timeout_s=60)
     assert (await sb.run("echo alive")).stdout == "alive\n"
 

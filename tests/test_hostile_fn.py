@@ -571,9 +571,9 @@ async def test_run_code_that_leaves_a_daemon_holding_its_output_still_gets_a_ver
 async def test_an_fn_sandbox_pointing_its_agent_socket_at_a_host_socket_gets_nothing(
         client: dsec.DSecClient, hostile, tmp_path: Path) -> None:  # noqa: F811
     """The server reaches an fn sandbox's agent through /proc/<pid>/root, where an absolute
-    symlink resolves in the server's own root: the sandbox swaps its socket for a link to a
-    host socket. The server connects there, finds another listener (SO_PEERCRED) and sends
-    nothing: no token, no request."""
+    symlink would resolve in the server's own root: the sandbox swaps its socket for a link to
+    a host socket. The server opens the socket file without following links, so it never
+    connects there: the host listener sees no connection and no byte."""
     import socket
     host_socket = tmp_path / "host.sock"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -597,6 +597,6 @@ async def test_an_fn_sandbox_pointing_its_agent_socket_at_a_host_socket_gets_not
             with conn:
                 while chunk := conn.recv(4096):
                     received += chunk
-        assert connections and received == b""
+        assert (connections, received) == (0, b"")
     finally:
         listener.close()
