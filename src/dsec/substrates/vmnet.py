@@ -19,13 +19,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..agent.client import AgentClient, AgentError, AgentUnavailable
+from ..agent.tools import BUSYBOX
 from ..client.errors import SandboxError
 from ..network.wiring import Slot
 from .vmsnapshot import QMP
 
 AGENT_MAC = "52:54:00:12:34:56"
 POLICY_MAC = "52:54:00:d5:ec:00"
-GUEST_BUSYBOX = "/.dsec/bin/busybox"  # put there, read-only, by the guest's init
 HUB, TAP_ID, PORT_ID = 0, "policy-tap", "policy-port"
 
 
@@ -77,9 +77,9 @@ async def configure_guest(agent: AgentClient, slot: Slot | None) -> None:
     else:
         steps += [f"ip addr add {slot.sandbox_address}/30 dev eth0", "ip link set eth0 up",
                   f"ip route replace default via {slot.host_address} dev eth0"]
-    script = " && ".join(f"{GUEST_BUSYBOX} {step}" for step in steps)
+    script = " && ".join(f"{BUSYBOX} {step}" for step in steps)
     try:
-        done = await agent.run([GUEST_BUSYBOX, "sh", "-c", script], env={}, cwd="/",
+        done = await agent.run([BUSYBOX, "sh", "-c", script], env={}, cwd="/",
                                timeout_ms=30_000, privileged=True)
     except (AgentError, AgentUnavailable) as exc:
         raise SandboxError(f"could not configure the guest's network: {exc}") from None
