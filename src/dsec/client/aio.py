@@ -226,8 +226,8 @@ class Sandbox:
             if logged is not None:
                 return decode(logged.op, logged.outcome, _no_blobs)
         headers = attachment.headers(step)
-        response = await attachment.retrying(
-            lambda: self._t.request(method, self._path + suffix, headers=headers, **kwargs))
+        response = await retrying(
+            attachment.retry_s, lambda: self._t.request(method, self._path + suffix, headers=headers, **kwargs))
         self._observe(response)
         return parse(response)
 
@@ -273,7 +273,7 @@ class Sandbox:
     async def _page(self, after: int, limit: int) -> StepPage:
         attachment = self._attachment
         assert attachment is not None
-        return StepPage.model_validate(await attachment.retrying(lambda: self._t.json(
+        return StepPage.model_validate(await retrying(attachment.retry_s, lambda: self._t.json(
             "GET", f"/v1/trajectories/{attachment.trajectory}/-/steps",
             params={"after": after, "limit": limit, "generation": attachment.generation})))
 

@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Literal, TypeVar
+from typing import Any, Awaitable, Callable, Literal
 
 from ..trajectory.digest import StepRequest
 from ..trajectory.outcome import inline
 from .errors import InvalidRequest
 from .models import StepPage
-from .transport import retrying
 
-T = TypeVar("T")
 PAGE = 1000
 OnDivergence = Literal["raise", "fork"]
 
@@ -105,10 +103,6 @@ class Attachment:
             self.stop_prefetch()  # a fork: the prefetched log is of the old generation
         self.generation = int(generation)
         return sandbox_id
-
-    async def retrying(self, send: Callable[[], Awaitable[T]]) -> T:
-        """``send()``, again while the server cannot be reached, for up to ``retry_s``."""
-        return await retrying(self.retry_s, send)
 
 
 def check_on_divergence(value: str) -> OnDivergence:
