@@ -142,6 +142,7 @@ class Wiring:
                 except BaseException:
                     _delete_link(ipr, slot.link)
                     raise
+            self._uplinks_of[slot.index] = set()  # no rules yet: its first policy frees none
             return slot
         except (OSError, NetlinkError) as exc:
             raise SandboxError(f"could not wire the sandbox's network: {exc}") from exc
