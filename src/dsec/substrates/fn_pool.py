@@ -242,7 +242,7 @@ class Template:
         for worker in list(self._live.values()):
             worker.kill()
             worker.close()
-        self._closing = not self._exited
+        self._closing = True  # an exit from here on is ours, not unexpected
         if not self._exited:
             os.kill(self.pid, signal.SIGKILL)
             self._on_exit()

@@ -16,9 +16,9 @@ and OOM kills) and removes its cgroup: nothing a worker made is on the template'
 
 The code of a call never runs in the process that holds the socket (nothing a sandbox runs
 may reach the channel its result travels on): the worker forks (before it says ``R``, off the
-call's path) the child the call runs in, which holds only two pipes, and the worker, which nobody in its namespace can trace or open /proc/1/fd
-of (not dumpable, ptrace and pidfd_getfd denied), builds the reply and checks how the child
-ended. ``run_code`` programs are children of the worker, which builds their verdict itself.
+call's path) the child the call runs in, which holds only two pipes, and the worker, which
+nobody in its namespace can trace or open /proc/1/fd of (not dumpable, ptrace and pidfd_getfd
+denied), builds the reply and checks how the child ended. ``run_code`` programs are children of the worker, which builds their verdict itself.
 
 Worker protocol (length-prefixed frames, one request, then the worker exits):
 ``C`` + cloudpickle((fn, args, kwargs)) -> ``O`` + cloudpickle(value) | ``E`` + JSON error
