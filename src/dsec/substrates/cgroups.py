@@ -103,20 +103,28 @@ def _kill_and_rmdir(d: Path) -> None:
             time.sleep(0.02)
 
 
+# The kernel counts ``oom`` (the cgroup hit its limit and the OOM killer ran) before it sends
+# the kill, and ``oom_kill`` only after: a reader woken by the victim's death can still see
+# ``oom_kill 0``. Counting whichever is larger closes that race; cgroup v1 has no early count.
+OOM_KEYS = {"memory.events": ("oom_kill", "oom"), "memory.oom_control": ("oom_kill",)}
+
+
+def oom_count(text: str, keys: tuple[str, ...]) -> int:
+    """The OOM kills a cgroup's events file reports, counting one the kernel is still making."""
+    counts = dict(line.partition(" ")[::2] for line in text.splitlines())
+    return max((int(counts[key]) for key in keys if key in counts), default=0)
+
+
 def oom_kills(parent: str, sandbox_id: str) -> int:
     """How many processes the kernel's OOM killer ended in this sandbox's memory cgroup."""
     if is_cgroup2_only():
-        path, key = CGROUP_ROOT / parent.strip("/") / sandbox_id / "memory.events", "oom_kill"
+        path = CGROUP_ROOT / parent.strip("/") / sandbox_id / "memory.events"
     else:
-        path, key = CGROUP_ROOT / "memory" / parent.strip("/") / sandbox_id / "memory.oom_control", "oom_kill"
+        path = CGROUP_ROOT / "memory" / parent.strip("/") / sandbox_id / "memory.oom_control"
     try:
-        for line in path.read_text().splitlines():
-            name, _, value = line.partition(" ")
-            if name == key:
-                return int(value)
+        return oom_count(path.read_text(), OOM_KEYS[path.name])
     except FileNotFoundError:
-        pass
-    return 0
+        return 0
 
 
 def set_limits(parent: str, sandbox_id: str, cpu: float, memory_bytes: int, pids: int) -> None:

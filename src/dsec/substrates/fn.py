@@ -337,7 +337,7 @@ def _cgroup_parents(parent: str, cpu: float, memory_mb: int,
             (level / "cgroup.subtree_control").write_text("+cpu +memory +pids")
         (base / rel / "template").mkdir(exist_ok=True)
         return [base / rel], [{"limits": {"cpu.max": f"{quota} {period}", "memory.max": str(memory),
-                                          "pids.max": str(pids)}, "oom": ["memory.events", "oom_kill"]}]
+                                          "pids.max": str(pids)}, "oom": ["memory.events", *cgroups.OOM_KEYS["memory.events"]]}]
     limits = {"cpu": {"cpu.cfs_period_us": str(period), "cpu.cfs_quota_us": str(quota)},
               "memory": {"memory.limit_in_bytes": str(memory)},
               "pids": {"pids.max": str(pids)}}
@@ -347,7 +347,7 @@ def _cgroup_parents(parent: str, cpu: float, memory_mb: int,
         (d / "template").mkdir(parents=True, exist_ok=True)
         parents.append(d)
         specs.append({"limits": limits[base.name],
-                      "oom": ["memory.oom_control", "oom_kill"] if base.name == "memory" else None})
+                      "oom": ["memory.oom_control", *cgroups.OOM_KEYS["memory.oom_control"]] if base.name == "memory" else None})
     return parents, specs
 
 

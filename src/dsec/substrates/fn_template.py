@@ -325,7 +325,7 @@ def _run(argv, stdin, timeout_s, cap):
 class Template:
     def __init__(self):
         self.ctl = socket.socket(fileno=CFG["ctl_fd"])
-        self.cgroups = CFG["cgroups"]  # [{"fd", "limits": {file: value}, "oom": [file, key]}]
+        self.cgroups = CFG["cgroups"]  # [{"fd", "limits": {file: value}, "oom": [file, *keys]}]
         self.prefix = CFG["prefix"]
         self.seq = 0
         self.workers = {}  # pid -> wid
@@ -431,13 +431,12 @@ class Template:
     def oom_kills(self, wid):
         for cg in self.cgroups:
             if cg.get("oom"):
-                name, key = cg["oom"]
+                name, *keys = cg["oom"]  # the larger count: see cgroups.OOM_KEYS
                 try:
                     with open(os.open(f"{wid}/{name}", os.O_RDONLY, dir_fd=cg["fd"])) as f:
-                        for line in f:
-                            if line.startswith(key + " "):
-                                return int(line.split()[1])
-                except OSError:
+                        counts = dict(line.split() for line in f)
+                    return max(int(counts.get(key, 0)) for key in keys)
+                except (OSError, ValueError):
                     pass
         return 0
 
