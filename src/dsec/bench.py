@@ -62,7 +62,7 @@ class Sample:
         ordered = sorted(self.values_ms) or [float("nan")]
         return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
-    def row(self) -> dict[str, float | int | str]:
+    def row(self) -> dict[str, float | int | str | None]:
         return {"name": self.name, "n": len(self.values_ms), "failures": self.failures,
                 "p50": self.pct(50), "p95": self.pct(95), "p99": self.pct(99),
                 "mean": statistics.fmean(self.values_ms) if self.values_ms else None, "p50_ratio_to_baseline": self.ratio()}

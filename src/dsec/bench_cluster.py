@@ -14,6 +14,7 @@ placement decision, and how long after a node is killed a call on its sandbox an
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import shutil
 import time
@@ -142,7 +143,7 @@ async def cluster_benchmark(console: Console, sizes: list[int]) -> list[Sample]:
             cleanup.callback(cluster.stop)
             cluster.start()
             ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False,
-                     logging_level="error")
+                     logging_level=logging.ERROR)
             cleanup.callback(ray.shutdown)
             router = ClusterRouter(StateStore(pg.url), EdgeSettings(
                 str(cluster.state_dir), pg.url, None, capacity, 0, "crun"))

@@ -111,7 +111,8 @@ class FnCreated(Created):
         """Host pids of the sandboxes' workers, as the server recorded them."""
         store = StateStore(self.state / "state.db")
         try:
-            return [store.get_sandbox(sb.id).runtime["pid"] for sb in self.sandboxes]
+            rows = {row.id: row for row in store.sandboxes()}
+            return [rows[sb.id].runtime["pid"] for sb in self.sandboxes]
         finally:
             store.close()
 

@@ -7,6 +7,7 @@ sandbox attached to a trajectory go through the trajectory recorder (``edge_for`
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -102,12 +103,12 @@ class Router:
     def list(self) -> list[SandboxInfo]:
         return [info for edge in self.edges.values() for info in edge.list()]
 
-    def list_visible(self) -> list[SandboxInfo]:
+    def list_visible(self) -> builtins.list[SandboxInfo]:
         """The live sandboxes the caller's key may see."""
         infos = self.list()
         return infos if self.access is None else self.access.visible(infos)
 
-    def describe(self) -> list[dict[str, Any]]:
+    def describe(self) -> builtins.list[dict[str, Any]]:
         return [{"id": e.id, "load": e.load(), "capacity": e.config.capacity,
                  "substrates": sorted(e.substrates),
                  "warm": {name: pool.counts() for name, pool in e.pools.items()}}

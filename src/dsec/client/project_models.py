@@ -25,16 +25,18 @@ def _integral(value: Any) -> Any:
     return value
 
 
-def _count(most: int) -> Any:
-    """A non-negative integer up to ``most`` (its JSON schema spelled out: pydantic's loses
-    the bounds behind a before-validator)."""
-    return Annotated[int, BeforeValidator(_integral), Field(ge=0, le=most),
-                     WithJsonSchema({"type": "integer", "minimum": 0, "maximum": most})]
+_Count = Annotated[int, BeforeValidator(_integral), Field(ge=0)]  # bounded by each use
 
 
-Sandboxes = _count(MAX_SANDBOXES)
+def _up_to(most: int) -> WithJsonSchema:
+    """The JSON schema of a count up to ``most``, spelled out: pydantic's loses the bounds
+    behind a before-validator."""
+    return WithJsonSchema({"type": "integer", "minimum": 0, "maximum": most})
+
+
+Sandboxes = Annotated[_Count, Field(le=MAX_SANDBOXES), _up_to(MAX_SANDBOXES)]
 Cpu = Annotated[float, Field(ge=0, le=MAX_CPU, allow_inf_nan=False)]
-MemoryMB = _count(MAX_MEMORY_MB)
+MemoryMB = Annotated[_Count, Field(le=MAX_MEMORY_MB), _up_to(MAX_MEMORY_MB)]
 
 
 class _Strict(BaseModel):

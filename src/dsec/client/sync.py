@@ -8,7 +8,7 @@ import asyncio
 import builtins
 import threading
 from dataclasses import dataclass
-from typing import Any, AsyncIterable, Callable, Coroutine, Iterator, TypeVar
+from typing import Any, AsyncIterable, AsyncIterator, Callable, Coroutine, Iterator, TypeVar
 
 from . import aio
 from .aio import CommandResult, OutputChunk
@@ -32,7 +32,7 @@ class _Loop:
         chunks = aiter(stream)
         while True:
             try:
-                yield self.call(anext(chunks))
+                yield self.call(_next(chunks))
             except StopAsyncIteration:
                 return
 
@@ -40,6 +40,12 @@ class _Loop:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join()
         self.loop.close()
+
+
+async def _next(chunks: AsyncIterator[T]) -> T:
+    """The next item, from a coroutine: the loop runs coroutines, and ``anext`` only promises
+    an awaitable."""
+    return await anext(chunks)
 
 
 def _blocking(name: str) -> Callable[..., Any]:

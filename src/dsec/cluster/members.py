@@ -46,7 +46,7 @@ def ensure_edge(node: dict[str, Any], settings: EdgeSettings) -> Any:
     edge = edge_id_for(node["NodeID"])
     capacity = int(node["Resources"].get(CAPACITY_RESOURCE, settings.capacity))
     node_settings = EdgeSettings(**{**settings.__dict__, "capacity": capacity})
-    return RemoteEdgeActor.options(  # type: ignore[attr-defined]
+    return RemoteEdgeActor.options(
         name=actor_name(edge), namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
         num_cpus=0, max_concurrency=10_000, max_restarts=-1,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),

@@ -8,6 +8,7 @@ another edge, and ``CapacityExhausted`` means every edge is full.
 
 from __future__ import annotations
 
+import builtins
 import logging
 import secrets
 import time
@@ -108,7 +109,7 @@ class ClusterRouter(Router):
     def list(self) -> list[SandboxInfo]:
         return [RemoteEdge.info(row) for row in self.store.sandboxes(live_only=True)]
 
-    def describe(self) -> list[dict[str, Any]]:
+    def describe(self) -> builtins.list[dict[str, Any]]:
         return self.members.describe()
 
 

@@ -4,6 +4,7 @@ anything (an observer's poll)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import ray
@@ -15,7 +16,7 @@ from .placement import Placement
 
 def cluster_status(address: str) -> tuple[list[dict[str, Any]], int]:
     """(one dict per edge, number of dead nodes) of the Ray cluster at ``address``."""
-    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="error")
+    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.ERROR)
     try:
         members = Members(None, Placement(), on_dead=lambda edge, reason: None)
         asyncio.run(members.poll())

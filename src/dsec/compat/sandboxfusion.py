@@ -147,7 +147,7 @@ class SandboxFusion:
         memory_mb = max(64, req.memory_limit_MB) if req.memory_limit_MB > 0 else DEFAULT_MEMORY_MB
         ttl = int(req.compile_timeout + req.run_timeout) + 120  # the reaper's backstop
         info = await self.router.create(CreateRequest(
-            substrate=self.substrate(), image=self.image, cpu=1, memory_mb=memory_mb, ttl_s=ttl,  # type: ignore[arg-type]
+            substrate=self.substrate(), image=self.image, cpu=1, memory_mb=memory_mb, ttl_s=ttl,
             labels={"dsec.compat": "sandboxfusion"}))
         edge = cast(Edge, self.router.edge_for(info.id))  # or its trajectory recorder: same methods
         try:

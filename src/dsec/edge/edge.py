@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import builtins
 import hashlib
 import logging
 import secrets
@@ -401,7 +402,7 @@ class Edge:
                                         _path_error(args["cwd"]))
         return ProcessInfo(id=proc_id, pid=pid, command=" ".join(args["argv"]), running=True)
 
-    async def processes(self, sandbox_id: str) -> list[ProcessInfo]:
+    async def processes(self, sandbox_id: str) -> builtins.list[ProcessInfo]:
         procs = await self._call(sandbox_id, lambda a: a.list(), _path_error(""))
         return [ProcessInfo(id=p.id, pid=p.pid, command=p.command, running=p.running,
                             exit_code=p.exit_code, signal=p.signal or 0)
@@ -431,7 +432,7 @@ class Edge:
         await self._call(sandbox_id, lambda a: a.write_file(path, data, mode=mode, append=append),
                          _path_error(path))
 
-    async def list_dir(self, sandbox_id: str, path: str) -> list[FileEntry]:
+    async def list_dir(self, sandbox_id: str, path: str) -> builtins.list[FileEntry]:
         path = sandbox_path(path)
         entries = await self._call(sandbox_id, lambda a: a.list_dir(path), _path_error(path))
         return [_entry(e, path.rstrip("/") + "/" + e.name) for e in entries]
@@ -457,7 +458,7 @@ class Edge:
     async def download_tar(self, sandbox_id: str, path: str) -> bytes:
         return await self._tar(sandbox_id, [TAR, "-c", "-C", sandbox_path(path), "-f", "-", "."])
 
-    async def _tar(self, sandbox_id: str, argv: list[str], stdin: bytes | None = None) -> bytes:
+    async def _tar(self, sandbox_id: str, argv: builtins.list[str], stdin: bytes | None = None) -> bytes:
         """dsec's own tar (busybox's, read-only in the sandbox), never the image's."""
         req = ExecRequest(command=argv, stdin_b64=b64(stdin) if stdin is not None else None,
                           timeout_s=600, max_output_bytes=ARCHIVE_LIMIT)
@@ -487,8 +488,8 @@ class Edge:
 def sandbox_info(row: SandboxRow) -> SandboxInfo:
     """What a client sees of a sandbox's record."""
     req = row.request
-    return SandboxInfo(id=row.id, substrate=row.substrate, image=row.image,  # type: ignore[arg-type]
-                       image_digest=row.image_digest, state=row.state, edge=row.edge,  # type: ignore[arg-type]
+    return SandboxInfo(id=row.id, substrate=row.substrate, image=row.image,
+                       image_digest=row.image_digest, state=row.state, edge=row.edge,
                        created_at=row.created_at, expires_at=row.expires_at, cpu=req["cpu"],
                        memory_mb=req["memory_mb"], labels=req.get("labels", {}),
                        reason=row.reason, trajectory=req.get("trajectory"),

@@ -76,7 +76,7 @@ class WarmPool:
         ready = self._ready.setdefault(image.digest, deque())
         while len(ready) < self.size:
             sandbox_id = f"sb-{self.edge_id}-{secrets.token_hex(6)}"
-            request = CreateRequest(substrate=self.substrate.name, image=image.name)  # type: ignore[arg-type]
+            request = CreateRequest(substrate=self.substrate.name, image=image.name)
             try:
                 runtime = await self.substrate.start(StartPlan(sandbox_id, request, image, warm=True))
             except Exception:

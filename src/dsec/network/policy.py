@@ -125,7 +125,7 @@ def _addresses(name: str) -> list[str]:
     except socket.gaierror as exc:
         raise InvalidRequest(f"network policy: cannot resolve {name!r}: {exc.strerror}",
                              host=name) from None
-    return sorted({info[4][0] for info in infos})
+    return sorted({str(info[4][0]) for info in infos})  # AF_INET: (dotted address, port)
 
 
 def _rule_key(rule: Rule) -> tuple[int, int, int]:

@@ -25,7 +25,7 @@ class IntegrityError(Exception):
     """A constraint (primary key, unique) refused a write, on either backend."""
 
 
-class Row(dict):  # type: ignore[type-arg]
+class Row(dict[str, Any]):
     """A result row readable as ``row["name"]`` and ``row[0]``."""
 
     def __getitem__(self, key: Any) -> Any:
@@ -149,7 +149,7 @@ class PostgresDatabase(Database):
             return Result(rows, cur.rowcount)
 
     def _run(self, sql: str, args: Sequence[Any]) -> Any:
-        return self._db.execute(sql.replace("%", "%%").replace("?", "%s"),  # type: ignore[arg-type]
+        return self._db.execute(sql.replace("%", "%%").replace("?", "%s"),
                                 tuple(args))
 
     @contextmanager

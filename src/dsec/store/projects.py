@@ -78,9 +78,9 @@ class ProjectRow:
 
 def _project(r: Row) -> ProjectRow:
     return ProjectRow(r["name"], r["parent"],
-                      tuple(r[f"max_{x}"] for x in RESOURCES),  # type: ignore[arg-type]
-                      tuple(r[f"delegated_{x}"] for x in RESOURCES),  # type: ignore[arg-type]
-                      tuple(r[f"used_{x}"] for x in RESOURCES),  # type: ignore[arg-type]
+                      tuple(r[f"max_{x}"] for x in RESOURCES),
+                      tuple(r[f"delegated_{x}"] for x in RESOURCES),
+                      tuple(r[f"used_{x}"] for x in RESOURCES),
                       r["created_at"])
 
 

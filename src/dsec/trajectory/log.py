@@ -22,6 +22,7 @@ edge. The log has its own connection to the state store's database.
 from __future__ import annotations
 
 import base64
+import builtins
 import json
 import time
 from dataclasses import dataclass
@@ -188,7 +189,7 @@ class TrajectoryLog:
                                 (limit,)).fetchall()
         return [self.get(r["id"]) for r in rows]
 
-    def generations(self, trajectory: str) -> list[GenerationRow]:
+    def generations(self, trajectory: str) -> builtins.list[GenerationRow]:
         rows = self._db.execute("SELECT * FROM trajectory_generations WHERE trajectory=? "
                                 "ORDER BY generation", (trajectory,))
         out = []
@@ -229,12 +230,12 @@ class TrajectoryLog:
 
     def last_step(self, trajectory: str, generation: int) -> tuple[int, int]:
         """(number of logged steps, highest step) of a generation."""
-        r = self._db.execute("SELECT COUNT(*), COALESCE(MAX(step), 0) FROM trajectory_steps "
-                             "WHERE trajectory=? AND generation=?", (trajectory, generation)).fetchone()
-        return r[0], r[1]
+        (r,) = self._db.execute("SELECT COUNT(*), COALESCE(MAX(step), 0) FROM trajectory_steps "
+                                "WHERE trajectory=? AND generation=?", (trajectory, generation)).fetchall()
+        return r[0], r[1]  # an aggregate without GROUP BY: exactly one row
 
     def steps(self, trajectory: str, generation: int, after: int = 0, upto: int | None = None,
-              limit: int | None = None) -> list[StepRow]:
+              limit: int | None = None) -> builtins.list[StepRow]:
         sql = "SELECT * FROM trajectory_steps WHERE trajectory=? AND generation=? AND step>?"
         args: list[Any] = [trajectory, generation, after]
         if upto is not None:
@@ -258,7 +259,7 @@ class TrajectoryLog:
 
     # forks
     def fork(self, trajectory: str, from_generation: int, at_step: int, sandbox_id: str,
-             image: str, image_digest: str, reason: str, differences: list[int]) -> int:
+             image: str, image_digest: str, reason: str, differences: builtins.list[int]) -> int:
         """Start the next generation in ``sandbox_id``, holding a copy of the steps before
         ``at_step`` (their results as the client saw them). Returns the new generation."""
         generation = from_generation + 1

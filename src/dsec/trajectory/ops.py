@@ -52,21 +52,26 @@ async def call(edge: Edge, sandbox_id: str, request: StepRequest) -> tuple[Any, 
     if op == "processes":
         return await edge.processes(sandbox_id), None
     if op == "signal":
-        return await edge.signal(sandbox_id, p["process"], p["signal"]), None
+        await edge.signal(sandbox_id, p["process"], p["signal"])
+        return None, None
     if op == "read":
         return await edge.read_file(sandbox_id, p["path"]), None
     if op == "write":
-        return await edge.write_file(sandbox_id, p["path"], payload or b"", p["mode"], p["append"]), None
+        await edge.write_file(sandbox_id, p["path"], payload or b"", p["mode"], p["append"])
+        return None, None
     if op == "remove":
-        return await edge.remove(sandbox_id, p["path"], p["recursive"]), None
+        await edge.remove(sandbox_id, p["path"], p["recursive"])
+        return None, None
     if op == "list":
         return await edge.list_dir(sandbox_id, p["path"]), None
     if op == "mkdir":
-        return await edge.mkdir(sandbox_id, p["path"], p["parents"]), None
+        await edge.mkdir(sandbox_id, p["path"], p["parents"])
+        return None, None
     if op == "stat":
         return await edge.stat(sandbox_id, p["path"]), None
     if op == "download":
         return await edge.download_tar(sandbox_id, p["path"]), None
     if op == "upload":
-        return await edge.upload_tar(sandbox_id, p["path"], payload or b""), None
+        await edge.upload_tar(sandbox_id, p["path"], payload or b"")
+        return None, None
     raise ValueError(f"unknown operation {op!r}")

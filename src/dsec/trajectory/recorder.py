@@ -201,7 +201,7 @@ class Recorder:
                 image_digest=g.image_digest, started_at=g.started_at,
                 forked_at_step=g.forked_at_step, reason=g.reason,
                 replay_differences=g.replay_differences,
-                sandbox_state=sandbox.state if sandbox else None,  # type: ignore[arg-type]
+                sandbox_state=sandbox.state if sandbox else None,
                 sandbox_reason=sandbox.reason if sandbox else None))
         return TrajectoryInfo(id=row.id, generation=row.generation,
                               sandbox=edge.info(edge.get_row(row.sandbox_id)),
