@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 import socket
 import struct
@@ -72,7 +73,7 @@ def ptrace(*host_pids: str) -> None:
     print(f"agent={attach(1)}")
     for pid in map(int, host_pids):
         print(f"attach_{pid}={attach(pid)}")
-        print(f"kill_{pid}={attempt(lambda: os.kill(pid, 0)).removeprefix('denied ')}")
+        print(f"kill_{pid}={attempt(functools.partial(os.kill, pid, 0)).removeprefix('denied ')}")
 
 
 def mount() -> None:

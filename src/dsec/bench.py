@@ -15,6 +15,7 @@ Ratios are dsec over the baseline. ``dsec bench`` runs it; docs/BENCHMARKS.md ha
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import json
 import os
@@ -280,7 +281,7 @@ async def trajectory_series(console: Console, client: DSecClient, steps: int) ->
                 samples += await compare(Sample("exec true (no trajectory), again", []),
                                          lambda: _run_true(plain),
                                          Sample(f"fast-forward, answered {where}", []),
-                                         lambda: _run_true(resumed), 20, steps // 20)
+                                         functools.partial(_run_true, resumed), 20, steps // 20)
                 if resumed.fast_forwarded != steps:
                     raise RuntimeError(f"only {resumed.fast_forwarded} of {steps} steps were "
                                        "fast-forwarded")

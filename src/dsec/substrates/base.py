@@ -33,10 +33,10 @@ class Substrate(ABC):
     # substrate that cannot, before starting anything.
     network_policies: bool = False
 
-    async def prepare(self) -> None:
+    async def prepare(self) -> None:  # noqa: B027 (optional hook: nothing to do by default)
         """One-time host preparation when the edge starts."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 (optional hook: nothing to do by default)
         """The edge stops serving; live sandboxes stay, to be adopted by the next edge."""
 
     @abstractmethod
