@@ -69,7 +69,7 @@ def test_nan_and_infinities_are_refused(number: float) -> None:
     with pytest.raises(ValueError):
         canonical_json({"timeout_s": number})
     with pytest.raises(ValueError):
-        StepRequest("exec", {"timeout_s": number}).digest
+        _ = StepRequest("exec", {"timeout_s": number}).digest
 
 
 def test_canonical_json_has_no_spaces_and_sorted_keys() -> None:
