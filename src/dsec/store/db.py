@@ -111,6 +111,12 @@ def postgres_schema(schema: str) -> str:
     return schema
 
 
+def postgres_statement(sql: str) -> str:
+    """A statement in psycopg's placeholder style: ``?`` becomes ``%s``, a literal ``%`` is
+    doubled (statements hold no ``?`` of their own, inside literals or not)."""
+    return sql.replace("%", "%%").replace("?", "%s")
+
+
 class PostgresDatabase(Database):
     """psycopg 3 in autocommit mode; one connection guarded by a lock (callers are the event
     loop thread and a few worker threads)."""
@@ -149,8 +155,7 @@ class PostgresDatabase(Database):
             return Result(rows, cur.rowcount)
 
     def _run(self, sql: str, args: Sequence[Any]) -> Any:
-        return self._db.execute(sql.replace("%", "%%").replace("?", "%s"),
-                                tuple(args))
+        return self._db.execute(postgres_statement(sql), tuple(args))
 
     @contextmanager
     def transaction(self) -> Iterator[None]:
