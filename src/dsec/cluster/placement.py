@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 import time
 from collections import defaultdict
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 
@@ -44,7 +45,7 @@ class Placement:
         return load.load + (len(self._sent[load.edge]) if count_sent else 0)
 
     def choose(self, edges: list[EdgeLoad], substrate: str, image: str,
-               exclude: set[str] = frozenset(),  # type: ignore[assignment]
+               exclude: AbstractSet[str] = frozenset(),
                count_sent: bool = True) -> EdgeLoad | None:
         """The least loaded of ``k`` sampled eligible edges; None when none has room.
 
