@@ -19,7 +19,7 @@ import hmac
 import os
 import secrets
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from ..store.sqlite import StateStore
 
@@ -44,10 +44,10 @@ class Keys:
             self._enter(key_id)
         return True
 
-    def from_headers(self, headers: object) -> str | None:
+    def from_headers(self, headers: Mapping[str, str]) -> str | None:
         """The key in ``X-API-Key``, ``Authorization: Bearer KEY`` or ``Authorization: Basic``
         (the key as the password, or as the user name with an empty password)."""
-        get = headers.get  # type: ignore[attr-defined]
+        get = headers.get
         if key := get("x-api-key"):
             return str(key)
         scheme, _, value = str(get("authorization", "")).partition(" ")

@@ -309,7 +309,7 @@ def _configure_inside(slot: Slot) -> None:
 def _in_netns(netns: int, work: Callable[[], T]) -> T:
     """Run ``work`` in a fresh thread that joined the netns: a thread's namespace is its own,
     and a throwaway thread can never leak a namespace into later work."""
-    outcome: list[object] = []
+    outcome: list[T | BaseException] = []
 
     def run() -> None:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -323,9 +323,10 @@ def _in_netns(netns: int, work: Callable[[], T]) -> T:
     thread = threading.Thread(target=run, name="dsec-netns")
     thread.start()
     thread.join()
-    if isinstance(outcome[0], BaseException):
-        raise outcome[0]
-    return outcome[0]  # type: ignore[return-value]
+    result = outcome[0]
+    if isinstance(result, BaseException):
+        raise result
+    return result
 
 
 def _delete_link(ipr: IPRoute, name: str) -> None:
