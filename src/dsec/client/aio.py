@@ -23,7 +23,8 @@ from typing import Any, AsyncIterator, Callable, Iterable, Literal, TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from ..trajectory.digest import StepRequest, call_request, exec_request
+from ..protocol.ops import BY_METHOD
+from ..trajectory.digest import StepRequest, step_request
 from ..trajectory.outcome import decode, output_chunks
 from . import archive
 from . import fn as fn_calls
@@ -144,15 +145,14 @@ class Process:
 
     def stream(self) -> OutputStream:
         """Everything the process printed from its start, then live output until it ends."""
-        return OutputStream(self.sandbox._events(lambda: call_request("output", process=self.id), "GET",
-                                                 f"/processes/{self.id}/output"), None)
+        return OutputStream(self.sandbox._events("attach", {"process": self.id}), None)
 
     async def wait(self) -> CommandResult:
         return await self.stream().wait()
 
     async def signal(self, sig: int) -> None:
-        await self.sandbox._call(lambda: call_request("signal", process=self.id, signal=sig), "POST",
-                                 f"/processes/{self.id}/signal", _none, json={"signal": sig})
+        await self.sandbox._call("signal", {"process": self.id, "signal": sig}, _none,
+                                 json={"signal": sig})
 
     async def kill(self) -> None:
         await self.signal(9)
@@ -213,38 +213,46 @@ class Sandbox:
     def generation(self) -> int | None:
         return self._attachment.generation if self._attachment else None
 
-    async def _call(self, request: Callable[[], StepRequest], method: str, suffix: str,
+    def _route(self, operation: str, arguments: dict[str, Any]) -> tuple[str, str]:
+        """The HTTP method and path of a call of ``operation`` (an edge method of the table
+        of operations) on this sandbox (its id changes when its trajectory forks)."""
+        verb, template = BY_METHOD[operation].http
+        return verb, template.format(sandbox_id=self.id, **arguments)
+
+    async def _call(self, operation: str, arguments: dict[str, Any],
                     parse: Callable[[httpx.Response], V], **kwargs: Any) -> V:
-        """One call: plain, or numbered and fast-forwarded for an attached sandbox.
-        ``request`` makes the call's StepRequest, when it is needed to match the log."""
+        """One call of ``operation`` with ``arguments`` (every parameter of the table's
+        entry, by name; ``kwargs`` are the HTTP request's body and query): plain, or
+        numbered and fast-forwarded for an attached sandbox."""
         attachment = self._attachment
         if attachment is None:
-            return parse(await self._t.request(method, self._path + suffix, **kwargs))
+            return parse(await self._t.request(*self._route(operation, arguments), **kwargs))
         step = attachment.take_step()
+        request = _step_request(operation, arguments)
         if attachment.may_be_logged(step):
             logged = await attachment.logged_outcome(step, request, self._page)
             if logged is not None:
                 return decode(logged.op, logged.outcome, _no_blobs)
         headers = attachment.headers(step)
-        response = await retrying(
-            attachment.retry_s, lambda: self._t.request(method, self._path + suffix, headers=headers, **kwargs))
+        response = await retrying(attachment.retry_s, lambda: self._t.request(
+            *self._route(operation, arguments), headers=headers, **kwargs))
         self._observe(response)
         return parse(response)
 
-    def _events(self, request: Callable[[], StepRequest], method: str, suffix: str,
+    def _events(self, operation: str, arguments: dict[str, Any],
                 **kwargs: Any) -> AsyncIterator[dict[str, Any]]:
-        """NDJSON events of a stream; for an attached sandbox the step is taken now, at the
-        call, not when iteration starts."""
+        """NDJSON events of a stream operation; for an attached sandbox the step is taken
+        now, at the call, not when iteration starts."""
         attachment = self._attachment
         if attachment is None:
-            return self._t.ndjson(method, self._path + suffix, **kwargs)
-        return self._attached_events(attachment, attachment.take_step(), request, method,
-                                     suffix, kwargs)
+            return self._t.ndjson(*self._route(operation, arguments), **kwargs)
+        return self._attached_events(attachment, attachment.take_step(), operation, arguments,
+                                     kwargs)
 
-    async def _attached_events(self, attachment: Attachment, step: int,
-                               request: Callable[[], StepRequest],
-                               method: str, suffix: str,
+    async def _attached_events(self, attachment: Attachment, step: int, operation: str,
+                               arguments: dict[str, Any],
                                kwargs: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        request = _step_request(operation, arguments)
         logged = await attachment.logged_outcome(step, request, self._page)
         if logged is not None:
             result: ExecResult = decode(logged.op, logged.outcome, _no_blobs)
@@ -259,7 +267,7 @@ class Sandbox:
         while True:  # retried with the same step while nothing has been received
             received = False
             try:
-                async for event in self._t.ndjson(method, self._path + suffix, headers=headers,
+                async for event in self._t.ndjson(*self._route(operation, arguments), headers=headers,
                                                   on_response=self._observe, **kwargs):
                     received = True
                     yield event
@@ -303,7 +311,7 @@ class Sandbox:
         """Run a command to completion. A string runs under dsec's ``/.dsec/bin/sh -c``; a list
         is an argv. Raises ``CommandTimeout`` (with ``.result`` holding partial output) on timeout."""
         req = self._exec_request(command, env, cwd, stdin, timeout_s, max_output_bytes, session)
-        wire = await self._call(lambda: exec_request("exec", req), "POST", "/exec", _exec_result,
+        wire = await self._call("run", {"req": req}, _exec_result,
                                 json=req.model_dump(exclude_unset=True))
         result = CommandResult.from_wire(wire)
         if wire.timed_out:
@@ -316,7 +324,7 @@ class Sandbox:
                session: str | None = None) -> OutputStream:
         """Run a command and iterate over its output as it arrives."""
         req = self._exec_request(command, env, cwd, stdin, timeout_s, max_output_bytes, session)
-        return OutputStream(self._events(lambda: exec_request("exec", req), "POST", "/exec/stream",
+        return OutputStream(self._events("stream", {"req": req},
                                          json=req.model_dump(exclude_unset=True)), timeout_s)
 
     async def start(self, command: str | list[str], *, env: dict[str, str] | None = None,
@@ -324,36 +332,33 @@ class Sandbox:
                     timeout_s: float | None = None, max_output_bytes: int | None = None) -> Process:
         """Start a command in the background and return at once."""
         req = self._exec_request(command, env, cwd, stdin, timeout_s, max_output_bytes, None)
-        info = await self._call(lambda: exec_request("start", req), "POST", "/processes",
-                                _model(ProcessInfo), json=req.model_dump(exclude_unset=True))
+        info = await self._call("start_process", {"req": req}, _model(ProcessInfo),
+                                json=req.model_dump(exclude_unset=True))
         return Process(self, info)
 
     async def processes(self) -> list[ProcessInfo]:
-        return await self._call(lambda: call_request("processes"), "GET", "/processes",
-                                _models(ProcessInfo))
+        return await self._call("processes", {}, _models(ProcessInfo))
 
     def session(self, name: str) -> Session:
         return Session(self, name)
 
     # files
     async def read_file(self, path: str) -> bytes:
-        return await self._call(lambda: call_request("read", path=path), "GET", "/files", _content,
-                                params={"path": path})
+        return await self._call("read_file", {"path": path}, _content, params={"path": path})
 
     async def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644,
                          append: bool = False) -> None:
         content = data.encode() if isinstance(data, str) else data
-        await self._call(lambda: call_request("write", content, path=path, mode=mode, append=append),
-                         "PUT", "/files", _none, content=content,
+        await self._call("write_file", {"path": path, "data": content, "mode": mode,
+                                        "append": append}, _none, content=content,
                          params={"path": path, "mode": mode, "append": append})
 
     async def list_files(self, path: str = "/work") -> list[FileEntry]:
-        return await self._call(lambda: call_request("list", path=path), "GET", "/dirs",
-                                _models(FileEntry), params={"path": path})
+        return await self._call("list_dir", {"path": path}, _models(FileEntry),
+                                params={"path": path})
 
     async def stat(self, path: str) -> FileEntry:
-        return await self._call(lambda: call_request("stat", path=path), "GET", "/stat",
-                                _model(FileEntry), params={"path": path})
+        return await self._call("stat", {"path": path}, _model(FileEntry), params={"path": path})
 
     async def exists(self, path: str) -> bool:
         try:
@@ -363,12 +368,12 @@ class Sandbox:
         return True
 
     async def remove(self, path: str, *, recursive: bool = False) -> None:
-        await self._call(lambda: call_request("remove", path=path, recursive=recursive), "DELETE",
-                         "/files", _none, params={"path": path, "recursive": recursive})
+        await self._call("remove", {"path": path, "recursive": recursive}, _none,
+                         params={"path": path, "recursive": recursive})
 
     async def mkdir(self, path: str, *, parents: bool = True) -> None:
-        await self._call(lambda: call_request("mkdir", path=path, parents=parents), "POST", "/dirs",
-                         _none, params={"path": path, "parents": parents})
+        await self._call("mkdir", {"path": path, "parents": parents}, _none,
+                         params={"path": path, "parents": parents})
 
     async def upload(self, local: str | Path, remote_dir: str) -> None:
         """Copy a local file or directory into ``remote_dir`` (created if missing) as one tar."""
@@ -381,8 +386,8 @@ class Sandbox:
             else:
                 tar.add(local, arcname=local.name)
         await self.mkdir(remote_dir, parents=True)
-        await self._call(lambda: call_request("upload", buf.getvalue(), path=remote_dir), "PUT",
-                         "/archive", _none, content=buf.getvalue(), params={"path": remote_dir})
+        await self._call("upload_tar", {"path": remote_dir, "tar": buf.getvalue()}, _none,
+                         content=buf.getvalue(), params={"path": remote_dir})
 
     async def download(self, remote_dir: str, local_dir: str | Path, *,
                        max_bytes: int = archive.DEFAULT_MAX_BYTES,
@@ -390,8 +395,8 @@ class Sandbox:
         """Copy the contents of ``remote_dir`` into ``local_dir``. The archive is sandbox-made:
         each member is checked and created under ``local_dir`` only (see ``client/archive.py``);
         ``UnsafeArchive`` if one would land outside, or past ``max_bytes``/``max_members``."""
-        data = await self._call(lambda: call_request("download", path=remote_dir), "GET", "/archive",
-                                _content, params={"path": remote_dir})
+        data = await self._call("download_tar", {"path": remote_dir}, _content,
+                                params={"path": remote_dir})
         await asyncio.to_thread(archive.extract, data, local_dir, max_bytes=max_bytes,
                                 max_members=max_members)
 
@@ -436,6 +441,11 @@ def _content(response: httpx.Response) -> bytes:
 
 def _none(response: httpx.Response) -> None:
     return None
+
+
+def _step_request(operation: str, arguments: dict[str, Any]) -> Callable[[], StepRequest]:
+    """The call's StepRequest, made when it is needed to match the log."""
+    return lambda: step_request(BY_METHOD[operation], arguments)
 
 
 def _no_blobs(sha256: str) -> bytes:
