@@ -1,7 +1,7 @@
-"""The asyncio SDK: ``DSecClient`` creates sandboxes; a ``Sandbox`` runs commands and touches
-files; a ``Process`` is a background command.
+"""The asyncio SDK: ``AsyncClient`` (formerly ``DSecClient``) creates sandboxes; a ``Sandbox``
+runs commands and touches files; a ``Process`` is a background command.
 
-    async with dsec.DSecClient() as client:
+    async with dsec.AsyncClient() as client:
         sb = await client.create(image="python-3.11")
         r = await sb.run("python3 -c 'print(6*7)'")
         assert r.stdout == "42\\n"
@@ -18,7 +18,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Iterable, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Literal, TypedDict, TypeVar
 
 import httpx
 from pydantic import BaseModel, ValidationError
@@ -30,8 +30,8 @@ from . import archive
 from . import fn as fn_calls
 from .errors import CommandTimeout, DSecError, FileNotFound, InvalidRequest, ServerUnavailable
 from .models import (CreateRequest, ExecRequest, ExecResult, FileEntry, NetworkRequest, ProcessInfo,
-                     ReplayReport, ReplayRequest, SandboxInfo, StepDiff, StepPage, StepRecord,
-                     TrajectoryInfo, b64)
+                     ReplayReport, ReplayRequest, Runtime, SandboxInfo, StepDiff, StepPage,
+                     StepRecord, Substrate, TrajectoryInfo, b64)
 from .projects import Projects
 from .trajectory import Attachment, OnDivergence, check_on_divergence
 from .transport import Transport, retrying
@@ -73,6 +73,22 @@ class CommandResult:
                    timed_out=r.timed_out, oom_killed=r.oom_killed, duration_ms=r.duration_ms)
 
 
+class CreateOptions(TypedDict, total=False):
+    """The keywords of ``create`` that ``create_many`` passes on to each create."""
+
+    substrate: Substrate
+    image: str
+    cpu: float
+    memory_mb: int
+    pids: int
+    disk_mb: int
+    ttl_s: int
+    network: Any
+    env: dict[str, str]
+    runtime: Runtime
+    labels: dict[str, str]
+
+
 @dataclass(frozen=True)
 class OutputChunk:
     stream: Literal["stdout", "stderr"]
@@ -82,6 +98,9 @@ class OutputChunk:
     def text(self) -> str:
         return self.data.decode("utf-8", errors="replace")
 
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 M = TypeVar("M", bound=BaseModel)
 V = TypeVar("V")
@@ -104,6 +123,8 @@ def _timeout_error(result: CommandResult, timeout_s: float | None) -> CommandTim
 
 class OutputStream:
     """Iterate for output chunks as they arrive; ``result`` holds the outcome afterwards."""
+
+    result: CommandResult | None
 
     def __init__(self, events: AsyncIterator[dict[str, Any]], timeout_s: float | None) -> None:
         self._events = events
@@ -165,17 +186,28 @@ class Session:
         self.sandbox = sandbox
         self.name = name
 
-    async def run(self, command: str, **kwargs: Any) -> CommandResult:
-        return await self.sandbox.run(command, session=self.name, **kwargs)
+    async def run(self, command: str | list[str], *, cwd: str | None = None,
+                  stdin: bytes | str | None = None, timeout_s: float | None = 60.0,
+                  max_output_bytes: int | None = None) -> CommandResult:
+        """``Sandbox.run`` in this session (its environment is the session's)."""
+        return await self.sandbox.run(command, cwd=cwd, stdin=stdin, timeout_s=timeout_s,
+                                      max_output_bytes=max_output_bytes, session=self.name)
 
-    def stream(self, command: str, **kwargs: Any) -> OutputStream:
-        return self.sandbox.stream(command, session=self.name, **kwargs)
+    def stream(self, command: str | list[str], *, cwd: str | None = None,
+               stdin: bytes | str | None = None, timeout_s: float | None = 60.0,
+               max_output_bytes: int | None = None) -> OutputStream:
+        """``Sandbox.stream`` in this session."""
+        return self.sandbox.stream(command, cwd=cwd, stdin=stdin, timeout_s=timeout_s,
+                                   max_output_bytes=max_output_bytes, session=self.name)
 
 
 class Sandbox:
     """A sandbox. Attached to a trajectory (``create(trajectory=...)``, ``resume``), each call
     is numbered (``next_step``), logged by the server, and answered from the log when it
     repeats the logged call at its step (``fast_forwarded`` counts those)."""
+
+    id: str  # changes when its trajectory forks into a new sandbox
+    info: SandboxInfo
 
     def __init__(self, transport: Transport, info: SandboxInfo,
                  attachment: Attachment | None = None) -> None:
@@ -472,8 +504,9 @@ class Replay:
         return next((s for s in self.steps if not s.same), None)
 
 
-class DSecClient:
-    """The entry point. With no arguments it uses this host's local dsec server."""
+class AsyncClient:
+    """The entry point of the asyncio SDK. With no arguments it uses this host's local dsec
+    server. ``dsec.Client`` is its blocking twin; ``DSecClient`` is its former name."""
 
     def __init__(self, url: str | None = None, api_key: str | None = None, *,
                  timeout_s: float = 600.0, autostart: bool = True, retry_s: float = 30.0) -> None:
@@ -482,7 +515,7 @@ class DSecClient:
         self._t = Transport(url, api_key, timeout_s, autostart)
         self._retry_s = retry_s
 
-    async def __aenter__(self) -> DSecClient:
+    async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -491,20 +524,32 @@ class DSecClient:
     async def aclose(self) -> None:
         await self._t.aclose()
 
-    async def create(self, substrate: str = "container", image: str = "debian-minbase", *,
-                     trajectory: str | None = None, on_divergence: OnDivergence = "raise",
-                     idempotency_key: str | None = None, **options: Any) -> Sandbox:
-        """Start a sandbox. Options: cpu, memory_mb, pids, ttl_s, network, env, runtime, labels.
-        With ``trajectory``, every call of the sandbox is logged under that new trajectory id
-        (``TrajectoryExists`` if it is taken), to be resumed after a preemption.
+    async def create(self, substrate: Substrate = "container", image: str = "debian-minbase", *,
+                     cpu: float | None = None, memory_mb: int | None = None,
+                     pids: int | None = None, disk_mb: int | None = None,
+                     ttl_s: int | None = None, network: Any = None,
+                     env: dict[str, str] | None = None, runtime: Runtime | None = None,
+                     labels: dict[str, str] | None = None, trajectory: str | None = None,
+                     on_divergence: OnDivergence = "raise",
+                     idempotency_key: str | None = None) -> Sandbox:
+        """Start a sandbox of ``image`` on ``substrate`` (``container``, ``fn``, ``microvm``,
+        ``vm``). An option left None takes the server's default (see ``CreateRequest``):
+        ``cpu`` (1.0), ``memory_mb`` (512), ``pids`` (512), ``disk_mb`` (1024), ``ttl_s``
+        (600, counted from when it runs), ``network`` (``"none"``, or a policy such as
+        ``{"pypi": True, "allow": ["10.1.2.3:443"]}``), ``env``, ``runtime`` (the edge's),
+        ``labels``. With ``trajectory``, every call of the sandbox is logged under that new
+        trajectory id (``TrajectoryExists`` if it is taken), to be resumed after a preemption.
 
         The create carries an ``Idempotency-Key`` (``idempotency_key``, else a fresh one) and
         is retried with it for ``retry_s`` while the server cannot be reached or the
         connection drops: a retry gets the sandbox the cut request made, never a second one.
         Pass your own key to make a create you repeat yourself (after a crash) idempotent."""
         check_on_divergence(on_divergence)
-        req = _validated(CreateRequest, substrate=substrate, image=image, trajectory=trajectory,
-                         **options)
+        options = {name: value for name, value in dict(
+            cpu=cpu, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb, ttl_s=ttl_s,
+            network=network, env=env, runtime=runtime, labels=labels,
+            trajectory=trajectory).items() if value is not None}
+        req = _validated(CreateRequest, substrate=substrate, image=image, **options)
         headers = {"Idempotency-Key": idempotency_key or str(uuid.uuid4())}
         info = SandboxInfo.model_validate(await retrying(self._retry_s, lambda: self._t.json(
             "POST", "/v1/sandboxes", json=req.model_dump(exclude_unset=True), headers=headers)))
@@ -577,8 +622,9 @@ class DSecClient:
 
     async def create_many(self, n: int, *, concurrency: int = 32,
                           idempotency_key: str | None = None,
-                          **options: Any) -> list[Sandbox | DSecError]:
-        """Start ``n`` sandboxes, at most ``concurrency`` at a time. Returns one entry per
+                          **options: Unpack[CreateOptions]) -> builtins.list[Sandbox | DSecError]:
+        """Start ``n`` sandboxes (``options`` as for ``create``; no trajectory: each would
+        need its own), at most ``concurrency`` at a time. Returns one entry per
         sandbox in order: the Sandbox, or the typed error that stopped it. Each create has its
         own key; with ``idempotency_key``, sandbox ``i``'s is ``f"{idempotency_key}-{i}"``, so
         repeating the whole call gets the same ``n`` sandboxes."""
@@ -592,7 +638,7 @@ class DSecClient:
                 except DSecError as exc:
                     return exc
 
-        return list(await asyncio.gather(*(one(i) for i in range(n))))
+        return builtins.list(await asyncio.gather(*(one(i) for i in range(n))))
 
     async def get(self, sandbox_id: str) -> Sandbox:
         info = await self._t.json("GET", f"/v1/sandboxes/{sandbox_id}")
@@ -644,3 +690,6 @@ class DSecClient:
         fn_calls.check_substrate(substrate)
         return await fn_calls.map_calls(self._t, fn, items, concurrency, image, timeout_s,
                                         return_exceptions, trusted_result)
+
+
+DSecClient = AsyncClient  # the former name, kept working
