@@ -20,6 +20,7 @@ from dsec.api.app import create_app
 from dsec.api.routing import Router
 from dsec.client import aio, sync
 from dsec.client.models import ExecRequest, ExecResult, FileEntry, ProcessInfo
+from dsec.client.projects import Projects, SyncProjects
 from dsec.cluster.edge_actor import CALLS, STREAMS
 from dsec.cluster.remote import RemoteEdge
 from dsec.edge.edge import Edge
@@ -35,7 +36,7 @@ SYNC = {"Client": sync.Client, "Sandbox": sync.Sandbox, "Process": sync.Process}
 TWINS = [(aio.AsyncClient, sync.Client), (aio.Sandbox, sync.Sandbox), (aio.Process, sync.Process),
          (aio.Session, sync.Session),
          (aio.OutputStream, sync.OutputStream),
-         (aio.Replay, sync.Replay)]
+         (aio.Replay, sync.Replay), (Projects, SyncProjects)]
 # the async name and its blocking twin's, where they differ
 RENAMED = {"aclose": "close"}
 
@@ -79,6 +80,18 @@ def test_the_cluster_actor_serves_exactly_the_table() -> None:
     assert CALLS == {op.method for op in OPERATIONS if op.kind == "call"}
     assert STREAMS == {op.method for op in OPERATIONS if op.kind == "stream"}
     assert CALLS | STREAMS == {op.method for op in OPERATIONS}
+
+
+EDGE_LIFECYCLE = {"start", "close", "recover", "reap"}  # the edge's own, not operations
+
+
+def test_every_operation_of_the_edge_is_in_the_table() -> None:
+    """An operation added to the edge but not to the table would be missing from the recorded
+    edge (running unlogged) and from the cluster proxy."""
+    served = {name for name, fn in inspect.getmembers(Edge, inspect.isfunction)
+              if not name.startswith("_")
+              and (inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn))}
+    assert served - EDGE_LIFECYCLE == {op.method for op in OPERATIONS}
 
 
 def test_recorded_edge_forwards_nothing_outside_the_table() -> None:

@@ -30,8 +30,8 @@ from . import archive
 from . import fn as fn_calls
 from .errors import CommandTimeout, DSecError, FileNotFound, InvalidRequest, ServerUnavailable
 from .models import (CreateRequest, ExecRequest, ExecResult, FileEntry, NetworkRequest, ProcessInfo,
-                     ReplayReport, ReplayRequest, Runtime, SandboxInfo, StepDiff, StepPage,
-                     StepRecord, Substrate, TrajectoryInfo, b64)
+                     ReplayReport, ReplayRequest, SandboxInfo, StepDiff, StepPage,
+                     StepRecord, TrajectoryInfo, b64)
 from .projects import Projects
 from .trajectory import Attachment, OnDivergence, check_on_divergence
 from .transport import Transport, retrying
@@ -76,7 +76,7 @@ class CommandResult:
 class CreateOptions(TypedDict, total=False):
     """The keywords of ``create`` that ``create_many`` passes on to each create."""
 
-    substrate: Substrate
+    substrate: str
     image: str
     cpu: float
     memory_mb: int
@@ -85,7 +85,7 @@ class CreateOptions(TypedDict, total=False):
     ttl_s: int
     network: Any
     env: dict[str, str]
-    runtime: Runtime
+    runtime: str
     labels: dict[str, str]
 
 
@@ -524,11 +524,11 @@ class AsyncClient:
     async def aclose(self) -> None:
         await self._t.aclose()
 
-    async def create(self, substrate: Substrate = "container", image: str = "debian-minbase", *,
+    async def create(self, substrate: str = "container", image: str = "debian-minbase", *,
                      cpu: float | None = None, memory_mb: int | None = None,
                      pids: int | None = None, disk_mb: int | None = None,
                      ttl_s: int | None = None, network: Any = None,
-                     env: dict[str, str] | None = None, runtime: Runtime | None = None,
+                     env: dict[str, str] | None = None, runtime: str | None = None,
                      labels: dict[str, str] | None = None, trajectory: str | None = None,
                      on_divergence: OnDivergence = "raise",
                      idempotency_key: str | None = None) -> Sandbox:

@@ -28,11 +28,9 @@ from .errors import DSecError
 from .models import (
     FileEntry,
     ProcessInfo,
-    Runtime,
     SandboxInfo,
     StepDiff,
     StepRecord,
-    Substrate,
     TrajectoryInfo,
 )
 from .projects import SyncProjects
@@ -318,11 +316,11 @@ class Client:
     def _sandbox(self, sandbox: aio.Sandbox) -> Sandbox:
         return Sandbox(self._loop, sandbox)
 
-    def create(self, substrate: Substrate = "container", image: str = "debian-minbase", *,
+    def create(self, substrate: str = "container", image: str = "debian-minbase", *,
                cpu: float | None = None, memory_mb: int | None = None,
                pids: int | None = None, disk_mb: int | None = None,
                ttl_s: int | None = None, network: Any = None,
-               env: dict[str, str] | None = None, runtime: Runtime | None = None,
+               env: dict[str, str] | None = None, runtime: str | None = None,
                labels: dict[str, str] | None = None, trajectory: str | None = None,
                on_divergence: OnDivergence = "raise",
                idempotency_key: str | None = None) -> Sandbox:
