@@ -214,7 +214,6 @@ class Sandbox:
         self._t = transport
         self.info = info
         self.id = info.id
-        self._path = f"/v1/sandboxes/{info.id}"
         self._attachment = attachment
 
     def __repr__(self) -> str:
@@ -322,7 +321,6 @@ class Sandbox:
         sandbox_id = self._attachment.observe(response.headers)
         if sandbox_id and sandbox_id != self.id:  # the trajectory forked into a new sandbox
             self.id = sandbox_id
-            self._path = f"/v1/sandboxes/{sandbox_id}"
             self.info = self.info.model_copy(update={"id": sandbox_id, "state": "running",
                                                      "reason": None})
 
@@ -434,12 +432,12 @@ class Sandbox:
 
     # lifecycle
     async def refresh(self) -> SandboxInfo:
-        self.info = SandboxInfo.model_validate(await self._t.json("GET", self._path))
+        self.info = SandboxInfo.model_validate(await self._t.json("GET", f"/v1/sandboxes/{self.id}"))
         return self.info
 
     async def set_ttl(self, ttl_s: int) -> SandboxInfo:
         self.info = SandboxInfo.model_validate(
-            await self._t.json("PUT", f"{self._path}/ttl", json={"ttl_s": ttl_s}))
+            await self._t.json(*self._route("set_ttl", {}), json={"ttl_s": ttl_s}))
         return self.info
 
     async def set_network(self, network: Any) -> SandboxInfo:
@@ -448,11 +446,11 @@ class Sandbox:
         error the previous policy stays."""
         req = _validated(NetworkRequest, network=network)
         self.info = SandboxInfo.model_validate(
-            await self._t.json("PUT", f"{self._path}/network", json=req.model_dump()))
+            await self._t.json(*self._route("set_network", {}), json=req.model_dump()))
         return self.info
 
     async def stop(self) -> None:
-        await self._t.request("DELETE", self._path)
+        await self._t.request(*self._route("stop", {}))
 
 
 def _exec_result(response: httpx.Response) -> ExecResult:
@@ -552,7 +550,7 @@ class AsyncClient:
         req = _validated(CreateRequest, substrate=substrate, image=image, **options)
         headers = {"Idempotency-Key": idempotency_key or str(uuid.uuid4())}
         info = SandboxInfo.model_validate(await retrying(self._retry_s, lambda: self._t.json(
-            "POST", "/v1/sandboxes", json=req.model_dump(exclude_unset=True), headers=headers)))
+            *BY_METHOD["create"].http, json=req.model_dump(exclude_unset=True), headers=headers)))
         attachment = None if trajectory is None else Attachment(
             trajectory, on_divergence, generation=1, retry_s=self._retry_s)
         return Sandbox(self._t, info, attachment)

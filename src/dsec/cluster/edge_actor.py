@@ -2,10 +2,10 @@
 
 The actor wraps the ordinary ``Edge`` (admission, lifecycle, reaper, recovery) and serves its
 operations (the table in ``dsec.protocol.ops``) to API replicas: ``call`` for
-request/response methods, ``stream`` (a streaming generator) for output chunks. Sandboxes are plain substrate sandboxes on the node, never Ray
-actors. The actor is named after its edge id, detached (it outlives the API replica that
-started it) and restarted by Ray on its node after a crash; the restarted edge adopts its
-sandboxes like a restarted single-node server.
+request/response methods, ``stream`` (a streaming generator) for output chunks. Sandboxes are
+plain substrate sandboxes on the node, never Ray actors. The actor is named after its edge
+id, detached (it outlives the API replica that started it) and restarted by Ray on its node
+after a crash; the restarted edge adopts its sandboxes like a restarted single-node server.
 """
 
 from __future__ import annotations

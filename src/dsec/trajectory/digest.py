@@ -8,7 +8,7 @@ A request is digested as the client expressed it (after the wire model filled in
 canonical JSON (sorted keys, no spaces); the payload (file data, tar, stdin) enters as its
 SHA-256 and size, so digesting a large write costs one hash.
 
-Pure: the standard library and the wire models only.
+Pure: the standard library, the wire models and the table of operations only.
 """
 
 from __future__ import annotations
