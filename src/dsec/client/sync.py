@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import threading
-from collections.abc import AsyncIterable, Callable, Coroutine, Iterable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import (
@@ -56,7 +56,7 @@ class _Loop:
         chunks = aiter(stream)
         while True:
             try:
-                yield self.call(anext(chunks))
+                yield self.call(_next(chunks))
             except StopAsyncIteration:
                 return
 
@@ -64,6 +64,10 @@ class _Loop:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join()
         self.loop.close()
+
+
+async def _next(chunks: AsyncIterator[T]) -> T:
+    return await anext(chunks)
 
 
 class OutputStream:

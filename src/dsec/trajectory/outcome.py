@@ -66,7 +66,7 @@ def decode(op: str, outcome: dict[str, Any], load: Callable[[str], bytes]) -> An
     if "error" in outcome:
         raise error_of(outcome)
     data = {name: ref_bytes(ref, load) for name, ref in (outcome.get("bytes") or {}).items()}
-    value = outcome.get("value")
+    value: Any = outcome.get("value")
     result = BY_STEP[op].result
     if result is ExecResult:
         return ExecResult(**value, stdout_b64=b64(data["stdout"]), stderr_b64=b64(data["stderr"]))
