@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
+import dsec
 from dsec.api.app import create_app
 from dsec.api.routing import Router
 from dsec.client import aio, sync
@@ -192,3 +193,11 @@ def test_sync_and_async_twins_have_the_same_methods_and_signatures(async_cls: ty
         assert _params(member, False) == _params(twin, False), \
             f"{sync_cls.__name__}.{name}'s signature differs"
         assert twin.__doc__, f"{sync_cls.__name__}.{name} has no docstring"
+
+
+def test_the_sdk_names() -> None:
+    assert dsec.DSecClient is dsec.AsyncClient is aio.AsyncClient  # the former name still works
+    assert dsec.Client is sync.Client
+    for name in ("AsyncClient", "DSecClient", "Client", "AsyncSandbox", "Sandbox", "Session",
+                 "AsyncSession", "FileNotFound", "CommandTimeout", "DSecError"):
+        assert name in dsec.__all__
