@@ -31,6 +31,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import cache
 from typing import Any, Literal, TypeVar
 
 from ..client.models import (
@@ -172,8 +173,12 @@ def derive_operations(make: Callable[[Operation], Callable[..., Any]]) -> Callab
 def bind(op: Operation, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """The arguments of a call of ``op`` after the sandbox id, by name, defaults filled in;
     TypeError as for a Python call when they do not fit."""
-    params = [inspect.Parameter(p.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=p.default)
-              for p in op.params]
-    bound = inspect.Signature(params).bind(*args, **kwargs)
+    bound = _arguments(op).bind(*args, **kwargs)
     bound.apply_defaults()
     return dict(bound.arguments)
+
+
+@cache
+def _arguments(op: Operation) -> inspect.Signature:
+    return inspect.Signature([inspect.Parameter(p.name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                default=p.default) for p in op.params])
