@@ -51,6 +51,9 @@ SANDBOX = "/v1/sandboxes/{sandbox_id}"
 
 @dataclass(frozen=True)
 class Param:
+    """An argument of an operation: its name (the same in the edge method, the SDK's step
+    request and the trajectory log), its type and its default."""
+
     name: str
     type: Any
     default: Any = REQUIRED
@@ -58,6 +61,8 @@ class Param:
 
 @dataclass(frozen=True)
 class Operation:
+    """One operation on a sandbox (its fields: see the module docstring)."""
+
     method: str
     params: tuple[Param, ...]
     result: Any
