@@ -74,9 +74,10 @@ class Operation:
     on_sandbox: bool = True  # False: no sandbox id argument (create)
 
     @property
-    def exec_request(self) -> bool:
-        """Whether the operation takes an ExecRequest (logged as its fields plus stdin)."""
-        return any(p.type is ExecRequest for p in self.params)
+    def exec_param(self) -> str | None:
+        """The parameter that is an ExecRequest (logged as its fields, with its stdin as the
+        payload), if the operation has one."""
+        return next((p.name for p in self.params if p.type is ExecRequest), None)
 
     def signature(self) -> inspect.Signature:
         """The edge method's signature: ``(self, sandbox_id, *params) -> result``, where a

@@ -78,8 +78,8 @@ def step_request(op: Operation, arguments: dict[str, Any]) -> StepRequest:
     its parameters as the caller gave them, the payload parameter as the payload, and an
     ExecRequest as its fields with its stdin as the payload."""
     assert op.step is not None, f"{op.method} is not a trajectory step"
-    if op.exec_request:
-        req: ExecRequest = arguments[_exec_param(op)]
+    if op.exec_param is not None:
+        req: ExecRequest = arguments[op.exec_param]
         stdin = None if req.stdin_b64 is None else base64.b64decode(req.stdin_b64)
         return StepRequest(op.step, req.model_dump(exclude={"stdin_b64"}), stdin)
     params = {p.name: arguments[p.name] for p in op.params if p.name != op.payload}
@@ -94,14 +94,11 @@ def step(method: str, **arguments: Any) -> StepRequest:
 def call_arguments(op: Operation, request: StepRequest) -> dict[str, Any]:
     """The inverse of ``step_request``: the keyword arguments of the edge call a logged
     request was made from."""
-    if op.exec_request:
+    if op.exec_param is not None:
         stdin = None if request.payload is None else base64.b64encode(request.payload).decode()
-        return {_exec_param(op): ExecRequest(**request.params, stdin_b64=stdin)}
+        return {op.exec_param: ExecRequest(**request.params, stdin_b64=stdin)}
     arguments = dict(request.params)
     if op.payload is not None:
         arguments[op.payload] = request.payload or b""
     return arguments
 
-
-def _exec_param(op: Operation) -> str:
-    return next(p.name for p in op.params if p.type is ExecRequest)
