@@ -21,7 +21,10 @@ operation is one frozen ``Operation``:
   (``Sandbox.run``, ``Process.signal``: the async class names, the sync facade has the same).
 
 tests/unit/test_operations.py walks the table and fails when a layer lacks an operation or
-disagrees on its signature or route. To add an operation, see docs/CONTRIBUTING.md.
+disagrees on its signature or route. To add an operation: its entry here, its ``Edge`` method
+(and the agent's side where needed), its route (api/app.py) and its SDK method (client/aio.py
+and its blocking twin in client/sync.py); recording, fast-forward, replay and the cluster
+proxy follow from the entry, and the unit test names whatever is still missing.
 
 Pure data: imports nothing of dsec but the wire models.
 """
