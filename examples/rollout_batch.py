@@ -23,7 +23,7 @@ def add(a, b):
 TEST = "python3 -c 'from solution import add; assert add(2, 3) == 5; print(\"pass\")'"
 
 
-async def rollout(client: dsec.DSecClient, i: int) -> dict[str, object]:
+async def rollout(client: dsec.AsyncClient, i: int) -> dict[str, object]:
     started = time.perf_counter()
     async with await client.create(image="python-3.11", cpu=0.5, memory_mb=256, ttl_s=120) as sb:
         ready = time.perf_counter()
@@ -38,7 +38,7 @@ async def rollout(client: dsec.DSecClient, i: int) -> dict[str, object]:
 
 async def main() -> int:
     console = Console()
-    async with dsec.DSecClient() as client:
+    async with dsec.AsyncClient() as client:
         with console.status(f"running {N} rollouts"):
             began = time.perf_counter()
             results = await asyncio.gather(*(rollout(client, i) for i in range(N)),

@@ -1,7 +1,7 @@
 """Schemathesis hooks for tests/test_fuzz.py (loaded through ``SCHEMATHESIS_HOOKS``).
 
 Generic over routes, so routes added later are fuzzed the same way:
-- path parameters named ``sandbox_id``, ``proc_id`` and ``trajectory`` get real ids (from the
+- path parameters named ``sandbox_id``, ``process`` and ``trajectory`` get real ids (from the
   environment), so calls get past the 404 and reach the edge and the agent; except where the
   call would end the sandbox under test (stopping it, shortening its TTL);
 - exec-like bodies get a short timeout, so no generated command can hold the run up;
@@ -21,7 +21,7 @@ from schemathesis.core.failures import ServerError
 
 from dsec.client.errors import ERRORS
 
-REAL_IDS = {"sandbox_id": "DSEC_FUZZ_SANDBOX", "proc_id": "DSEC_FUZZ_PROCESS",
+REAL_IDS = {"sandbox_id": "DSEC_FUZZ_SANDBOX", "process": "DSEC_FUZZ_PROCESS",
             "trajectory": "DSEC_FUZZ_TRAJECTORY"}
 TYPED_REFUSALS = {"not_supported", "capacity_exhausted"}
 EXEC_TIMEOUT_S = 5

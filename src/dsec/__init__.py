@@ -1,14 +1,16 @@
 """dsec: elastic sandboxes for agentic LLM reinforcement learning and evaluation.
 
-``DSecClient`` is the asyncio SDK (its sandboxes are ``AsyncSandbox``); ``Client`` and
-``Sandbox`` are the blocking facade with the same method names.
+``AsyncClient`` is the asyncio SDK (its sandboxes are ``AsyncSandbox``; ``DSecClient`` is
+its former name); ``Client`` and ``Sandbox`` are the blocking facade with the same methods and
+signatures. Errors are ``DSecError`` and its subclasses (the tree is in ``dsec.client.errors``).
 """
 
-from .client.aio import CommandResult, DSecClient, OutputChunk
+from .client.aio import AsyncClient, CommandResult, DSecClient, OutputChunk
 from .client.aio import OutputStream as AsyncOutputStream
 from .client.aio import Process as AsyncProcess
 from .client.aio import Replay as AsyncReplay
 from .client.aio import Sandbox as AsyncSandbox
+from .client.aio import Session as AsyncSession
 from .client.errors import (CapacityExhausted, CommandTimeout, DelegationExceeded, DSecError,
                             FileNotFound, Forbidden, ImageBuildError, ImageNotFound,
                             InvalidRequest, NotSupported, PayloadTooLarge, ProcessNotFound,
@@ -22,11 +24,12 @@ from .client.fn import CodeResult
 from .client.models import (FileEntry, ProcessInfo, SandboxInfo, StepDiff, StepRecord,
                             TrajectoryInfo)
 from .client.models import NetworkPolicy
-from .client.sync import Client, OutputStream, Process, Replay, Sandbox
+from .client.sync import Client, OutputStream, Process, Replay, Sandbox, Session
 
 __all__ = [
-    "DSecClient", "AsyncSandbox", "AsyncProcess", "AsyncOutputStream", "OutputChunk",
-    "CommandResult", "Client", "Sandbox", "Process", "OutputStream", "FileEntry", "ProcessInfo",
+    "AsyncClient", "DSecClient", "AsyncSandbox", "AsyncProcess", "AsyncOutputStream",
+    "AsyncSession", "OutputChunk", "CommandResult", "Client", "Sandbox", "Process", "Session",
+    "OutputStream", "FileEntry", "ProcessInfo",
     "SandboxInfo", "DSecError", "CapacityExhausted", "CommandTimeout", "FileNotFound",
     "ImageBuildError", "ImageNotFound", "InvalidRequest", "NotSupported", "PayloadTooLarge",
     "ProcessNotFound",

@@ -14,7 +14,8 @@ import math
 import pytest
 
 from dsec.client.models import ExecRequest
-from dsec.trajectory.digest import StepRequest, call_request, canonical_json, exec_model, exec_request
+from dsec.protocol.ops import BY_STEP
+from dsec.trajectory.digest import StepRequest, call_arguments, canonical_json, step
 
 
 def sha256(data: bytes) -> str:
@@ -52,8 +53,8 @@ def test_the_payload_enters_as_its_sha256_and_size() -> None:
 
 
 def test_a_path_is_digested_as_the_client_wrote_it() -> None:
-    assert call_request("read", path="a.txt").digest != call_request("read", path="/work/a.txt").digest
-    assert call_request("read", path="a.txt").params == {"path": "a.txt"}
+    assert step("read_file", path="a.txt").digest != step("read_file", path="/work/a.txt").digest
+    assert step("read_file", path="a.txt").params == {"path": "a.txt"}
 
 
 def test_non_ascii_text_is_kept_as_utf8() -> None:
@@ -80,28 +81,28 @@ def test_an_exec_request_round_trips_with_stdin_as_the_payload() -> None:
     request = ExecRequest(command=["python3", "-c", "print(1)"], env={"A": "é"}, cwd="/work/x",
                           stdin_b64=base64.b64encode(b"\x00input\xff").decode(), timeout_s=5,
                           max_output_bytes=1000, session="s1")
-    step = exec_request("exec", request)
-    assert step.op == "exec"
-    assert step.payload == b"\x00input\xff"
-    assert "stdin_b64" not in step.params
-    assert step.params["command"] == ["python3", "-c", "print(1)"] and step.params["session"] == "s1"
-    assert exec_model(step) == request
+    logged = step("run", req=request)
+    assert logged.op == "exec"
+    assert logged.payload == b"\x00input\xff"
+    assert "stdin_b64" not in logged.params
+    assert logged.params["command"] == ["python3", "-c", "print(1)"] and logged.params["session"] == "s1"
+    assert call_arguments(BY_STEP["exec"], logged) == {"req": request}
 
     without_stdin = ExecRequest(command="true")
-    step = exec_request("start", without_stdin)
-    assert step.payload is None and step.op == "start"
-    assert exec_model(step) == without_stdin
+    logged = step("start_process", req=without_stdin)
+    assert logged.payload is None and logged.op == "start"
+    assert call_arguments(BY_STEP["start"], logged) == {"req": without_stdin}
 
 
 def test_defaults_filled_in_by_the_wire_model_are_part_of_the_call() -> None:
     # The request is digested after the model filled in its defaults: leaving a default out
     # or spelling it is the same call; another value is not.
-    assert exec_request("exec", ExecRequest(command="true")).digest == \
-        exec_request("exec", ExecRequest(command="true", timeout_s=60.0)).digest
-    assert exec_request("exec", ExecRequest(command="true")).digest != \
-        exec_request("exec", ExecRequest(command="true", timeout_s=61.0)).digest
-    assert exec_request("exec", ExecRequest(command="true")).digest != \
-        exec_request("start", ExecRequest(command="true")).digest
+    assert step("run", req=ExecRequest(command="true")).digest == \
+        step("run", req=ExecRequest(command="true", timeout_s=60.0)).digest
+    assert step("run", req=ExecRequest(command="true")).digest != \
+        step("run", req=ExecRequest(command="true", timeout_s=61.0)).digest
+    assert step("run", req=ExecRequest(command="true")).digest != \
+        step("start_process", req=ExecRequest(command="true")).digest
     stdin = base64.b64encode(b"x").decode()
-    assert exec_request("exec", ExecRequest(command="cat", stdin_b64=stdin)).digest != \
-        exec_request("exec", ExecRequest(command="cat")).digest
+    assert step("run", req=ExecRequest(command="cat", stdin_b64=stdin)).digest != \
+        step("run", req=ExecRequest(command="cat")).digest

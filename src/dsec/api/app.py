@@ -7,6 +7,9 @@ error's status. Streams (exec output, process attach) are NDJSON: one JSON event
 or ``{"type": "error", "error": ...}``. Calls on a sandbox attached to a trajectory carry
 their step (``X-DSec-Step``) and are logged and fast-forwarded by ``dsec.trajectory.recorder``,
 which ``Router.edge_for`` puts in front of the edge.
+
+The sandbox routes are those of the table of operations (``dsec.protocol.ops``: method and
+path); tests/unit/test_operations.py checks that each of its operations has its route here.
 """
 
 from __future__ import annotations
@@ -142,7 +145,7 @@ def create_app(router: Router, store: StateStore, registry: CollectorRegistry) -
 
     @app.put("/v1/sandboxes/{sandbox_id}/ttl", dependencies=auth)
     async def set_ttl(sandbox_id: str, req: TtlRequest) -> SandboxInfo:
-        return router.owner(sandbox_id).set_ttl(sandbox_id, req.ttl_s)
+        return await router.owner(sandbox_id).set_ttl(sandbox_id, req.ttl_s)
 
     @app.put("/v1/sandboxes/{sandbox_id}/network", dependencies=auth)
     async def set_network(sandbox_id: str, req: NetworkRequest) -> SandboxInfo:
@@ -168,17 +171,17 @@ def create_app(router: Router, store: StateStore, registry: CollectorRegistry) -
     async def processes(sandbox_id: str, call: Call = Depends(call_of)) -> list[ProcessInfo]:
         return await router.edge_for(sandbox_id, call).processes(sandbox_id)
 
-    @app.get("/v1/sandboxes/{sandbox_id}/processes/{proc_id}/output", dependencies=auth,
+    @app.get("/v1/sandboxes/{sandbox_id}/processes/{process}/output", dependencies=auth,
              response_class=StreamingResponse)
-    async def attach(sandbox_id: str, proc_id: str,
+    async def attach(sandbox_id: str, process: str,
                      call: Call = Depends(call_of)) -> StreamingResponse:
-        return await _ndjson(router.edge_for(sandbox_id, call).attach(sandbox_id, proc_id))
+        return await _ndjson(router.edge_for(sandbox_id, call).attach(sandbox_id, process))
 
-    @app.post("/v1/sandboxes/{sandbox_id}/processes/{proc_id}/signal", dependencies=auth,
+    @app.post("/v1/sandboxes/{sandbox_id}/processes/{process}/signal", dependencies=auth,
               status_code=204)
-    async def signal(sandbox_id: str, proc_id: str, req: SignalRequest,
+    async def signal(sandbox_id: str, process: str, req: SignalRequest,
                      call: Call = Depends(call_of)) -> Response:
-        await router.edge_for(sandbox_id, call).signal(sandbox_id, proc_id, req.signal)
+        await router.edge_for(sandbox_id, call).signal(sandbox_id, process, req.signal)
         return Response(status_code=204)
 
     @app.get("/v1/sandboxes/{sandbox_id}/files", dependencies=auth,

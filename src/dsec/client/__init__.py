@@ -1,1 +1,2 @@
-"""The dsec SDK: async first (``DSecClient``), with a blocking facade (``Client``)."""
+"""The dsec SDK: async first (``AsyncClient``), with a blocking facade (``Client``) of the same
+methods and signatures."""

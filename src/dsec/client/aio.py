@@ -1,7 +1,7 @@
-"""The asyncio SDK: ``DSecClient`` creates sandboxes; a ``Sandbox`` runs commands and touches
-files; a ``Process`` is a background command.
+"""The asyncio SDK: ``AsyncClient`` (formerly ``DSecClient``) creates sandboxes; a ``Sandbox``
+runs commands and touches files; a ``Process`` is a background command.
 
-    async with dsec.DSecClient() as client:
+    async with dsec.AsyncClient() as client:
         sb = await client.create(image="python-3.11")
         r = await sb.run("python3 -c 'print(6*7)'")
         assert r.stdout == "42\\n"
@@ -18,19 +18,20 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Iterable, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Literal, TypedDict, TypeVar
 
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from ..trajectory.digest import StepRequest, call_request, exec_request
+from ..protocol.ops import BY_METHOD
+from ..trajectory.digest import StepRequest, step_request
 from ..trajectory.outcome import decode, output_chunks
 from . import archive
 from . import fn as fn_calls
 from .errors import CommandTimeout, DSecError, FileNotFound, InvalidRequest, ServerUnavailable
 from .models import (CreateRequest, ExecRequest, ExecResult, FileEntry, NetworkRequest, ProcessInfo,
-                     ReplayReport, ReplayRequest, SandboxInfo, StepDiff, StepPage, StepRecord,
-                     TrajectoryInfo, b64)
+                     ReplayReport, ReplayRequest, SandboxInfo, StepDiff, StepPage,
+                     StepRecord, TrajectoryInfo, b64)
 from .projects import Projects
 from .trajectory import Attachment, OnDivergence, check_on_divergence
 from .transport import Transport, retrying
@@ -72,6 +73,22 @@ class CommandResult:
                    timed_out=r.timed_out, oom_killed=r.oom_killed, duration_ms=r.duration_ms)
 
 
+class CreateOptions(TypedDict, total=False):
+    """The keywords of ``create`` that ``create_many`` passes on to each create."""
+
+    substrate: str
+    image: str
+    cpu: float
+    memory_mb: int
+    pids: int
+    disk_mb: int
+    ttl_s: int
+    network: Any
+    env: dict[str, str]
+    runtime: str
+    labels: dict[str, str]
+
+
 @dataclass(frozen=True)
 class OutputChunk:
     stream: Literal["stdout", "stderr"]
@@ -81,6 +98,9 @@ class OutputChunk:
     def text(self) -> str:
         return self.data.decode("utf-8", errors="replace")
 
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 M = TypeVar("M", bound=BaseModel)
 V = TypeVar("V")
@@ -103,6 +123,8 @@ def _timeout_error(result: CommandResult, timeout_s: float | None) -> CommandTim
 
 class OutputStream:
     """Iterate for output chunks as they arrive; ``result`` holds the outcome afterwards."""
+
+    result: CommandResult | None
 
     def __init__(self, events: AsyncIterator[dict[str, Any]], timeout_s: float | None) -> None:
         self._events = events
@@ -144,15 +166,14 @@ class Process:
 
     def stream(self) -> OutputStream:
         """Everything the process printed from its start, then live output until it ends."""
-        return OutputStream(self.sandbox._events(lambda: call_request("output", process=self.id), "GET",
-                                                 f"/processes/{self.id}/output"), None)
+        return OutputStream(self.sandbox._events("attach", {"process": self.id}), None)
 
     async def wait(self) -> CommandResult:
         return await self.stream().wait()
 
     async def signal(self, sig: int) -> None:
-        await self.sandbox._call(lambda: call_request("signal", process=self.id, signal=sig), "POST",
-                                 f"/processes/{self.id}/signal", _none, json={"signal": sig})
+        await self.sandbox._call("signal", {"process": self.id, "signal": sig}, _none,
+                                 json={"signal": sig})
 
     async def kill(self) -> None:
         await self.signal(9)
@@ -165,11 +186,19 @@ class Session:
         self.sandbox = sandbox
         self.name = name
 
-    async def run(self, command: str, **kwargs: Any) -> CommandResult:
-        return await self.sandbox.run(command, session=self.name, **kwargs)
+    async def run(self, command: str | list[str], *, cwd: str | None = None,
+                  stdin: bytes | str | None = None, timeout_s: float | None = 60.0,
+                  max_output_bytes: int | None = None) -> CommandResult:
+        """``Sandbox.run`` in this session (its environment is the session's)."""
+        return await self.sandbox.run(command, cwd=cwd, stdin=stdin, timeout_s=timeout_s,
+                                      max_output_bytes=max_output_bytes, session=self.name)
 
-    def stream(self, command: str, **kwargs: Any) -> OutputStream:
-        return self.sandbox.stream(command, session=self.name, **kwargs)
+    def stream(self, command: str | list[str], *, cwd: str | None = None,
+               stdin: bytes | str | None = None, timeout_s: float | None = 60.0,
+               max_output_bytes: int | None = None) -> OutputStream:
+        """``Sandbox.stream`` in this session."""
+        return self.sandbox.stream(command, cwd=cwd, stdin=stdin, timeout_s=timeout_s,
+                                   max_output_bytes=max_output_bytes, session=self.name)
 
 
 class Sandbox:
@@ -177,12 +206,14 @@ class Sandbox:
     is numbered (``next_step``), logged by the server, and answered from the log when it
     repeats the logged call at its step (``fast_forwarded`` counts those)."""
 
+    id: str  # changes when its trajectory forks into a new sandbox
+    info: SandboxInfo
+
     def __init__(self, transport: Transport, info: SandboxInfo,
                  attachment: Attachment | None = None) -> None:
         self._t = transport
         self.info = info
         self.id = info.id
-        self._path = f"/v1/sandboxes/{info.id}"
         self._attachment = attachment
 
     def __repr__(self) -> str:
@@ -213,38 +244,46 @@ class Sandbox:
     def generation(self) -> int | None:
         return self._attachment.generation if self._attachment else None
 
-    async def _call(self, request: Callable[[], StepRequest], method: str, suffix: str,
+    def _route(self, operation: str, arguments: dict[str, Any]) -> tuple[str, str]:
+        """The HTTP method and path of a call of ``operation`` (an edge method of the table
+        of operations) on this sandbox (its id changes when its trajectory forks)."""
+        verb, template = BY_METHOD[operation].http
+        return verb, template.format(sandbox_id=self.id, **arguments)
+
+    async def _call(self, operation: str, arguments: dict[str, Any],
                     parse: Callable[[httpx.Response], V], **kwargs: Any) -> V:
-        """One call: plain, or numbered and fast-forwarded for an attached sandbox.
-        ``request`` makes the call's StepRequest, when it is needed to match the log."""
+        """One call of ``operation`` with ``arguments`` (every parameter of the table's
+        entry, by name; ``kwargs`` are the HTTP request's body and query): plain, or
+        numbered and fast-forwarded for an attached sandbox."""
         attachment = self._attachment
         if attachment is None:
-            return parse(await self._t.request(method, self._path + suffix, **kwargs))
+            return parse(await self._t.request(*self._route(operation, arguments), **kwargs))
         step = attachment.take_step()
+        request = _step_request(operation, arguments)
         if attachment.may_be_logged(step):
             logged = await attachment.logged_outcome(step, request, self._page)
             if logged is not None:
                 return decode(logged.op, logged.outcome, _no_blobs)
         headers = attachment.headers(step)
-        response = await retrying(
-            attachment.retry_s, lambda: self._t.request(method, self._path + suffix, headers=headers, **kwargs))
+        response = await retrying(attachment.retry_s, lambda: self._t.request(
+            *self._route(operation, arguments), headers=headers, **kwargs))
         self._observe(response)
         return parse(response)
 
-    def _events(self, request: Callable[[], StepRequest], method: str, suffix: str,
+    def _events(self, operation: str, arguments: dict[str, Any],
                 **kwargs: Any) -> AsyncIterator[dict[str, Any]]:
-        """NDJSON events of a stream; for an attached sandbox the step is taken now, at the
-        call, not when iteration starts."""
+        """NDJSON events of a stream operation; for an attached sandbox the step is taken
+        now, at the call, not when iteration starts."""
         attachment = self._attachment
         if attachment is None:
-            return self._t.ndjson(method, self._path + suffix, **kwargs)
-        return self._attached_events(attachment, attachment.take_step(), request, method,
-                                     suffix, kwargs)
+            return self._t.ndjson(*self._route(operation, arguments), **kwargs)
+        return self._attached_events(attachment, attachment.take_step(), operation, arguments,
+                                     kwargs)
 
-    async def _attached_events(self, attachment: Attachment, step: int,
-                               request: Callable[[], StepRequest],
-                               method: str, suffix: str,
+    async def _attached_events(self, attachment: Attachment, step: int, operation: str,
+                               arguments: dict[str, Any],
                                kwargs: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        request = _step_request(operation, arguments)
         logged = await attachment.logged_outcome(step, request, self._page)
         if logged is not None:
             result: ExecResult = decode(logged.op, logged.outcome, _no_blobs)
@@ -259,7 +298,7 @@ class Sandbox:
         while True:  # retried with the same step while nothing has been received
             received = False
             try:
-                async for event in self._t.ndjson(method, self._path + suffix, headers=headers,
+                async for event in self._t.ndjson(*self._route(operation, arguments), headers=headers,
                                                   on_response=self._observe, **kwargs):
                     received = True
                     yield event
@@ -282,7 +321,6 @@ class Sandbox:
         sandbox_id = self._attachment.observe(response.headers)
         if sandbox_id and sandbox_id != self.id:  # the trajectory forked into a new sandbox
             self.id = sandbox_id
-            self._path = f"/v1/sandboxes/{sandbox_id}"
             self.info = self.info.model_copy(update={"id": sandbox_id, "state": "running",
                                                      "reason": None})
 
@@ -303,7 +341,7 @@ class Sandbox:
         """Run a command to completion. A string runs under dsec's ``/.dsec/bin/sh -c``; a list
         is an argv. Raises ``CommandTimeout`` (with ``.result`` holding partial output) on timeout."""
         req = self._exec_request(command, env, cwd, stdin, timeout_s, max_output_bytes, session)
-        wire = await self._call(lambda: exec_request("exec", req), "POST", "/exec", _exec_result,
+        wire = await self._call("run", {"req": req}, _exec_result,
                                 json=req.model_dump(exclude_unset=True))
         result = CommandResult.from_wire(wire)
         if wire.timed_out:
@@ -316,7 +354,7 @@ class Sandbox:
                session: str | None = None) -> OutputStream:
         """Run a command and iterate over its output as it arrives."""
         req = self._exec_request(command, env, cwd, stdin, timeout_s, max_output_bytes, session)
-        return OutputStream(self._events(lambda: exec_request("exec", req), "POST", "/exec/stream",
+        return OutputStream(self._events("stream", {"req": req},
                                          json=req.model_dump(exclude_unset=True)), timeout_s)
 
     async def start(self, command: str | list[str], *, env: dict[str, str] | None = None,
@@ -324,36 +362,33 @@ class Sandbox:
                     timeout_s: float | None = None, max_output_bytes: int | None = None) -> Process:
         """Start a command in the background and return at once."""
         req = self._exec_request(command, env, cwd, stdin, timeout_s, max_output_bytes, None)
-        info = await self._call(lambda: exec_request("start", req), "POST", "/processes",
-                                _model(ProcessInfo), json=req.model_dump(exclude_unset=True))
+        info = await self._call("start_process", {"req": req}, _model(ProcessInfo),
+                                json=req.model_dump(exclude_unset=True))
         return Process(self, info)
 
     async def processes(self) -> list[ProcessInfo]:
-        return await self._call(lambda: call_request("processes"), "GET", "/processes",
-                                _models(ProcessInfo))
+        return await self._call("processes", {}, _models(ProcessInfo))
 
     def session(self, name: str) -> Session:
         return Session(self, name)
 
     # files
     async def read_file(self, path: str) -> bytes:
-        return await self._call(lambda: call_request("read", path=path), "GET", "/files", _content,
-                                params={"path": path})
+        return await self._call("read_file", {"path": path}, _content, params={"path": path})
 
     async def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644,
                          append: bool = False) -> None:
         content = data.encode() if isinstance(data, str) else data
-        await self._call(lambda: call_request("write", content, path=path, mode=mode, append=append),
-                         "PUT", "/files", _none, content=content,
+        await self._call("write_file", {"path": path, "data": content, "mode": mode,
+                                        "append": append}, _none, content=content,
                          params={"path": path, "mode": mode, "append": append})
 
     async def list_files(self, path: str = "/work") -> list[FileEntry]:
-        return await self._call(lambda: call_request("list", path=path), "GET", "/dirs",
-                                _models(FileEntry), params={"path": path})
+        return await self._call("list_dir", {"path": path}, _models(FileEntry),
+                                params={"path": path})
 
     async def stat(self, path: str) -> FileEntry:
-        return await self._call(lambda: call_request("stat", path=path), "GET", "/stat",
-                                _model(FileEntry), params={"path": path})
+        return await self._call("stat", {"path": path}, _model(FileEntry), params={"path": path})
 
     async def exists(self, path: str) -> bool:
         try:
@@ -363,12 +398,12 @@ class Sandbox:
         return True
 
     async def remove(self, path: str, *, recursive: bool = False) -> None:
-        await self._call(lambda: call_request("remove", path=path, recursive=recursive), "DELETE",
-                         "/files", _none, params={"path": path, "recursive": recursive})
+        await self._call("remove", {"path": path, "recursive": recursive}, _none,
+                         params={"path": path, "recursive": recursive})
 
     async def mkdir(self, path: str, *, parents: bool = True) -> None:
-        await self._call(lambda: call_request("mkdir", path=path, parents=parents), "POST", "/dirs",
-                         _none, params={"path": path, "parents": parents})
+        await self._call("mkdir", {"path": path, "parents": parents}, _none,
+                         params={"path": path, "parents": parents})
 
     async def upload(self, local: str | Path, remote_dir: str) -> None:
         """Copy a local file or directory into ``remote_dir`` (created if missing) as one tar."""
@@ -381,8 +416,8 @@ class Sandbox:
             else:
                 tar.add(local, arcname=local.name)
         await self.mkdir(remote_dir, parents=True)
-        await self._call(lambda: call_request("upload", buf.getvalue(), path=remote_dir), "PUT",
-                         "/archive", _none, content=buf.getvalue(), params={"path": remote_dir})
+        await self._call("upload_tar", {"path": remote_dir, "tar": buf.getvalue()}, _none,
+                         content=buf.getvalue(), params={"path": remote_dir})
 
     async def download(self, remote_dir: str, local_dir: str | Path, *,
                        max_bytes: int = archive.DEFAULT_MAX_BYTES,
@@ -390,19 +425,19 @@ class Sandbox:
         """Copy the contents of ``remote_dir`` into ``local_dir``. The archive is sandbox-made:
         each member is checked and created under ``local_dir`` only (see ``client/archive.py``);
         ``UnsafeArchive`` if one would land outside, or past ``max_bytes``/``max_members``."""
-        data = await self._call(lambda: call_request("download", path=remote_dir), "GET", "/archive",
-                                _content, params={"path": remote_dir})
+        data = await self._call("download_tar", {"path": remote_dir}, _content,
+                                params={"path": remote_dir})
         await asyncio.to_thread(archive.extract, data, local_dir, max_bytes=max_bytes,
                                 max_members=max_members)
 
     # lifecycle
     async def refresh(self) -> SandboxInfo:
-        self.info = SandboxInfo.model_validate(await self._t.json("GET", self._path))
+        self.info = SandboxInfo.model_validate(await self._t.json("GET", f"/v1/sandboxes/{self.id}"))
         return self.info
 
     async def set_ttl(self, ttl_s: int) -> SandboxInfo:
         self.info = SandboxInfo.model_validate(
-            await self._t.json("PUT", f"{self._path}/ttl", json={"ttl_s": ttl_s}))
+            await self._t.json(*self._route("set_ttl", {}), json={"ttl_s": ttl_s}))
         return self.info
 
     async def set_network(self, network: Any) -> SandboxInfo:
@@ -411,11 +446,11 @@ class Sandbox:
         error the previous policy stays."""
         req = _validated(NetworkRequest, network=network)
         self.info = SandboxInfo.model_validate(
-            await self._t.json("PUT", f"{self._path}/network", json=req.model_dump()))
+            await self._t.json(*self._route("set_network", {}), json=req.model_dump()))
         return self.info
 
     async def stop(self) -> None:
-        await self._t.request("DELETE", self._path)
+        await self._t.request(*self._route("stop", {}))
 
 
 def _exec_result(response: httpx.Response) -> ExecResult:
@@ -436,6 +471,11 @@ def _content(response: httpx.Response) -> bytes:
 
 def _none(response: httpx.Response) -> None:
     return None
+
+
+def _step_request(operation: str, arguments: dict[str, Any]) -> Callable[[], StepRequest]:
+    """The call's StepRequest, made when it is needed to match the log."""
+    return lambda: step_request(BY_METHOD[operation], arguments)
 
 
 def _no_blobs(sha256: str) -> bytes:
@@ -462,8 +502,9 @@ class Replay:
         return next((s for s in self.steps if not s.same), None)
 
 
-class DSecClient:
-    """The entry point. With no arguments it uses this host's local dsec server."""
+class AsyncClient:
+    """The entry point of the asyncio SDK. With no arguments it uses this host's local dsec
+    server. ``dsec.Client`` is its blocking twin; ``DSecClient`` is its former name."""
 
     def __init__(self, url: str | None = None, api_key: str | None = None, *,
                  timeout_s: float = 600.0, autostart: bool = True, retry_s: float = 30.0) -> None:
@@ -472,7 +513,7 @@ class DSecClient:
         self._t = Transport(url, api_key, timeout_s, autostart)
         self._retry_s = retry_s
 
-    async def __aenter__(self) -> DSecClient:
+    async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -482,22 +523,34 @@ class DSecClient:
         await self._t.aclose()
 
     async def create(self, substrate: str = "container", image: str = "debian-minbase", *,
-                     trajectory: str | None = None, on_divergence: OnDivergence = "raise",
-                     idempotency_key: str | None = None, **options: Any) -> Sandbox:
-        """Start a sandbox. Options: cpu, memory_mb, pids, ttl_s, network, env, runtime, labels.
-        With ``trajectory``, every call of the sandbox is logged under that new trajectory id
-        (``TrajectoryExists`` if it is taken), to be resumed after a preemption.
+                     cpu: float | None = None, memory_mb: int | None = None,
+                     pids: int | None = None, disk_mb: int | None = None,
+                     ttl_s: int | None = None, network: Any = None,
+                     env: dict[str, str] | None = None, runtime: str | None = None,
+                     labels: dict[str, str] | None = None, trajectory: str | None = None,
+                     on_divergence: OnDivergence = "raise",
+                     idempotency_key: str | None = None) -> Sandbox:
+        """Start a sandbox of ``image`` on ``substrate`` (``container``, ``fn``, ``microvm``,
+        ``vm``). An option left None takes the server's default (see ``CreateRequest``):
+        ``cpu`` (1.0), ``memory_mb`` (512), ``pids`` (512), ``disk_mb`` (1024), ``ttl_s``
+        (600, counted from when it runs), ``network`` (``"none"``, or a policy such as
+        ``{"pypi": True, "allow": ["10.1.2.3:443"]}``), ``env``, ``runtime`` (the edge's),
+        ``labels``. With ``trajectory``, every call of the sandbox is logged under that new
+        trajectory id (``TrajectoryExists`` if it is taken), to be resumed after a preemption.
 
         The create carries an ``Idempotency-Key`` (``idempotency_key``, else a fresh one) and
         is retried with it for ``retry_s`` while the server cannot be reached or the
         connection drops: a retry gets the sandbox the cut request made, never a second one.
         Pass your own key to make a create you repeat yourself (after a crash) idempotent."""
         check_on_divergence(on_divergence)
-        req = _validated(CreateRequest, substrate=substrate, image=image, trajectory=trajectory,
-                         **options)
+        options = {name: value for name, value in dict(
+            cpu=cpu, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb, ttl_s=ttl_s,
+            network=network, env=env, runtime=runtime, labels=labels,
+            trajectory=trajectory).items() if value is not None}
+        req = _validated(CreateRequest, substrate=substrate, image=image, **options)
         headers = {"Idempotency-Key": idempotency_key or str(uuid.uuid4())}
         info = SandboxInfo.model_validate(await retrying(self._retry_s, lambda: self._t.json(
-            "POST", "/v1/sandboxes", json=req.model_dump(exclude_unset=True), headers=headers)))
+            *BY_METHOD["create"].http, json=req.model_dump(exclude_unset=True), headers=headers)))
         attachment = None if trajectory is None else Attachment(
             trajectory, on_divergence, generation=1, retry_s=self._retry_s)
         return Sandbox(self._t, info, attachment)
@@ -567,8 +620,9 @@ class DSecClient:
 
     async def create_many(self, n: int, *, concurrency: int = 32,
                           idempotency_key: str | None = None,
-                          **options: Any) -> list[Sandbox | DSecError]:
-        """Start ``n`` sandboxes, at most ``concurrency`` at a time. Returns one entry per
+                          **options: Unpack[CreateOptions]) -> builtins.list[Sandbox | DSecError]:
+        """Start ``n`` sandboxes (``options`` as for ``create``; no trajectory: each would
+        need its own), at most ``concurrency`` at a time. Returns one entry per
         sandbox in order: the Sandbox, or the typed error that stopped it. Each create has its
         own key; with ``idempotency_key``, sandbox ``i``'s is ``f"{idempotency_key}-{i}"``, so
         repeating the whole call gets the same ``n`` sandboxes."""
@@ -582,7 +636,7 @@ class DSecClient:
                 except DSecError as exc:
                     return exc
 
-        return list(await asyncio.gather(*(one(i) for i in range(n))))
+        return builtins.list(await asyncio.gather(*(one(i) for i in range(n))))
 
     async def get(self, sandbox_id: str) -> Sandbox:
         info = await self._t.json("GET", f"/v1/sandboxes/{sandbox_id}")
@@ -634,3 +688,6 @@ class DSecClient:
         fn_calls.check_substrate(substrate)
         return await fn_calls.map_calls(self._t, fn, items, concurrency, image, timeout_s,
                                         return_exceptions, trusted_result)
+
+
+DSecClient = AsyncClient  # the former name, kept working

@@ -2,7 +2,28 @@
 
 Every error has a stable ``code`` and an HTTP status; the server serialises an error as
 ``{"error": {"code": ..., "message": ..., "details": {...}}}`` and the SDK raises the
-matching class again, so a caller never has to parse messages.
+matching class again, so a caller never has to parse messages. ``details`` holds the
+specifics (a path, a sandbox id, a quota).
+
+The tree (catch ``DSecError`` for all of them)::
+
+    DSecError (internal, 500)
+    ├── InvalidRequest (400)            bad arguments; the server or the SDK refused them
+    ├── Unauthorized (401), Forbidden (403)
+    ├── not found (404): SandboxNotFound, ImageNotFound, ProcessNotFound, RouteNotFound,
+    │                    TrajectoryNotFound, ProjectNotFound,
+    │                    FileNotFound (also a builtin FileNotFoundError)
+    ├── CommandTimeout (408)            also a builtin TimeoutError
+    ├── conflicts (409): TrajectoryExists, TrajectoryDiverged > StepInterrupted,
+    │                    ProjectExists, DelegationExceeded
+    ├── SandboxDied (410)               the sandbox ended under the call (details: reason)
+    ├── refusals (413, 422, 429, 501, 503): PayloadTooLarge, IdempotencyKeyReused,
+    │       UnsafeArchive, QuotaExceeded, NotSupported, CapacityExhausted, ServerUnavailable
+    ├── fn calls (422): RemoteError (the function raised), ResultRefused (not plain data)
+    └── failures (500): SandboxError, ImageBuildError; MethodNotAllowed (405)
+
+Errors pickle (they cross Ray from a cluster edge to the API replica) and round-trip through
+``to_json``/``error_from_json``.
 """
 
 from __future__ import annotations
@@ -45,7 +66,10 @@ class ImageBuildError(DSecError):
     code, status = "image_build_failed", 500
 
 
-class FileNotFound(DSecError):
+class FileNotFound(DSecError, FileNotFoundError):
+    """No such file or directory in the sandbox (``details["path"]``); also a builtin
+    ``FileNotFoundError``, so ``except FileNotFoundError`` catches it."""
+
     code, status = "file_not_found", 404
 
 
@@ -75,7 +99,10 @@ class SandboxDied(DSecError):
     code, status = "sandbox_died", 410
 
 
-class CommandTimeout(DSecError):
+class CommandTimeout(DSecError, TimeoutError):
+    """A command or fn call ran past its ``timeout_s`` and was killed; also a builtin
+    ``TimeoutError``. From ``Sandbox.run``, ``.result`` holds the output it made."""
+
     code, status = "command_timeout", 408
 
 

@@ -76,16 +76,26 @@ class SyncProjects:
         self._call, self._async = call, projects
 
     def list(self) -> list[ProjectInfo]:
+        """The projects the client's key may see: its own and its descendants."""
         return self._call(self._async.list())
 
     def get(self, name: str) -> ProjectInfo:
+        """One project, with its quota and use."""
         return self._call(self._async.get(name))
 
-    def create(self, name: str, **kwargs: Any) -> ProjectInfo:
-        return self._call(self._async.create(name, **kwargs))
+    def create(self, name: str, *, parent: str | None = None, sandboxes: int = 0,
+               cpu: float = 0.0, memory_mb: int = 0) -> ProjectInfo:
+        """A child of ``parent`` (default: the key's project); its quota is delegated from
+        the parent's (``DelegationExceeded`` when the parent lacks the room)."""
+        return self._call(self._async.create(name, parent=parent, sandboxes=sandboxes, cpu=cpu,
+                                             memory_mb=memory_mb))
 
-    def set_quota(self, name: str, **kwargs: Any) -> ProjectInfo:
-        return self._call(self._async.set_quota(name, **kwargs))
+    def set_quota(self, name: str, *, sandboxes: int | None = None,
+                  cpu: float | None = None, memory_mb: int | None = None) -> ProjectInfo:
+        """Change a descendant's quota (what its parent delegates to it); None keeps a value."""
+        return self._call(self._async.set_quota(name, sandboxes=sandboxes, cpu=cpu,
+                                                memory_mb=memory_mb))
 
     def create_key(self, project: str, name: str) -> ProjectKey:
+        """A key of ``project``: it sees and creates that project's sandboxes only."""
         return self._call(self._async.create_key(project, name))

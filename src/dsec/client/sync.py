@@ -1,22 +1,46 @@
-"""The blocking facade: the same classes and method names as the async SDK, for scripts and
-for code that is not async. One background thread runs the event loop for a client and
-everything made from it."""
+"""The blocking facade: the same classes, methods and signatures as the async SDK
+(``dsec.AsyncClient``), for scripts and for code that is not async. One background thread runs
+the event loop for a client and everything made from it.
+
+Every method is written out with its signature and docstring, so an IDE and mypy see them;
+tests/unit/test_operations.py checks that each class here has exactly its async twin's public
+methods, with the same signatures.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import builtins
 import threading
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterable, AsyncIterator, Callable, Coroutine, Iterator, TypeVar
+from pathlib import Path
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    TypeVar,
+)
 
-from . import aio
-from .aio import CommandResult, OutputChunk
+from . import aio, archive
+from . import fn as fn_calls
+from .aio import CommandResult, CreateOptions, OutputChunk
 from .errors import DSecError
-from .models import FileEntry, ProcessInfo, SandboxInfo, StepDiff, StepRecord
+from .models import (
+    FileEntry,
+    ProcessInfo,
+    SandboxInfo,
+    StepDiff,
+    StepRecord,
+    TrajectoryInfo,
+)
 from .projects import SyncProjects
+from .trajectory import OnDivergence
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 T = TypeVar("T")
+V = TypeVar("V")
 
 
 class _Loop:
@@ -48,17 +72,9 @@ async def _next(chunks: AsyncIterator[T]) -> T:
     return await anext(chunks)
 
 
-def _blocking(name: str) -> Callable[..., Any]:
-    """A method that runs the wrapped async object's method of the same name to completion."""
-    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return self._loop.call(getattr(self._async, name)(*args, **kwargs))
-    method.__name__ = name
-    method.__doc__ = getattr(getattr(aio.Sandbox, name, None) or getattr(aio.DSecClient, name, None)
-                             or getattr(aio.Process, name), "__doc__", None)
-    return method
-
-
 class OutputStream:
+    """Iterate for output chunks as they arrive; ``result`` holds the outcome afterwards."""
+
     def __init__(self, loop: _Loop, stream: aio.OutputStream) -> None:
         self._loop, self._async = loop, stream
 
@@ -67,30 +83,70 @@ class OutputStream:
 
     @property
     def result(self) -> CommandResult | None:
+        """The finished command (None until the stream has ended)."""
         return self._async.result
 
-    wait = _blocking("wait")
+    def wait(self) -> CommandResult:
+        """Read the stream to its end; the finished command."""
+        return self._loop.call(self._async.wait())
 
 
 class Process:
+    """A command started in the background; its output is kept so it can be read again."""
+
     def __init__(self, loop: _Loop, process: aio.Process) -> None:
         self._loop, self._async = loop, process
         self.id, self.pid, self.command = process.id, process.pid, process.command
 
     def stream(self) -> OutputStream:
+        """Everything the process printed from its start, then live output until it ends."""
         return OutputStream(self._loop, self._async.stream())
 
-    wait = _blocking("wait")
-    signal = _blocking("signal")
-    kill = _blocking("kill")
+    def wait(self) -> CommandResult:
+        """Wait for the process to end; its whole output and exit."""
+        return self._loop.call(self._async.wait())
+
+    def signal(self, sig: int) -> None:
+        """Send signal ``sig`` to the process."""
+        self._loop.call(self._async.signal(sig))
+
+    def kill(self) -> None:
+        """SIGKILL the process."""
+        self._loop.call(self._async.kill())
+
+
+class Session:
+    """A named shell session: cwd and exported environment persist between its commands."""
+
+    def __init__(self, loop: _Loop, session: aio.Session) -> None:
+        self._loop, self._async = loop, session
+
+    def run(self, command: str | list[str], *, cwd: str | None = None,
+            stdin: bytes | str | None = None, timeout_s: float | None = 60.0,
+            max_output_bytes: int | None = None) -> CommandResult:
+        """``Sandbox.run`` in this session (its environment is the session's)."""
+        return self._loop.call(self._async.run(command, cwd=cwd, stdin=stdin, timeout_s=timeout_s,
+                                               max_output_bytes=max_output_bytes))
+
+    def stream(self, command: str | list[str], *, cwd: str | None = None,
+               stdin: bytes | str | None = None, timeout_s: float | None = 60.0,
+               max_output_bytes: int | None = None) -> OutputStream:
+        """``Sandbox.stream`` in this session."""
+        return OutputStream(self._loop, self._async.stream(
+            command, cwd=cwd, stdin=stdin, timeout_s=timeout_s, max_output_bytes=max_output_bytes))
 
 
 class Sandbox:
+    """A sandbox (blocking twin of ``dsec.AsyncSandbox``). Attached to a trajectory, each call
+    is numbered (``next_step``), logged by the server, and answered from the log when it
+    repeats the logged call at its step (``fast_forwarded`` counts those)."""
+
     def __init__(self, loop: _Loop, sandbox: aio.Sandbox) -> None:
         self._loop, self._async = loop, sandbox
 
     @property
-    def id(self) -> str:  # changes when its trajectory forks into a new sandbox
+    def id(self) -> str:
+        """The sandbox id (changes when its trajectory forks into a new sandbox)."""
         return self._async.id
 
     @property
@@ -103,10 +159,12 @@ class Sandbox:
 
     @property
     def next_step(self) -> int | None:
+        """The step number the next call gets (None when not attached)."""
         return self._async.next_step
 
     @property
     def fast_forwarded(self) -> int:
+        """Calls of this handle answered from the trajectory log instead of executed."""
         return self._async.fast_forwarded
 
     @property
@@ -122,87 +180,107 @@ class Sandbox:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def stream(self, command: str | list[str], **kwargs: Any) -> OutputStream:
-        return OutputStream(self._loop, self._async.stream(command, **kwargs))
+    # commands
+    def run(self, command: str | list[str], *, env: dict[str, str] | None = None,
+            cwd: str | None = None, stdin: bytes | str | None = None,
+            timeout_s: float | None = 60.0, max_output_bytes: int | None = None,
+            session: str | None = None) -> CommandResult:
+        """Run a command to completion. A string runs under dsec's ``/.dsec/bin/sh -c``; a list
+        is an argv. Raises ``CommandTimeout`` (with ``.result`` holding partial output) on timeout."""
+        return self._loop.call(self._async.run(
+            command, env=env, cwd=cwd, stdin=stdin, timeout_s=timeout_s,
+            max_output_bytes=max_output_bytes, session=session))
 
-    def start(self, command: str | list[str], **kwargs: Any) -> Process:
-        return Process(self._loop, self._loop.call(self._async.start(command, **kwargs)))
+    def stream(self, command: str | list[str], *, env: dict[str, str] | None = None,
+               cwd: str | None = None, stdin: bytes | str | None = None,
+               timeout_s: float | None = 60.0, max_output_bytes: int | None = None,
+               session: str | None = None) -> OutputStream:
+        """Run a command and iterate over its output as it arrives."""
+        return OutputStream(self._loop, self._async.stream(
+            command, env=env, cwd=cwd, stdin=stdin, timeout_s=timeout_s,
+            max_output_bytes=max_output_bytes, session=session))
 
-    run = _blocking("run")
-    processes = _blocking("processes")
-    read_file = _blocking("read_file")
-    write_file = _blocking("write_file")
-    list_files = _blocking("list_files")
-    stat = _blocking("stat")
-    exists = _blocking("exists")
-    remove = _blocking("remove")
-    mkdir = _blocking("mkdir")
-    upload = _blocking("upload")
-    download = _blocking("download")
-    refresh = _blocking("refresh")
-    set_ttl = _blocking("set_ttl")
-    set_network = _blocking("set_network")
-    stop = _blocking("stop")
+    def start(self, command: str | list[str], *, env: dict[str, str] | None = None,
+              cwd: str | None = None, stdin: bytes | str | None = None,
+              timeout_s: float | None = None, max_output_bytes: int | None = None) -> Process:
+        """Start a command in the background and return at once."""
+        return Process(self._loop, self._loop.call(self._async.start(
+            command, env=env, cwd=cwd, stdin=stdin, timeout_s=timeout_s,
+            max_output_bytes=max_output_bytes)))
 
+    def processes(self) -> builtins.list[ProcessInfo]:
+        """The sandbox's background processes, running and ended."""
+        return self._loop.call(self._async.processes())
 
-class Client:
-    """Blocking twin of ``DSecClient``."""
+    def session(self, name: str) -> Session:
+        """A named shell session: cwd and exported environment persist between its commands."""
+        return Session(self._loop, self._async.session(name))
 
-    def __init__(self, url: str | None = None, api_key: str | None = None, **kwargs: Any) -> None:
-        self._loop = _Loop()
-        self._async = self._loop.call(_make_client(url, api_key, kwargs))
+    # files
+    def read_file(self, path: str) -> bytes:
+        """The file's bytes (``FileNotFound`` if there is none)."""
+        return self._loop.call(self._async.read_file(path))
 
-    def __enter__(self) -> Client:
-        return self
+    def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644,
+                   append: bool = False) -> None:
+        """Write (or with ``append``, add to) a file; text is written as UTF-8."""
+        self._loop.call(self._async.write_file(path, data, mode=mode, append=append))
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def list_files(self, path: str = "/work") -> builtins.list[FileEntry]:
+        """The entries of a directory."""
+        return self._loop.call(self._async.list_files(path))
 
-    def close(self) -> None:
-        self._loop.call(self._async.aclose())
-        self._loop.close()
+    def stat(self, path: str) -> FileEntry:
+        """A file's type, size, mode and mtime (``FileNotFound`` if there is none)."""
+        return self._loop.call(self._async.stat(path))
 
-    def create(self, substrate: str = "container", image: str = "debian-minbase",
-               **options: Any) -> Sandbox:
-        return Sandbox(self._loop, self._loop.call(self._async.create(substrate, image, **options)))
+    def exists(self, path: str) -> bool:
+        """Whether ``path`` exists in the sandbox."""
+        return self._loop.call(self._async.exists(path))
 
-    def create_many(self, n: int, **options: Any) -> list[Sandbox | DSecError]:
-        made = self._loop.call(self._async.create_many(n, **options))
-        return [Sandbox(self._loop, s) if isinstance(s, aio.Sandbox) else s for s in made]
+    def remove(self, path: str, *, recursive: bool = False) -> None:
+        """Remove a file, or with ``recursive`` a directory tree."""
+        self._loop.call(self._async.remove(path, recursive=recursive))
 
-    def get(self, sandbox_id: str) -> Sandbox:
-        return Sandbox(self._loop, self._loop.call(self._async.get(sandbox_id)))
+    def mkdir(self, path: str, *, parents: bool = True) -> None:
+        """Make a directory (and its parents, unless ``parents=False``)."""
+        self._loop.call(self._async.mkdir(path, parents=parents))
 
-    def resume(self, trajectory: str, **kwargs: Any) -> Sandbox:
-        return Sandbox(self._loop, self._loop.call(self._async.resume(trajectory, **kwargs)))
+    def upload(self, local: str | Path, remote_dir: str) -> None:
+        """Copy a local file or directory into ``remote_dir`` (created if missing) as one tar."""
+        self._loop.call(self._async.upload(local, remote_dir))
 
-    def replay(self, trajectory: str, into: str = "new", **kwargs: Any) -> Replay:
-        done = self._loop.call(self._async.replay(trajectory, into, **kwargs))
-        return Replay(done.trajectory, done.generation, Sandbox(self._loop, done.sandbox),
-                      done.steps, done.attached_generation)
+    def download(self, remote_dir: str, local_dir: str | Path, *,
+                 max_bytes: int = archive.DEFAULT_MAX_BYTES,
+                 max_members: int = archive.DEFAULT_MAX_MEMBERS) -> None:
+        """Copy the contents of ``remote_dir`` into ``local_dir``, member by member under it
+        only (``UnsafeArchive`` otherwise, or past ``max_bytes``/``max_members``)."""
+        self._loop.call(self._async.download(remote_dir, local_dir, max_bytes=max_bytes,
+                                             max_members=max_members))
 
-    def trajectory_steps(self, trajectory: str,
-                         generation: int | None = None) -> builtins.list[StepRecord]:
-        return self._loop.call(self._async.trajectory_steps(trajectory, generation))
+    # lifecycle
+    def refresh(self) -> SandboxInfo:
+        """The sandbox's record, read again."""
+        return self._loop.call(self._async.refresh())
 
-    def export_trajectory(self, trajectory: str) -> Iterator[dict[str, Any]]:
-        return self._loop.iterate(self._async.export_trajectory(trajectory))
+    def set_ttl(self, ttl_s: int) -> SandboxInfo:
+        """Stop the sandbox ``ttl_s`` seconds from now (instead of when it was due)."""
+        return self._loop.call(self._async.set_ttl(ttl_s))
 
-    def projects(self) -> SyncProjects:
-        return SyncProjects(self._loop.call, self._async.projects())
+    def set_network(self, network: Any) -> SandboxInfo:
+        """Replace the sandbox's egress policy while it runs: ``"none"`` or a policy such as
+        ``{"pypi": True, "allow": ["10.1.2.3:443"]}``. Atomic: on error the previous stays."""
+        return self._loop.call(self._async.set_network(network))
 
-    list = _blocking("list")
-    health = _blocking("health")
-    call = _blocking("call")
-    run_code = _blocking("run_code")
-    map = _blocking("map")
-    trajectory = _blocking("trajectory")
-    trajectories = _blocking("trajectories")
+    def stop(self) -> None:
+        """Stop the sandbox and remove everything it had."""
+        self._loop.call(self._async.stop())
 
 
 @dataclass
 class Replay:
-    """Blocking twin of ``dsec.AsyncReplay``: ``steps``, ``differences``, ``sandbox``."""
+    """What a replay found (blocking twin of ``dsec.AsyncReplay``): one ``StepDiff`` per
+    replayed step, and the sandbox it ran in (yours to stop)."""
 
     trajectory: str
     generation: int
@@ -219,10 +297,144 @@ class Replay:
         return next((s for s in self.steps if not s.same), None)
 
 
-async def _make_client(url: str | None, api_key: str | None, kwargs: dict[str, Any]) -> aio.DSecClient:
+class Client:
+    """The entry point of the blocking SDK (twin of ``dsec.AsyncClient``). With no arguments
+    it uses this host's local dsec server."""
+
+    def __init__(self, url: str | None = None, api_key: str | None = None, *,
+                 timeout_s: float = 600.0, autostart: bool = True, retry_s: float = 30.0) -> None:
+        """``retry_s``: how long a call of an attached sandbox is retried (same step) while
+        the server cannot be reached."""
+        self._loop = _Loop()
+        self._async = self._loop.call(_make_client(url, api_key, timeout_s, autostart, retry_s))
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the connections and stop the client's event-loop thread."""
+        self._loop.call(self._async.aclose())
+        self._loop.close()
+
+    def _sandbox(self, sandbox: aio.Sandbox) -> Sandbox:
+        return Sandbox(self._loop, sandbox)
+
+    def create(self, substrate: str = "container", image: str = "debian-minbase", *,
+               cpu: float | None = None, memory_mb: int | None = None,
+               pids: int | None = None, disk_mb: int | None = None,
+               ttl_s: int | None = None, network: Any = None,
+               env: dict[str, str] | None = None, runtime: str | None = None,
+               labels: dict[str, str] | None = None, trajectory: str | None = None,
+               on_divergence: OnDivergence = "raise",
+               idempotency_key: str | None = None) -> Sandbox:
+        """Start a sandbox of ``image`` on ``substrate``; options left None take the server's
+        defaults (see ``AsyncClient.create``). With ``trajectory``, every call is logged under
+        that new trajectory id. Retried under one ``Idempotency-Key`` while the server cannot
+        be reached: never a second sandbox."""
+        return self._sandbox(self._loop.call(self._async.create(
+            substrate, image, cpu=cpu, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb,
+            ttl_s=ttl_s, network=network, env=env, runtime=runtime, labels=labels,
+            trajectory=trajectory, on_divergence=on_divergence, idempotency_key=idempotency_key)))
+
+    def create_many(self, n: int, *, concurrency: int = 32,
+                    idempotency_key: str | None = None,
+                    **options: Unpack[CreateOptions]) -> builtins.list[Sandbox | DSecError]:
+        """Start ``n`` sandboxes, at most ``concurrency`` at a time: one entry per sandbox in
+        order, the Sandbox or the typed error that stopped it."""
+        made = self._loop.call(self._async.create_many(
+            n, concurrency=concurrency, idempotency_key=idempotency_key, **options))
+        return [self._sandbox(s) if isinstance(s, aio.Sandbox) else s for s in made]
+
+    def resume(self, trajectory: str, *, on_divergence: OnDivergence = "raise",
+               prefetch: bool = True) -> Sandbox:
+        """The sandbox of a trajectory, attached from step 1: re-issued logged calls are
+        answered from the log (fast-forward), the first new one runs."""
+        return self._sandbox(self._loop.call(self._async.resume(
+            trajectory, on_divergence=on_divergence, prefetch=prefetch)))
+
+    def replay(self, trajectory: str, into: str = "new", *, upto: int | None = None,
+               generation: int | None = None, attach: bool = False,
+               on_divergence: OnDivergence = "raise") -> Replay:
+        """Re-execute a trajectory's logged calls into a fresh sandbox and report step by
+        step where the results differ; with ``attach`` the trajectory goes on there."""
+        done = self._loop.call(self._async.replay(trajectory, into, upto=upto, generation=generation,
+                                                  attach=attach, on_divergence=on_divergence))
+        return Replay(done.trajectory, done.generation, self._sandbox(done.sandbox),
+                      done.steps, done.attached_generation)
+
+    def trajectory(self, trajectory: str) -> TrajectoryInfo:
+        """A trajectory's record: its sandbox, generations and logged steps."""
+        return self._loop.call(self._async.trajectory(trajectory))
+
+    def trajectories(self, limit: int = 100) -> builtins.list[TrajectoryInfo]:
+        """The most recently created trajectories."""
+        return self._loop.call(self._async.trajectories(limit))
+
+    def trajectory_steps(self, trajectory: str,
+                         generation: int | None = None) -> builtins.list[StepRecord]:
+        """Every logged step of a generation (default: the current one), in order."""
+        return self._loop.call(self._async.trajectory_steps(trajectory, generation))
+
+    def export_trajectory(self, trajectory: str) -> Iterator[dict[str, Any]]:
+        """The provenance export, one JSON object per line: the trajectory, then its steps."""
+        return self._loop.iterate(self._async.export_trajectory(trajectory))
+
+    def get(self, sandbox_id: str) -> Sandbox:
+        """A handle on an existing sandbox (not attached to its trajectory)."""
+        return self._sandbox(self._loop.call(self._async.get(sandbox_id)))
+
+    def list(self) -> builtins.list[SandboxInfo]:
+        """The live sandboxes the client's key may see."""
+        return self._loop.call(self._async.list())
+
+    def health(self) -> dict[str, Any]:
+        """The server's health and its edges."""
+        return self._loop.call(self._async.health())
+
+    def projects(self) -> SyncProjects:
+        """Projects, quotas and project keys (see docs/PROJECTS.md)."""
+        return SyncProjects(self._loop.call, self._async.projects())
+
+    # fn substrate
+    def call(self, fn: Callable[..., V], *args: Any, substrate: str = "fn",
+             image: str = fn_calls.DEFAULT_IMAGE, timeout_s: float = 60.0,
+             kwargs: dict[str, Any] | None = None, trusted_result: bool = False) -> V:
+        """``fn(*args, **kwargs)`` in a fresh jailed worker of ``image``; its return value,
+        which must be plain data unless ``trusted_result`` (see ``AsyncClient.call``)."""
+        return self._loop.call(self._async.call(fn, *args, substrate=substrate, image=image,
+                                                timeout_s=timeout_s, kwargs=kwargs,
+                                                trusted_result=trusted_result))
+
+    def run_code(self, language: fn_calls.Language, code: str, *, stdin: str = "",
+                 image: str = fn_calls.DEFAULT_IMAGE, timeout_s: float = 10.0,
+                 max_output_bytes: int | None = None,
+                 substrate: str = "fn") -> fn_calls.CodeResult:
+        """Run a python, bash, c or cpp program with ``stdin``; a time-out is
+        ``result.timed_out``."""
+        return self._loop.call(self._async.run_code(
+            language, code, stdin=stdin, image=image, timeout_s=timeout_s,
+            max_output_bytes=max_output_bytes, substrate=substrate))
+
+    def map(self, fn: Callable[..., V], items: Iterable[Any], *, concurrency: int = 16,
+            substrate: str = "fn", image: str = fn_calls.DEFAULT_IMAGE,
+            timeout_s: float = 60.0, return_exceptions: bool = False,
+            trusted_result: bool = False) -> builtins.list[Any]:
+        """``[fn(item) for item in items]``, each in its own worker, ``concurrency`` at a
+        time, in order; with ``return_exceptions`` a failed item is its typed error."""
+        return self._loop.call(self._async.map(
+            fn, items, concurrency=concurrency, substrate=substrate, image=image,
+            timeout_s=timeout_s, return_exceptions=return_exceptions,
+            trusted_result=trusted_result))
+
+
+async def _make_client(url: str | None, api_key: str | None, timeout_s: float, autostart: bool,
+                       retry_s: float) -> aio.AsyncClient:
     """The async client is made on the loop thread, so its connections belong to that loop."""
-    return aio.DSecClient(url, api_key, **kwargs)
+    return aio.AsyncClient(url, api_key, timeout_s=timeout_s, autostart=autostart, retry_s=retry_s)
 
 
-__all__ = ["Client", "Sandbox", "Process", "OutputStream", "Replay", "CommandResult",
+__all__ = ["Client", "Sandbox", "Process", "Session", "OutputStream", "Replay", "CommandResult",
            "FileEntry", "ProcessInfo", "SandboxInfo"]

@@ -1,11 +1,11 @@
 """The edge of one Ray node, run as a Ray actor pinned to that node.
 
 The actor wraps the ordinary ``Edge`` (admission, lifecycle, reaper, recovery) and serves its
-methods to API replicas: ``call`` for request/response methods, ``stream`` (a streaming
-generator) for output chunks. Sandboxes are plain substrate sandboxes on the node, never Ray
-actors. The actor is named after its edge id, detached (it outlives the API replica that
-started it) and restarted by Ray on its node after a crash; the restarted edge adopts its
-sandboxes like a restarted single-node server.
+operations (the table in ``dsec.protocol.ops``) to API replicas: ``call`` for
+request/response methods, ``stream`` (a streaming generator) for output chunks. Sandboxes are
+plain substrate sandboxes on the node, never Ray actors. The actor is named after its edge
+id, detached (it outlives the API replica that started it) and restarted by Ray on its node
+after a crash; the restarted edge adopts its sandboxes like a restarted single-node server.
 """
 
 from __future__ import annotations
@@ -24,16 +24,15 @@ from ..client.errors import InvalidRequest
 from ..edge.edge import Edge, EdgeConfig
 from ..edge.metrics import EdgeMetrics
 from ..images.store import ImageStore
+from ..protocol.ops import OPERATIONS
 from ..store.sqlite import StateStore
 from ..substrates.registry import all_substrates
 from .orphans import reclaim_dead_edges
 
 CAPACITY_RESOURCE = "dsec_capacity"  # a node's own capacity: `ray start --resources '{"dsec_capacity": 64}'`
 IMAGES_TTL_S = 5.0
-CALLS = frozenset({"create", "stop", "set_ttl", "run", "start_process", "processes", "signal",
-                   "read_file", "write_file", "list_dir", "stat", "remove", "mkdir",
-                   "upload_tar", "download_tar"})
-STREAMS = frozenset({"stream", "attach"})
+CALLS = frozenset(op.method for op in OPERATIONS if op.kind == "call")  # served by ``call``
+STREAMS = frozenset(op.method for op in OPERATIONS if op.kind == "stream")  # by ``stream``
 
 
 @dataclass
@@ -102,14 +101,13 @@ class EdgeActor:
         if method not in CALLS:
             raise InvalidRequest(f"edge method {method!r} is not served")
         edge = await self._ready()
-        result = getattr(edge, method)(*args, **kwargs)
-        return await result if asyncio.iscoroutine(result) else result
+        return await getattr(edge, method)(*args, **kwargs)
 
-    async def stream(self, method: str, *args: Any) -> AsyncIterator[Any]:
+    async def stream(self, method: str, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
         if method not in STREAMS:
             raise InvalidRequest(f"edge stream {method!r} is not served")
         edge = await self._ready()
-        async for event in getattr(edge, method)(*args):
+        async for event in getattr(edge, method)(*args, **kwargs):
             yield event
 
     async def shutdown(self) -> None:

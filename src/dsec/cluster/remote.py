@@ -1,5 +1,6 @@
-"""An edge on another node as the API routes see it: the methods of ``Edge``, each a call to
-that node's edge actor; reads of a sandbox's record go to the shared state store.
+"""An edge on another node as the API routes see it: the operations of ``Edge`` (the table in
+``dsec.protocol.ops``), each a call to that node's edge actor; reads of a sandbox's record go
+to the shared state store.
 
 A call never outlives its node: it races the member's ``dead`` event (set when Ray's health
 checks declare the node dead), and an actor that died answers ``SandboxDied``.
@@ -9,14 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
 from ray.exceptions import (ActorDiedError, ActorUnavailableError, ActorUnschedulableError,
                             RayTaskError)
 
 from ..client.errors import DSecError, SandboxDied, SandboxError, SandboxNotFound
-from ..client.models import SandboxInfo
+from ..client.models import CreateRequest, SandboxInfo
 from ..edge.edge import sandbox_info
+from ..protocol.ops import Operation, derive_operations
 from ..store.sqlite import LIVE_STATES, SandboxRow, StateStore
 from .members import Member
 
@@ -30,7 +32,24 @@ def _unwrap(exc: BaseException) -> BaseException:
     return exc
 
 
+def _forwarded(op: Operation) -> Callable[..., Any]:
+    """RemoteEdge's method for ``op``: a call or a stream of the node's edge actor."""
+    if op.kind == "stream":
+        def stream(self: RemoteEdge, sandbox_id: str, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+            return self._stream(op.method, sandbox_id, *args, **kwargs)
+        return stream
+
+    async def call(self: RemoteEdge, sandbox_id: str, *args: Any, **kwargs: Any) -> Any:
+        return await self._call(op.method, sandbox_id, *args, **kwargs)
+    return call
+
+
+@derive_operations(_forwarded)
 class RemoteEdge:
+    """Every operation of the table (``dsec.protocol.ops``) forwarded to the node's edge
+    actor, but ``create`` (no sandbox yet) and ``set_ttl`` (kept in the shared store), which
+    are written out below."""
+
     def __init__(self, member: Member, store: StateStore,
                  on_dead: Callable[[str, str], None]) -> None:
         """``on_dead(edge, reason)``: called when a call finds the edge's actor gone for good."""
@@ -38,6 +57,9 @@ class RemoteEdge:
         self.id = member.edge
         self.store = store
         self.on_dead = on_dead
+
+    if TYPE_CHECKING:  # the table's methods, made when the class is (mypy cannot see them)
+        def __getattr__(self, name: str) -> Any: ...
 
     # what the routes read from the shared state store
     info = staticmethod(sandbox_info)
@@ -60,7 +82,7 @@ class RemoteEdge:
             raise SandboxNotFound(f"sandbox {sandbox_id} was {row.state}", sandbox_id=sandbox_id,
                                   state=row.state)
 
-    def set_ttl(self, sandbox_id: str, ttl_s: int) -> SandboxInfo:
+    async def set_ttl(self, sandbox_id: str, ttl_s: int) -> SandboxInfo:
         """Recorded in the store now; the edge's reaper learns it by a call sent in order."""
         self.require_live(sandbox_id)
         self.member.handle.call.remote("set_ttl", sandbox_id, ttl_s)
@@ -123,9 +145,10 @@ class RemoteEdge:
     async def _await(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return await self.member.handle.call.remote(method, *args, **kwargs)
 
-    async def _stream(self, method: str, sandbox_id: str, *args: Any) -> AsyncIterator[Any]:
+    async def _stream(self, method: str, sandbox_id: str, *args: Any,
+                      **kwargs: Any) -> AsyncIterator[Any]:
         refs = self.member.handle.stream.options(num_returns="streaming").remote(
-            method, sandbox_id, *args)
+            method, sandbox_id, *args, **kwargs)
         while True:
             try:
                 ref = await self._guarded(sandbox_id, refs.__anext__())
@@ -133,30 +156,9 @@ class RemoteEdge:
                 return
             yield await self._guarded(sandbox_id, _get(ref))
 
-    async def create(self, req: Any) -> SandboxInfo:
+    async def create(self, req: CreateRequest) -> SandboxInfo:
         return await self._guarded("(new)", self._await("create", req))
 
 
 async def _get(ref: Any) -> Any:
     return await ref
-
-
-def _call(method: str) -> Callable[..., Awaitable[Any]]:
-    async def call(self: RemoteEdge, sandbox_id: str, *args: Any, **kwargs: Any) -> Any:
-        return await self._call(method, sandbox_id, *args, **kwargs)
-    call.__name__ = method
-    return call
-
-
-def _stream(method: str) -> Callable[..., AsyncIterator[Any]]:
-    def stream(self: RemoteEdge, sandbox_id: str, *args: Any) -> AsyncIterator[Any]:
-        return self._stream(method, sandbox_id, *args)
-    stream.__name__ = method
-    return stream
-
-
-for _name in ("stop", "run", "start_process", "processes", "signal", "read_file", "write_file",
-              "list_dir", "stat", "remove", "mkdir", "upload_tar", "download_tar"):
-    setattr(RemoteEdge, _name, _call(_name))
-for _name in ("stream", "attach"):
-    setattr(RemoteEdge, _name, _stream(_name))

@@ -208,7 +208,7 @@ def create_e2b_app(router: Router, keys: Keys, templates: dict[str, str] | None 
         timeout = _int((await _json(request)).get("timeout"), "timeout")
         running(sandbox_id)
         try:
-            router.edge_for(sandbox_id).set_ttl(sandbox_id, min(max(timeout, 1), MAX_TIMEOUT_S))
+            await router.edge_for(sandbox_id).set_ttl(sandbox_id, min(max(timeout, 1), MAX_TIMEOUT_S))
         except (SandboxNotFound, SandboxDied):
             return _error(404, f"sandbox \"{sandbox_id}\" not found")
         return Response(status_code=204)
@@ -221,7 +221,7 @@ def create_e2b_app(router: Router, keys: Keys, templates: dict[str, str] | None 
         remaining = math.ceil(info.expires_at - time.time())
         if timeout > remaining:
             try:
-                info = router.edge_for(sandbox_id).set_ttl(sandbox_id, min(timeout, MAX_TIMEOUT_S))
+                info = await router.edge_for(sandbox_id).set_ttl(sandbox_id, min(timeout, MAX_TIMEOUT_S))
             except (SandboxNotFound, SandboxDied):
                 return _error(404, f"sandbox \"{sandbox_id}\" not found")
         return JSONResponse(created(info), status_code=200)

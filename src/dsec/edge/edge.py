@@ -1,5 +1,8 @@
 """The edge: one per host. Admission, lifecycle, and every call into a live sandbox.
 
+Its operations (``create``, ``run``, ``read_file``, ...) are the ones of the table in
+``dsec.protocol.ops``, with the table's signatures (tests/unit/test_operations.py checks).
+
 The edge is the only component that touches substrates. It keeps an in-memory table of live
 sandboxes (rebuilt from the state store after a restart) and turns substrate and agent
 failures into the SDK's typed errors: a call into a sandbox that died raises ``SandboxDied``
@@ -250,7 +253,7 @@ class Edge:
                     log.exception("sandbox end listener failed for %s", sandbox_id)
         self.store.event(state, sandbox_id, reason=reason)
 
-    def set_ttl(self, sandbox_id: str, ttl_s: int) -> SandboxInfo:
+    async def set_ttl(self, sandbox_id: str, ttl_s: int) -> SandboxInfo:
         live = self._get(sandbox_id)
         live.row.expires_at = time.time() + ttl_s
         self.store.set_expiry(sandbox_id, live.row.expires_at)
@@ -408,18 +411,18 @@ class Edge:
                             exit_code=p.exit_code, signal=p.signal or 0)
                 for p in procs]
 
-    async def attach(self, sandbox_id: str, proc_id: str) -> AsyncIterator[Output | ExecResult]:
+    async def attach(self, sandbox_id: str, process: str) -> AsyncIterator[Output | ExecResult]:
         live = self._get(sandbox_id)
         try:
-            async for event in live.agent.attach(proc_id):
+            async for event in live.agent.attach(process):
                 yield _result(event, b"", b"") if isinstance(event, Exit) else event
         except AgentUnavailable as exc:
             raise await self._agent_failed(live, exc) from None
         except AgentError as exc:
-            raise _process_error(proc_id)(exc) from None
+            raise _process_error(process)(exc) from None
 
-    async def signal(self, sandbox_id: str, proc_id: str, sig: int) -> None:
-        await self._call(sandbox_id, lambda a: a.signal(proc_id, sig), _process_error(proc_id))
+    async def signal(self, sandbox_id: str, process: str, signal: int) -> None:
+        await self._call(sandbox_id, lambda a: a.signal(process, signal), _process_error(process))
 
     # files
     async def read_file(self, sandbox_id: str, path: str) -> bytes:

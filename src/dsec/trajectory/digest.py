@@ -8,7 +8,7 @@ A request is digested as the client expressed it (after the wire model filled in
 canonical JSON (sorted keys, no spaces); the payload (file data, tar, stdin) enters as its
 SHA-256 and size, so digesting a large write costs one hash.
 
-Pure: the standard library and the wire models only.
+Pure: the standard library, the wire models and the table of operations only.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ import json
 from typing import Any
 
 from ..client.models import ExecRequest
+from ..protocol.ops import BY_METHOD, STEP_NAMES, STREAM_STEPS, Operation
 
-# Operations, as logged. ``exec`` covers both ``run`` and ``stream`` (one result, two ways of
-# receiving it); ``output`` is attaching to a background process.
-STREAM_OPS = frozenset({"exec", "output"})
-OPS = frozenset({"exec", "start", "processes", "output", "signal", "read", "write", "remove",
-                 "list", "mkdir", "stat", "download", "upload"})
+# Operations, as logged (the table's step names). ``exec`` covers both ``run`` and ``stream``
+# (one result, two ways of receiving it); ``output`` is attaching to a background process.
+STREAM_OPS = STREAM_STEPS
+OPS = STEP_NAMES
 
 
 def canonical_json(value: Any) -> str:
@@ -73,20 +73,32 @@ class StepRequest:
         return {"op": self.op, "params": self.params, "payload": self.payload_ref}
 
 
-def exec_request(op: str, req: ExecRequest) -> StepRequest:
-    """``exec`` (run or stream) or ``start``: the whole ExecRequest, stdin as the payload."""
-    params = req.model_dump(exclude={"stdin_b64"})
-    stdin = None if req.stdin_b64 is None else base64.b64decode(req.stdin_b64)
-    return StepRequest(op, params, stdin)
+def step_request(op: Operation, arguments: dict[str, Any]) -> StepRequest:
+    """The logged form of a call of ``op`` with ``arguments`` (every parameter, by name):
+    its parameters as the caller gave them, the payload parameter as the payload, and an
+    ExecRequest as its fields with its stdin as the payload."""
+    assert op.step is not None, f"{op.method} is not a trajectory step"
+    if op.exec_param is not None:
+        req: ExecRequest = arguments[op.exec_param]
+        stdin = None if req.stdin_b64 is None else base64.b64decode(req.stdin_b64)
+        return StepRequest(op.step, req.model_dump(exclude={"stdin_b64"}), stdin)
+    params = {p.name: arguments[p.name] for p in op.params if p.name != op.payload}
+    return StepRequest(op.step, params, None if op.payload is None else arguments[op.payload])
 
 
-def exec_model(request: StepRequest) -> ExecRequest:
-    """The ExecRequest a logged ``exec``/``start`` request was made from."""
-    stdin = None if request.payload is None else base64.b64encode(request.payload).decode()
-    return ExecRequest(**request.params, stdin_b64=stdin)
+def step(method: str, **arguments: Any) -> StepRequest:
+    """``step_request`` of the edge method ``method`` (the SDK's way to name a call)."""
+    return step_request(BY_METHOD[method], arguments)
 
 
-def call_request(op: str, payload: bytes | None = None, **params: Any) -> StepRequest:
-    """Any other call: its parameters by name (path, mode, append, recursive, parents,
-    process, signal), exactly as the route receives them."""
-    return StepRequest(op, params, payload)
+def call_arguments(op: Operation, request: StepRequest) -> dict[str, Any]:
+    """The inverse of ``step_request``: the keyword arguments of the edge call a logged
+    request was made from."""
+    if op.exec_param is not None:
+        stdin = None if request.payload is None else base64.b64encode(request.payload).decode()
+        return {op.exec_param: ExecRequest(**request.params, stdin_b64=stdin)}
+    arguments = dict(request.params)
+    if op.payload is not None:
+        arguments[op.payload] = request.payload or b""
+    return arguments
+

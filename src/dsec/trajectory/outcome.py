@@ -7,6 +7,8 @@ output operations the order of the output (``chunks``); or the typed error it ra
 ``REF`` is ``{"size": n, "b64": "..."}`` inline, or ``{"size": n, "sha256": "..."}`` for bytes
 kept in the blob area (see ``dsec.trajectory.log``). ``value`` is what the route answers, less
 its bytes: an ExecResult without stdout/stderr, a FileEntry, a ProcessInfo, lists of those.
+The codec is chosen by the result type the table of operations gives the step
+(``dsec.protocol.ops``): ExecResult, bytes, None, or a model or list of models.
 ``chunks`` are runs of ``[fd, length]`` of the output as it came (1 stdout, 2 stderr), so a
 fast-forwarded stream yields the output interleaved as it was the first time.
 
@@ -17,11 +19,14 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any, Callable, Iterator
 
+from pydantic import TypeAdapter
+
 from ..client.errors import ERRORS, DSecError
-from ..client.models import ExecResult, FileEntry, ProcessInfo, b64
-from .digest import STREAM_OPS
+from ..client.models import ExecResult, b64
+from ..protocol.ops import BY_STEP
 
 MAX_CHUNK_RUNS = 4096  # beyond this many runs, a stream's interleaving is not kept
 REPLAY_CHUNK = 1 << 20  # largest output event a fast-forwarded stream yields
@@ -39,17 +44,16 @@ class Outcome:
 
 def encode(op: str, value: Any, chunks: list[list[int]] | None = None) -> Outcome:
     """What an edge call returned, as an Outcome."""
-    if op in STREAM_OPS:
+    result = BY_STEP[op].result
+    if result is ExecResult:
         r: ExecResult = value
         return Outcome(r.model_dump(exclude={"stdout_b64", "stderr_b64"}),
                        {"stdout": r.stdout_bytes, "stderr": r.stderr_bytes}, chunks)
-    if op in ("read", "download"):
+    if result is bytes:
         return Outcome(None, {"data": value})
-    if op in ("list", "processes"):
-        return Outcome([v.model_dump() for v in value])
-    if op in ("stat", "start"):
-        return Outcome(value.model_dump())
-    return Outcome(None)
+    if result is None:
+        return Outcome(None)
+    return Outcome(_adapter(result).dump_python(value))
 
 
 def encode_error(exc: DSecError) -> Outcome:
@@ -62,20 +66,21 @@ def decode(op: str, outcome: dict[str, Any], load: Callable[[str], bytes]) -> An
     if "error" in outcome:
         raise error_of(outcome)
     data = {name: ref_bytes(ref, load) for name, ref in (outcome.get("bytes") or {}).items()}
-    value: Any = outcome.get("value")  # JSON whose shape is the operation's
-    if op in STREAM_OPS:
+    value: Any = outcome.get("value")
+    result = BY_STEP[op].result
+    if result is ExecResult:
         return ExecResult(**value, stdout_b64=b64(data["stdout"]), stderr_b64=b64(data["stderr"]))
-    if op in ("read", "download"):
+    if result is bytes:
         return data["data"]
-    if op == "list":
-        return [FileEntry.model_validate(v) for v in value]
-    if op == "processes":
-        return [ProcessInfo.model_validate(v) for v in value]
-    if op == "stat":
-        return FileEntry.model_validate(value)
-    if op == "start":
-        return ProcessInfo.model_validate(value)
-    return None
+    if result is None:
+        return None
+    return _adapter(result).validate_python(value)
+
+
+@cache
+def _adapter(result: Any) -> TypeAdapter[Any]:
+    """Encodes and decodes a model or a list of models."""
+    return TypeAdapter(result)
 
 
 def error_of(outcome: dict[str, Any]) -> DSecError:

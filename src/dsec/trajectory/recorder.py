@@ -1,8 +1,9 @@
 """Fast-forward and recording at the edge boundary.
 
 The router hands out a ``RecordedEdge`` instead of the ``Edge`` for a sandbox that is attached
-to a trajectory (``Recorder.wrap``); it has the edge's call methods, so routes do not know the
-difference, and a sandbox with no trajectory gets the bare edge (one dict lookup).
+to a trajectory (``Recorder.wrap``); it has the edge's operations (derived from the table in
+``dsec.protocol.ops``), so routes do not know the difference, and a sandbox with no
+trajectory gets the bare edge (one dict lookup).
 
 A call carries its position (``Call.step``, numbered by the SDK from 1 per attached handle).
 For the trajectory's current generation, at that step:
@@ -39,17 +40,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Coroutine, Literal
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Coroutine, Literal
 
 from ..agent.client import Output
 from ..client.errors import (DSecError, InvalidRequest, SandboxDied,
                              SandboxNotFound, StepInterrupted, TrajectoryDiverged,
                              TrajectoryExists)
-from ..client.models import (CreateRequest, ExecRequest, ExecResult, FileEntry,
-                             GenerationInfo, ProcessInfo, ReplayReport, ReplayRequest,
-                             SandboxInfo, StepDiff, TrajectoryInfo)
+from ..client.models import (CreateRequest, ExecResult, GenerationInfo, ReplayReport,
+                             ReplayRequest, SandboxInfo, StepDiff, TrajectoryInfo)
+from ..protocol.ops import Operation, bind, derive_operations
 from . import ops
-from .digest import STREAM_OPS, StepRequest, call_request, exec_request
+from .digest import STREAM_OPS, StepRequest, step_request
 from .log import StepRow, TrajectoryLog
 from .outcome import Outcome, decode, encode, encode_error, output_chunks
 from .replay import replay_rows
@@ -57,6 +58,7 @@ from .replay import replay_rows
 if TYPE_CHECKING:
     from ..api.routing import Router
     from ..edge.edge import Edge
+    from ..store.sqlite import SandboxRow
 
 log = logging.getLogger("dsec.trajectory")
 
@@ -432,10 +434,32 @@ class Recorder:
             return info, diffs
 
 
+def _recorded(op: Operation) -> Callable[..., Any]:
+    """The RecordedEdge's method for ``op``: a trajectory step is answered by the recorder
+    (logged, fast-forwarded); any other operation is the edge's own."""
+    if op.step is None:
+        async def direct(self: RecordedEdge, *args: Any, **kwargs: Any) -> Any:
+            return await getattr(self._edge, op.method)(*args, **kwargs)
+        return direct
+    if op.kind == "stream":
+        def stream(self: RecordedEdge, sandbox_id: str, *args: Any,
+                   **kwargs: Any) -> AsyncIterator[Output | ExecResult]:
+            return self._recorder.stream(self.trajectory, self.call,
+                                         step_request(op, bind(op, args, kwargs)))
+        return stream
+
+    async def call(self: RecordedEdge, sandbox_id: str, *args: Any, **kwargs: Any) -> Any:
+        return await self._recorder.call(self.trajectory, self.call,
+                                         step_request(op, bind(op, args, kwargs)))
+    return call
+
+
+@derive_operations(_recorded)
 class RecordedEdge:
-    """An edge as seen by a call on an attached sandbox: the same call methods, answered by
-    the recorder in the trajectory's current sandbox. Anything else (info, stop, ttl) is the
-    edge's own."""
+    """An edge as seen by a call on an attached sandbox: every operation of the table
+    (``dsec.protocol.ops``), those that are trajectory steps answered by the recorder in the
+    trajectory's current sandbox, the others (stop, ttl, network) the edge's own. There is
+    no fallback to the edge: an operation missing from the table is missing here."""
 
     def __init__(self, recorder: Recorder, edge: Edge, trajectory: str, call: Call) -> None:
         self._recorder = recorder
@@ -443,57 +467,15 @@ class RecordedEdge:
         self.trajectory = trajectory
         self.call = call
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._edge, name)
+    if TYPE_CHECKING:  # the table's methods, made when the class is (mypy cannot see them)
+        def __getattr__(self, name: str) -> Any: ...
 
-    async def _value(self, request: StepRequest) -> Any:
-        return await self._recorder.call(self.trajectory, self.call, request)
+    # what routes read of a sandbox's record
+    def info(self, row: SandboxRow) -> SandboxInfo:
+        return self._edge.info(row)
 
-    # exec
-    async def run(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
-        return await self._value(exec_request("exec", req))
-
-    def stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[Output | ExecResult]:
-        return self._recorder.stream(self.trajectory, self.call, exec_request("exec", req))
-
-    async def start_process(self, sandbox_id: str, req: ExecRequest) -> ProcessInfo:
-        return await self._value(exec_request("start", req))
-
-    async def processes(self, sandbox_id: str) -> list[ProcessInfo]:
-        return await self._value(call_request("processes"))
-
-    def attach(self, sandbox_id: str, proc_id: str) -> AsyncIterator[Output | ExecResult]:
-        return self._recorder.stream(self.trajectory, self.call,
-                                     call_request("output", process=proc_id))
-
-    async def signal(self, sandbox_id: str, proc_id: str, sig: int) -> None:
-        await self._value(call_request("signal", process=proc_id, signal=sig))
-
-    # files
-    async def read_file(self, sandbox_id: str, path: str) -> bytes:
-        return await self._value(call_request("read", path=path))
-
-    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644,
-                         append: bool = False) -> None:
-        await self._value(call_request("write", data, path=path, mode=mode, append=append))
-
-    async def list_dir(self, sandbox_id: str, path: str) -> list[FileEntry]:
-        return await self._value(call_request("list", path=path))
-
-    async def stat(self, sandbox_id: str, path: str) -> FileEntry:
-        return await self._value(call_request("stat", path=path))
-
-    async def remove(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
-        await self._value(call_request("remove", path=path, recursive=recursive))
-
-    async def mkdir(self, sandbox_id: str, path: str, parents: bool = False) -> None:
-        await self._value(call_request("mkdir", path=path, parents=parents))
-
-    async def upload_tar(self, sandbox_id: str, path: str, tar: bytes) -> None:
-        await self._value(call_request("upload", tar, path=path))
-
-    async def download_tar(self, sandbox_id: str, path: str) -> bytes:
-        return await self._value(call_request("download", path=path))
+    def get_row(self, sandbox_id: str) -> SandboxRow:
+        return self._edge.get_row(sandbox_id)
 
 
 def _brief(request: dict[str, Any]) -> str:

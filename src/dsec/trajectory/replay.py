@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..client.errors import DSecError
 from ..client.models import ExecResult, FileEntry, ProcessInfo, StepDiff
+from ..protocol.ops import BY_STEP
 from . import ops
 from .outcome import decode
 
@@ -58,7 +59,7 @@ def compare(step: int, op: str, logged: Any, replayed: Any) -> StepDiff:
 
 def project(op: str, value: Any) -> dict[str, Any]:
     """The comparable part of a call's result."""
-    if value is None and op not in ("write", "remove", "mkdir", "signal", "upload"):
+    if value is None and BY_STEP[op].result is not None:
         return {"logged": "no result (interrupted)"}
     if isinstance(value, DSecError):
         return {"error": value.code, "message": value.message}
