@@ -15,6 +15,7 @@ from ray.exceptions import (ActorDiedError, ActorUnavailableError, ActorUnschedu
                             RayTaskError)
 
 from ..client.errors import DSecError, SandboxDied, SandboxError, SandboxNotFound
+from ..client.fn import CodeResult, RunCodeRequest
 from ..client.models import SandboxInfo
 from ..edge.edge import sandbox_info
 from ..store.sqlite import LIVE_STATES, SandboxRow, StateStore
@@ -136,6 +137,12 @@ class RemoteEdge:
     async def create(self, req: Any) -> SandboxInfo:
         return await self._guarded("(new)", self._await("create", req))
 
+    async def call_fn(self, image: str, payload: bytes, timeout_s: float) -> bytes:
+        return await self._guarded("(fn call)", self._await("call_fn", image, payload, timeout_s))
+
+    async def run_code(self, req: RunCodeRequest) -> CodeResult:
+        return await self._guarded("(fn call)", self._await("run_code", req))
+
 
 async def _get(ref: Any) -> Any:
     return await ref
@@ -155,7 +162,7 @@ def _stream(method: str) -> Callable[..., AsyncIterator[Any]]:
     return stream
 
 
-for _name in ("stop", "run", "start_process", "processes", "signal", "read_file", "write_file",
+for _name in ("stop", "set_network", "run", "start_process", "processes", "signal", "read_file", "write_file",
               "list_dir", "stat", "remove", "mkdir", "upload_tar", "download_tar"):
     setattr(RemoteEdge, _name, _call(_name))
 for _name in ("stream", "attach"):

@@ -38,9 +38,15 @@ import cloudpickle
 from ..agent.build import agent_binary
 from ..agent.client import AgentClient
 from ..agent.tools import install_tools
-from ..client.errors import (CommandTimeout, NotSupported, RemoteError, SandboxDied,
-                             SandboxError)
+from ..client.errors import (
+    CommandTimeout,
+    NotSupported,
+    RemoteError,
+    SandboxDied,
+    SandboxError,
+)
 from ..client.models import CreateRequest
+from ..config import current
 from ..images.mount import LayerMounter
 from ..images.store import Image
 from . import cgroups, spawn
@@ -54,20 +60,23 @@ LANGUAGES = {"python": "python3", "bash": "bash", "c": "gcc", "cpp": "g++"}
 IMAGE_PYTHON = "/usr/bin/python3"
 COMPILE_TIMEOUT_S = 30.0
 MAX_ERROR_FIELD = 64 << 10  # of a remote error's type, message and traceback, each
+# A call's worker's limits: also what a call holds of its project's quota while it runs.
+FN_CALL_CPU = 1.0
+FN_CALL_MEMORY_MB = 512
 
 
 class FnSubstrate(Substrate):
     name = "fn"
 
     def __init__(self, state_dir: Path, edge_id: str, pool_size: int = 8,
-                 preload: tuple[str, ...] | None = None, cpu: float = 1.0, memory_mb: int = 512,
+                 preload: tuple[str, ...] | None = None, cpu: float = FN_CALL_CPU,
+                 memory_mb: int = FN_CALL_MEMORY_MB,
                  pids: int = 64, tmp_mb: int = 256, mounter: LayerMounter | None = None) -> None:
         self.root = state_dir / "fn"
         self.cgroup_parent = f"/dsec-fn-{edge_id}"
         self.pool_size = pool_size
         # Modules every template imports before it forks (those the image lacks are skipped).
-        self.preload = preload if preload is not None else tuple(
-            m for m in os.environ.get("DSEC_FN_PRELOAD", "numpy").split(",") if m)
+        self.preload = preload if preload is not None else current().fn_preload
         self.limits = (cpu, memory_mb, pids)
         self.tmp_mb = tmp_mb
         self.mounter = mounter or LayerMounter()
