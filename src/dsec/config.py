@@ -105,11 +105,12 @@ class Settings:
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
         for f in fields(cls):
-            if options.get(f.name) is not None:
-                values[f.name] = options[f.name]
+            kind = str(f.type).replace(" | None", "")
+            if (value := options.get(f.name)) is not None:
+                values[f.name] = _parse(kind, value) if isinstance(value, str) else value
             elif (raw := environ.get(env_name(f.name))) is not None:
                 try:
-                    values[f.name] = _parse(str(f.type).replace(" | None", ""), raw)
+                    values[f.name] = _parse(kind, raw)
                 except ValueError as exc:
                     raise ValueError(f"{env_name(f.name)}: {exc}") from None
         unknown = set(options) - {f.name for f in fields(cls)}

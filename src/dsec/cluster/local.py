@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Settings
+from ..images.mount import LayerMounter
 from .edge_actor import CAPACITY_RESOURCE
 from .ids import edge_id_for
 from .orphans import edge_dirs, sweep_edge
@@ -78,6 +79,7 @@ class LocalRayCluster:
             self.cluster = None
         with ThreadPoolExecutor(1) as thread:  # callable with or without a running event loop
             thread.submit(asyncio.run, sweep_edges(self.settings)).result()
+        LayerMounter(self.settings.state_dir / "layers").unmount_all()  # the node's, shared
 
 
 async def sweep_edges(settings: Settings) -> None:
