@@ -13,7 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from ..client.errors import CapacityExhausted, SandboxDied, SandboxNotFound
+from ..client.errors import CapacityExhausted, NotSupported, SandboxDied, SandboxNotFound
 from ..client.models import SandboxInfo
 from ..config import Settings
 from ..control.directory import EdgeDirectory, EndListener, edge_of
@@ -81,6 +81,9 @@ class RayEdges(EdgeDirectory):
                       or self.placement.choose(loads, substrate, image, tried, count_sent=False))
             self.decision_seconds.append(time.perf_counter() - started)
             if choice is None:
+                if loads and not any(substrate in load.substrates for load in loads):
+                    raise NotSupported(f"no edge of the cluster serves the {substrate} substrate",
+                                       substrate=substrate)
                 raise CapacityExhausted("every edge of the cluster is full or unavailable",
                                         tried=sorted(tried))
             tried.add(choice.edge)
