@@ -25,9 +25,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..agent.client import Output
 from ..client.errors import DSecError, InvalidRequest, Unauthorized
-from ..control.plane import ControlPlane
 from ..client.models import (CreateRequest, ExecRequest, ExecResult, FileEntry, NetworkRequest,
                              ProcessInfo, SandboxInfo, SignalRequest, TtlRequest, b64)
+from ..control.plane import ControlPlane
 from ..trajectory.recorder import Call
 from .limits import BodyLimit, typed_http_error
 from .fn_routes import fn_routes
