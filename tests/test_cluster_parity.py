@@ -27,7 +27,7 @@ import cloudpickle
 import pytest
 
 import dsec
-from conftest import TEST_ROOT, Server, free_port, make_server, stop_server
+from conftest import TEST_ROOT, Server, free_port, make_tcp_server, stop_server
 from dsec.config import Settings
 from dsec.images.mount import LayerMounter
 from dsec.images.store import ImageStore
@@ -133,7 +133,7 @@ def replica(ray_cluster: LocalRayCluster, serve_args: dict[str, str | None]) -> 
 
 @pytest.fixture(scope="module")
 def embedded(images: ImageStore) -> Iterator[Server]:
-    server = make_server("--warm-pool", "0").start()
+    server = make_tcp_server("--warm-pool", "0").start()
     yield server
     stop_server(server)
 
@@ -264,3 +264,33 @@ def test_a_dead_edges_fn_leftovers_are_removed(replica: Server, cluster_state: P
     them (before the replica could serve, since the edge answers only once started)."""
     assert fn_cgroups(DEAD_EDGE) == []
     assert not (cluster_state / DEAD_EDGE).exists()
+
+
+@pytest.mark.parametrize("where", ["embedded", "cluster"])
+async def test_every_create_path_is_admitted_by_the_project_quota(
+        where: str, request: pytest.FixtureRequest) -> None:
+    """A project with no room: the native API, an fn call, run_code, E2B and SandboxFusion
+    are all refused by the same admission, and nothing is held."""
+    from sandbox_fusion import RunCodeRequest, run_code
+    server: Server = request.getfixturevalue("embedded" if where == "embedded" else "replica")
+    project = f"full-{secrets.token_hex(3)}"
+    async with server.client() as admin:
+        await admin.projects().create(project, sandboxes=0, cpu=4, memory_mb=4096)
+        key = (await admin.projects().create_key(project, "k")).key
+        async with dsec.DSecClient(server.url, key, autostart=False) as client:
+            with pytest.raises(dsec.QuotaExceeded):
+                await client.create(ttl_s=60)
+            with pytest.raises(dsec.QuotaExceeded):
+                await client.call(lambda: 1)
+            with pytest.raises(dsec.QuotaExceeded):
+                await client.run_code("python", "print(1)")
+        with server.http() as http:
+            e2b = http.post("/e2b/sandboxes", headers={"x-api-key": key},
+                            json={"templateID": "base"})
+        assert e2b.status_code == 429 and "quota" in e2b.json()["message"]
+        host = server.url.removeprefix("http://")
+        with pytest.raises(Exception, match="quota_exceeded"):  # the client raises on SandboxError
+            run_code(RunCodeRequest(code="print(1)", language="python"),
+                     endpoint=f"http://dsec:{key}@{host}/sandboxfusion", max_attempts=1)
+        used = (await admin.projects().get(project)).used
+        assert (used.sandboxes, used.cpu, used.memory_mb) == (0, 0.0, 0)
