@@ -242,8 +242,14 @@ async def test_an_fn_call_counts_against_the_project_quota(
         key = (await admin.projects().create_key(project, "k")).key
         async with dsec.DSecClient(server.url, key, autostart=False) as client:
             assert await client.call(lambda: 7) == 7
+            with pytest.raises(dsec.RemoteError):
+                await client.call(lambda: 1 // 0)
             used = (await admin.projects().get(project)).used
             assert (used.sandboxes, used.cpu, used.memory_mb) == (0, 0.0, 0)  # given back
+            with server.http() as http:  # a function that raised is no failure of the platform
+                failures = http.get("/v1/dashboard", headers={
+                    "authorization": f"Bearer {key}"}).json()["failures"]
+            assert [f["code"] for f in failures] == []
             sb = await client.create(ttl_s=300, memory_mb=256, cpu=0.5)
             try:
                 with pytest.raises(dsec.QuotaExceeded) as refused:

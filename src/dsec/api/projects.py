@@ -28,7 +28,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ..client.errors import (CapacityExhausted, DelegationExceeded, DSecError, Forbidden,
-                             ProjectExists, ProjectNotFound, QuotaExceeded, SandboxNotFound)
+                             ProjectExists, ProjectNotFound, QuotaExceeded, RemoteError,
+                             SandboxNotFound)
 from ..client.models import CreateRequest, SandboxInfo
 from ..client.project_models import (MAX_CPU, MAX_MEMORY_MB, MAX_SANDBOXES, ROOT_PROJECT,
                                      KeyRequest, ProjectCreate, ProjectInfo, ProjectKey, Quota,
@@ -171,14 +172,15 @@ class Projects:
         return project, reservation
 
     async def _holding(self, project: str, reservation: str, work: Callable[[], Awaitable[T]]) -> T:
-        """``work()`` under a reservation, which goes back if the work fails."""
+        """``work()`` under a reservation, which goes back if the work fails. A function
+        that raised (RemoteError) is the call's answer, not a failure of the platform."""
         try:
             return await work()
         except BaseException as exc:
             self.store.release(reservation)
             if isinstance(exc, CapacityExhausted):
                 self.refusals.labels(project, "capacity").inc()
-            if isinstance(exc, DSecError):
+            if isinstance(exc, DSecError) and not isinstance(exc, RemoteError):
                 self._failed(project, None, exc.code, exc.message)
             raise
 
