@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 import dsec
+from dsec.images.mount import LayerMounter
 from dsec.images.store import ImageStore
 from dsec.network.testbed import Destination, make_destination
 from dsec.store.local_postgres import LocalPostgres
@@ -120,6 +121,7 @@ def stop_server(server: Server) -> None:
         for sb in http.get("/v1/sandboxes").json():
             http.delete(f"/v1/sandboxes/{sb['id']}")
     cleanup.kill(signal.SIGTERM)
+    LayerMounter(server.state_dir / "layers").unmount_all()  # the server's layer mounts
     shutil.rmtree(server.state_dir, ignore_errors=True)
 
 

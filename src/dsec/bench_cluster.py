@@ -25,6 +25,8 @@ from prometheus_client import CollectorRegistry
 from rich.console import Console
 
 from .api.routing import Router
+from .config import Settings
+from .control.directory import LocalEdges
 from .bench import BENCH_ROOT, IMAGE, Sample, phase
 from .client.errors import SandboxDied
 from .client.models import CreateRequest, ExecRequest
@@ -94,7 +96,7 @@ def single_node(root: Any, capacity: int) -> Router:
     config = EdgeConfig(state_dir=root, capacity=capacity, warm_pool=0)
     edge = Edge(config, store, ImageStore(), {"container": ContainerSubstrate(root, config.edge_id)},
                 EdgeMetrics(CollectorRegistry()))
-    return Router([edge])
+    return Router(LocalEdges([edge]))
 
 
 async def death_report_s(router: Any, cluster: Any) -> float:
@@ -120,10 +122,9 @@ async def death_report_s(router: Any, cluster: Any) -> float:
 async def cluster_benchmark(console: Console, sizes: list[int]) -> list[Sample]:
     import ray
 
-    from .cluster.edge_actor import EdgeSettings
+    from .cluster.directory import RayEdges
     from .cluster.ids import NAMESPACE
     from .cluster.local import LocalRayCluster
-    from .cluster.router import ClusterRouter
 
     ImageStore().ensure(IMAGE, console=console)
     capacity = max(sizes)
@@ -145,16 +146,17 @@ async def cluster_benchmark(console: Console, sizes: list[int]) -> list[Sample]:
             ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False,
                      logging_level=logging.ERROR)
             cleanup.callback(ray.shutdown)
-            router = ClusterRouter(StateStore(pg.url), EdgeSettings(
-                str(cluster.state_dir), pg.url, None, capacity, 0, "crun"))
+            edges = RayEdges(StateStore(pg.url), Settings.load(
+                state_dir=cluster.state_dir, state_url=pg.url, capacity=capacity, warm_pool=0))
+            router = Router(edges)
             await router.start()
             cleanup.push_async_callback(router.close)
             await stop_all(router, (await burst(router, 4 * NODES))[2])
-        router.decision_seconds.clear()
+        edges.decision_seconds.clear()
         samples += await alternate(console, {"single node": single,
                                              f"cluster of {NODES}": router}, sizes)
         samples.append(Sample("placement decision (µs, not ms)",
-                              [s * 1e6 for s in router.decision_seconds]))
+                              [s * 1e6 for s in edges.decision_seconds]))
         with phase(console, "a worker node killed: time to SandboxDied"):
             samples.append(Sample("node killed -> SandboxDied (s, not ms)",
                                   [await death_report_s(router, cluster)]))

@@ -15,6 +15,7 @@ from rich.table import Table
 
 from .client.aio import DSecClient
 from .client.errors import DSecError
+from .config import Settings, serve_options
 
 console = Console(stderr=True)
 
@@ -38,46 +39,18 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--state-dir", type=click.Path(path_type=Path), default=None,
-              help="state directory (default $DSEC_STATE_DIR or /var/lib/dsec)")
-@click.option("--host", default=None, help="serve TCP on this address instead of the Unix socket")
-@click.option("--port", type=int, default=8080)
-@click.option("--capacity", type=int, default=256, help="most sandboxes this edge runs at once")
-@click.option("--warm-pool", type=int, default=2,
-              help="sandboxes kept started per image that was asked for (0: none)")
-@click.option("--runtime", type=click.Choice(["crun", "runc", "runsc"]), default="crun")
-@click.option("--edge-id", default="", help="edge id (default: derived from host and state dir)")
-@click.option("--log-format", type=click.Choice(["text", "json"]), default="text",
-              help="json: one JSON object per log line, for log shippers")
-@click.option("--network-services", type=click.Path(path_type=Path), default=None,
-              help="network service table, TOML (default: STATE_DIR/network-services.toml)")
-@click.option("--vm-accel", type=click.Choice(["kvm", "tcg"]), default="kvm",
-              help="microvm/vm acceleration: kvm, or tcg (emulation) where KVM is unusable")
-@click.option("--kvm-device", type=click.Path(path_type=Path), default=Path("/dev/kvm"))
-@click.option("--vm-warm-pool", type=int, default=0, help="booted VMs kept per image")
-@click.option("--vm-snapshots", is_flag=True,
-              help="start VMs by restoring a saved booted one (see docs/SUBSTRATES.md caveats)")
-@click.option("--state-url", envvar="DSEC_STATE_URL", default=None,
-              help="state store: postgresql://... or sqlite:///PATH (default: SQLite in the state dir)")
-@click.option("--ray", "ray_address", envvar="DSEC_RAY_ADDRESS", default=None,
-              help="scale out: serve the edges of this Ray cluster (one per node) instead of one "
-                   "embedded edge; --capacity is then the default of nodes without a "
-                   "dsec_capacity resource")
-def serve(state_dir: Path | None, host: str | None, port: int, capacity: int, warm_pool: int,
-          runtime: str, edge_id: str, log_format: str, network_services: Path | None,
-          vm_accel: str, kvm_device: Path, vm_warm_pool: int, vm_snapshots: bool,
-          state_url: str | None, ray_address: str | None) -> None:
-    """Run the API server with an embedded edge on this host (or over a Ray cluster)."""
-    from .api.server import DEFAULT_STATE_DIR, ServerConfig, serve as run_server
-    config = ServerConfig(state_dir=state_dir or DEFAULT_STATE_DIR, capacity=capacity,
-                          warm_pool=warm_pool, runtime=runtime, edge_id=edge_id,
-                          log_format=log_format, network_services=network_services,
-                          vm_accel=vm_accel, kvm_device=kvm_device, vm_warm_pool=vm_warm_pool,
-                          vm_snapshots=vm_snapshots, state_url=state_url, ray_address=ray_address)
-    where = f"http://{host}:{port}" if host else f"unix://{config.socket_path}"
-    if log_format == "text":
-        console.print(f"dsec serving on {where} (state in {config.state_dir})")
-    run_server(config, host, port if host else None)
+@serve_options
+def serve(**options: Any) -> None:
+    """Run the API server with an embedded edge on this host (or over a Ray cluster).
+
+    Every option may be given as a DSEC_* environment variable instead (see README)."""
+    from .api.server import serve as run_server
+    settings = Settings.load(**options)
+    where = (f"http://{settings.host}:{settings.port}" if settings.host
+             else f"unix://{settings.socket_path}")
+    if settings.log_format == "text":
+        console.print(f"dsec serving on {where} (state in {settings.state_dir})")
+    run_server(settings)
 
 
 @main.command()
@@ -317,14 +290,15 @@ def key() -> None:
 @click.option("--project", default=None,
               help="the key's project: it sees and creates that project's sandboxes only "
                    "(without: an admin key, which sees everything)")
-@click.option("--state-dir", type=click.Path(path_type=Path), default=None)
-@click.option("--state-url", envvar="DSEC_STATE_URL", default=None,
-              help="the servers' state store, e.g. postgresql://... (default: SQLite in the state dir)")
+@click.option("--state-dir", type=click.Path(path_type=Path), default=None,
+              help="the server's state directory [env DSEC_STATE_DIR]")
+@click.option("--state-url", default=None,
+              help="the servers' state store, e.g. postgresql://... (default: SQLite in the "
+                   "state dir) [env DSEC_STATE_URL]")
 def key_create(name: str, project: str | None, state_dir: Path | None, state_url: str | None) -> None:
     """Create an API key named NAME and print its secret (shown once)."""
-    from .api.server import DEFAULT_STATE_DIR
     from .store.sqlite import StateStore
-    store = StateStore(state_url or (state_dir or DEFAULT_STATE_DIR) / "state.db")
+    store = StateStore(Settings.load(state_dir=state_dir, state_url=state_url).store_target)
     if project is None:
         key_id, secret, _ = store.create_key(name)
         console.print(f"created admin key {key_id}; use it as DSEC_API_KEY")
@@ -444,12 +418,12 @@ def cluster() -> None:
 
 
 @cluster.command("status")
-@click.option("--ray", "ray_address", envvar="DSEC_RAY_ADDRESS", default="auto",
+@click.option("--ray", "ray_address", default=None,
               help="Ray cluster address (default $DSEC_RAY_ADDRESS, else this host's cluster)")
-def cluster_status(ray_address: str) -> None:
+def cluster_status(ray_address: str | None) -> None:
     """Nodes, their edge's capacity and load, and sandboxes per substrate."""
     from .cluster.status import cluster_status as status
-    edges, dead = status(ray_address)
+    edges, dead = status(Settings.load(ray_address=ray_address).ray_address or "auto")
     table = Table("edge", "node", "state", "capacity", "load", "sandboxes")
     for e in sorted(edges, key=lambda e: e["id"]):
         state = "healthy" if e["healthy"] else ("unreachable" if e["alive"] else "dead")

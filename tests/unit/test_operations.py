@@ -18,12 +18,16 @@ from prometheus_client import CollectorRegistry
 
 import dsec
 from dsec.api.app import create_app
+from dsec.api.projects import Projects as ProjectAccess
 from dsec.api.routing import Router
 from dsec.client import aio, sync
 from dsec.client.models import ExecRequest, ExecResult, FileEntry, ProcessInfo
 from dsec.client.projects import Projects, SyncProjects
 from dsec.cluster.edge_actor import CALLS, STREAMS
 from dsec.cluster.remote import RemoteEdge
+from dsec.config import Settings
+from dsec.control.directory import LocalEdges
+from dsec.control.plane import ControlPlane
 from dsec.edge.edge import Edge
 from dsec.protocol.ops import BY_STEP, OPERATIONS, Operation
 from dsec.store.sqlite import StateStore
@@ -104,13 +108,23 @@ def test_recorded_edge_forwards_nothing_outside_the_table() -> None:
 def routes(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Any]:
     """(method, path) -> endpoint of the HTTP API, built on an empty router and a throwaway
     state store."""
-    store = StateStore(Path(tmp_path_factory.mktemp("state")) / "state.db")
-    app = create_app(Router([]), store, CollectorRegistry())
-    found = {}
-    for route in app.routes:
+    state = Path(tmp_path_factory.mktemp("state"))
+    store, registry = StateStore(state / "state.db"), CollectorRegistry()
+    projects = ProjectAccess(store, registry)
+    app = create_app(ControlPlane(Settings(state_dir=state), store, registry, projects,
+                                  Router(LocalEdges([]), projects)))
+    return dict(_endpoints(app.routes))
+
+
+def _endpoints(routes: list[Any]) -> Any:
+    """((method, path), endpoint) of every route, also of routers included without a prefix
+    (FastAPI keeps those as one entry holding the router)."""
+    for route in routes:
+        included = getattr(route, "original_router", None)
+        if included is not None:
+            yield from _endpoints(included.routes)
         for verb in getattr(route, "methods", None) or ():
-            found[(verb, route.path)] = route.endpoint  # type: ignore[attr-defined]
-    return found
+            yield (verb, route.path), route.endpoint
 
 
 def _names(code: types.CodeType) -> set[str]:

@@ -9,6 +9,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from ..config import current
+
 SOURCE = Path(__file__).with_name("agent.c")
 CFLAGS = ["-O2", "-static", "-Wall", "-Wextra"]
 
@@ -20,7 +22,7 @@ def agent_binary() -> Path:
     flock serialises concurrent builders and the binary appears by atomic rename.
     """
     source = SOURCE.read_bytes()
-    cache = Path(os.environ.get("DSEC_CACHE", "/var/cache/dsec"))
+    cache = current().cache
     out_dir = cache / "agent" / hashlib.sha256(source).hexdigest()[:16]
     binary = out_dir / "dsec-agent"
     if binary.exists():

@@ -32,6 +32,7 @@ import shutil
 from pathlib import Path
 
 from ..client.errors import NotSupported
+from ..config import current
 from .build import agent_binary
 
 DSEC_DIR = "/.dsec"
@@ -70,7 +71,7 @@ def sandbox_tree() -> Path:
     digest = hashlib.sha256()
     for part in (agent, HOST_SHELL, HOST_BUSYBOX, Path(__file__)):
         digest.update(part.read_bytes() if part.is_file() else b"")
-    cache = Path(os.environ.get("DSEC_CACHE", "/var/cache/dsec")) / "sandbox"
+    cache = current().cache / "sandbox"
     tree = cache / digest.hexdigest()[:16]
     if tree.is_dir():
         return tree

@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator
 from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -30,28 +30,29 @@ from ..agent.client import Output
 from ..client.errors import DSecError, InvalidRequest, Unauthorized
 from ..client.models import (CreateRequest, ExecRequest, ExecResult, FileEntry, NetworkRequest,
                              ProcessInfo, SandboxInfo, SignalRequest, TtlRequest, b64)
-from ..store.idempotency import IdempotencyStore
-from ..store.sqlite import StateStore
+from ..control.plane import ControlPlane
 from ..trajectory.recorder import Call
 from .limits import BodyLimit, typed_http_error
 from .fn_routes import fn_routes
-from .idempotency import REPLAYED_HEADER, Idempotency
+from .idempotency import REPLAYED_HEADER
 from .dashboard import dashboard_routes
 from .project_routes import project_routes
-from .projects import Projects
-from .routing import Router
 from .trajectories import trajectory_routes
 
 NDJSON = "application/x-ndjson"
 CALL_SCOPE_KEY = "dsec.call"
 
 
-def create_app(router: Router, store: StateStore, registry: CollectorRegistry) -> FastAPI:
+def create_app(control: ControlPlane) -> FastAPI:
+    """The HTTP routes over a composed control plane (``control.compose``)."""
+    router, store, registry, projects = (control.router, control.store, control.registry,
+                                         control.projects)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await router.start()
+        await control.start()
         yield
-        await router.close()
+        await control.close()
 
     app = FastAPI(title="dsec", version="0.1.0", lifespan=lifespan,
                   description="Elastic sandboxes for agentic RL and evaluation.")
@@ -74,9 +75,6 @@ def create_app(router: Router, store: StateStore, registry: CollectorRegistry) -
     app.add_exception_handler(StarletteHTTPException, typed_http_error)
 
     known_keys: dict[str, str] = {}  # secret -> key id; keys are never revoked yet
-    projects = Projects(store, registry)
-    projects.attach(router)
-    Idempotency(IdempotencyStore(store.url), router)
 
     async def authenticated(request: Request) -> str:
         """Async on purpose: FastAPI runs a sync dependency in a thread, on every request."""

@@ -41,12 +41,12 @@ def dashboard_routes(router: Router, projects: Projects, registry: CollectorRegi
         histogram, recent failures and per-project usage, as the key may see them."""
         visible = router.list_visible()
         nodes = []
-        for edge in router.edges.values():
-            counts = {name: 0 for name in sorted(edge.substrates)}
+        for edge in router.describe():  # the edges of this process, or of the Ray cluster
+            counts = {name: 0 for name in edge["substrates"]}
             for info in visible:
-                if info.edge == edge.id:
+                if info.edge == edge["id"]:
                     counts[info.substrate] = counts.get(info.substrate, 0) + 1
-            nodes.append({"edge": edge.id, "capacity": edge.config.capacity,
+            nodes.append({"edge": edge["id"], "capacity": edge["capacity"],
                           "substrates": counts, "live": sum(counts.values())})
         return {"generated_at": time.time(), "project": projects.caller(),
                 "live_total": len(visible), "nodes": nodes,

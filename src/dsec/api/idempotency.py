@@ -75,11 +75,10 @@ def _owner_dead(owner: str) -> bool:
 
 class Idempotency:
     def __init__(self, store: IdempotencyStore, router: Router) -> None:
-        """Serves the router's creates (``Router.create_once``)."""
+        """Serves the router's creates (``Router.create_once``), which makes it."""
         self.store = store
         self.router = router
         self.owner = _this_owner()
-        router.idempotency = self
 
     def _scope(self) -> str:
         access = self.router.access

@@ -4,7 +4,8 @@ Projects form a tree under ``default``. A project's quota (concurrent sandboxes,
 is what its sandboxes may hold plus what it delegates to its children: ``used + delegated <=
 quota`` always. Every create (plain, trajectory, replay, fork, E2B, SandboxFusion) reserves
 its share at admission, atomically in the state store, and gives it back when the create
-fails or the sandbox ends (stopped, expired, died), exactly once.
+fails or the sandbox ends (stopped, expired, died), exactly once. An fn call (and
+``run_code``) holds one sandbox with an fn worker's CPU and memory while it runs.
 
 Who calls is a context variable set when the request's key is checked. An admin key (a key
 with no project: the local key, ``dsec key create NAME``) sees everything and creates in
@@ -20,29 +21,29 @@ import collections
 import logging
 import time
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Iterator
+from typing import Any, Awaitable, Callable, Iterable, Iterator, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ..client.errors import (CapacityExhausted, DelegationExceeded, DSecError, Forbidden,
-                             ProjectExists, ProjectNotFound, QuotaExceeded, SandboxNotFound)
+                             ProjectExists, ProjectNotFound, QuotaExceeded, RemoteError,
+                             SandboxNotFound)
 from ..client.models import CreateRequest, SandboxInfo
 from ..client.project_models import (MAX_CPU, MAX_MEMORY_MB, MAX_SANDBOXES, ROOT_PROJECT,
                                      KeyRequest, ProjectCreate, ProjectInfo, ProjectKey, Quota,
                                      QuotaUpdate)
 from ..store.projects import Amounts, NameTaken, ProjectRow, ProjectStore
 from ..store.sqlite import StateStore
-
-if TYPE_CHECKING:
-    from .routing import Router
+from ..substrates.fn import FN_CALL_CPU, FN_CALL_MEMORY_MB
 
 log = logging.getLogger("dsec.projects")
 
 ROOT_QUOTA: Amounts = (MAX_SANDBOXES, int(MAX_CPU * 1000), MAX_MEMORY_MB)
 RESOURCE_NAMES = ("sandboxes", "cpu", "memory_mb")
 RECENT_FAILURES = 100
+T = TypeVar("T")
 _caller_project: ContextVar[str | None] = ContextVar("dsec_caller_project", default=None)
 
 
@@ -89,12 +90,6 @@ class Projects:
                                 ["project", "reason"], registry=registry)
         registry.register(ProjectCollector(self.store))
 
-    def attach(self, router: Router) -> None:
-        """Admit the router's creates, guard its sandboxes, hear of every sandbox's end."""
-        router.access = self
-        for edge in router.edges.values():
-            edge.on_end.append(self.ended)
-
     # who calls
     def enter(self, key_id: str) -> None:
         """Make the key's project the caller's for the rest of this request."""
@@ -136,37 +131,58 @@ class Projects:
 
     async def admit(self, req: CreateRequest,
                     place: Callable[[CreateRequest], Awaitable[SandboxInfo]]) -> SandboxInfo:
-        """Reserve the sandbox's share of the caller's project, then place it."""
+        """Reserve the sandbox's share of the caller's project, then place it; the share is
+        held until the sandbox ends."""
+        project, reservation = self._reserve(req.cpu, req.memory_mb)
+        sandbox = await self._holding(project, reservation, lambda: place(req))
+        self.store.bind(reservation, sandbox.id)
+        self._owners[sandbox.id] = project
+        return sandbox
+
+    async def admit_call(self, call: Callable[[], Awaitable[T]]) -> T:
+        """Run an fn call (or run_code) holding what it costs of the caller's project: one
+        sandbox with an fn worker's CPU and memory limits, for as long as it runs."""
+        project, reservation = self._reserve(FN_CALL_CPU, FN_CALL_MEMORY_MB)
+        try:
+            return await self._holding(project, reservation, call)
+        finally:
+            self.store.release(reservation)
+
+    def _reserve(self, cpu: float, memory_mb: int) -> tuple[str, str]:
+        """(the caller's project, a reservation of one sandbox, ``cpu`` and ``memory_mb`` of
+        its quota); QuotaExceeded when it has no room."""
         project = self.caller() or ROOT_PROJECT
-        cpu_milli = round(req.cpu * 1000)
-        reservation = self.store.reserve(project, cpu_milli, req.memory_mb)
+        cpu_milli = round(cpu * 1000)
+        reservation = self.store.reserve(project, cpu_milli, memory_mb)
         if reservation is None:
             # Sandboxes that ended out of this server's hearing (another replica's, in a
             # cluster) may still hold their share: give those back, then ask once more.
             self.reconcile()
-            reservation = self.store.reserve(project, cpu_milli, req.memory_mb)
+            reservation = self.store.reserve(project, cpu_milli, memory_mb)
         if reservation is None:
             row = self.store.get(project)
             if row is None:
                 raise ProjectNotFound(f"the key's project {project!r} is gone", project=project)
-            details = _shortage(row, (1, cpu_milli, req.memory_mb))
+            details = _shortage(row, (1, cpu_milli, memory_mb))
             self.refusals.labels(project, f"quota_{details.get('resource', 'unknown')}").inc()
             self._failed(project, None, QuotaExceeded.code, "quota exceeded")
             log.info("refused a create in %s: quota of %s", project, details.get("resource"))
             raise QuotaExceeded(f"project {project!r} has no room for the sandbox: "
                                 f"{details.get('resource')} would exceed its quota", **details)
+        return project, reservation
+
+    async def _holding(self, project: str, reservation: str, work: Callable[[], Awaitable[T]]) -> T:
+        """``work()`` under a reservation, which goes back if the work fails. A function
+        that raised (RemoteError) is the call's answer, not a failure of the platform."""
         try:
-            sandbox = await place(req)
+            return await work()
         except BaseException as exc:
             self.store.release(reservation)
             if isinstance(exc, CapacityExhausted):
                 self.refusals.labels(project, "capacity").inc()
-            if isinstance(exc, DSecError):
+            if isinstance(exc, DSecError) and not isinstance(exc, RemoteError):
                 self._failed(project, None, exc.code, exc.message)
             raise
-        self.store.bind(reservation, sandbox.id)
-        self._owners[sandbox.id] = project
-        return sandbox
 
     def ended(self, sandbox_id: str, state: str, reason: str) -> None:
         """An edge ended a sandbox: give its share back."""

@@ -1,8 +1,11 @@
-"""Which edge owns a sandbox, and where a new one goes.
+"""Which edge owns a sandbox, and where a new sandbox or an fn call goes.
 
 A sandbox id is ``sb-<edge id>-<random>``, so any API replica routes any call without shared
-state. Placement tries edges least-loaded first and moves on when one refuses. Calls on a
-sandbox attached to a trajectory go through the trajectory recorder (``edge_for``).
+state. The edges are a directory's (``control.directory``: this process's, or a Ray
+cluster's); placement is the directory's, admission (the caller's project quota) the
+router's, the same for every create path (native, trajectory, E2B, SandboxFusion) and for fn
+calls. Calls on a sandbox attached to a trajectory go through the trajectory recorder
+(``edge_for``).
 """
 
 from __future__ import annotations
@@ -11,49 +14,49 @@ import builtins
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from ..client.errors import CapacityExhausted, NotSupported, SandboxNotFound
+from ..client.errors import NotSupported
+from ..client.fn import CodeResult, RunCodeRequest
 from ..client.models import CreateRequest, SandboxInfo
+from ..control.directory import EdgeDirectory, edge_of
 from ..edge.edge import Edge
+from ..store.idempotency import IdempotencyStore
 from ..trajectory.log import TrajectoryLog
 from ..trajectory.recorder import Call, RecordedEdge, Recorder
+from .idempotency import Idempotency
 
 if TYPE_CHECKING:
-    from .idempotency import Idempotency
     from .projects import Projects
 
-
-def edge_of(sandbox_id: str) -> str:
-    prefix, _, rest = sandbox_id.partition("-")
-    edge_id = rest.partition("-")[0]
-    if prefix != "sb" or not edge_id:
-        raise SandboxNotFound(f"{sandbox_id!r} is not a sandbox id", sandbox_id=sandbox_id)
-    return edge_id
+__all__ = ["Router", "edge_of"]
 
 
 class Router:
-    def __init__(self, edges: list[Edge], trajectories: TrajectoryLog | None = None) -> None:
-        self.edges = {edge.id: edge for edge in edges}
+    def __init__(self, directory: EdgeDirectory, access: Projects | None = None,
+                 trajectories: TrajectoryLog | None = None,
+                 idempotency: IdempotencyStore | None = None) -> None:
+        """``access``: who sees and creates which sandboxes (quotas), None admits all;
+        ``trajectories``: the log of trajectories; ``idempotency``: the keys of creates made
+        once (``create_once``). Without them, those features answer NotSupported."""
+        self.directory = directory
+        self.access = access
         self.recorder = Recorder(trajectories, self) if trajectories is not None else None
-        self.access: Projects | None = None  # who sees and creates which sandboxes (quotas)
-        self.idempotency: Idempotency | None = None  # creates under an Idempotency-Key
+        self.idempotency = Idempotency(idempotency, self) if idempotency is not None else None
+        if access is not None:
+            directory.on_end(access.ended)
 
     async def start(self) -> None:
-        for edge in self.edges.values():
-            await edge.start()
+        await self.directory.start()
         if self.access is not None:
             self.access.reconcile()
 
     async def close(self) -> None:
-        for edge in self.edges.values():
-            await edge.close()
+        await self.directory.close()
         if self.recorder is not None:
             self.recorder.log.close()
 
     def owner(self, sandbox_id: str) -> Edge:
-        """The edge that owns a sandbox, itself."""
-        edge = self.edges.get(edge_of(sandbox_id))
-        if edge is None:
-            raise SandboxNotFound(f"no edge owns {sandbox_id!r}", sandbox_id=sandbox_id)
+        """The edge that owns a sandbox the caller may see, itself."""
+        edge: Edge = self.directory.owner(sandbox_id)
         if self.access is not None:
             self.access.check(sandbox_id)
         return edge
@@ -85,23 +88,32 @@ class Router:
         return await self.idempotency.create(key, kind, req, make)
 
     async def place(self, req: CreateRequest) -> SandboxInfo:
-        """Start a sandbox on the least-loaded edge that takes it, once the caller's project
-        quota admits it."""
+        """Start a sandbox on an edge that takes it, once the caller's project quota admits it."""
         if self.access is not None:
             return await self.access.admit(req, self._place)
         return await self._place(req)
 
     async def _place(self, req: CreateRequest) -> SandboxInfo:
-        refusals = []
-        for edge in sorted(self.edges.values(), key=Edge.load):
-            try:
-                return await edge.create(req)
-            except CapacityExhausted as exc:
-                refusals.append(exc.message)
-        raise CapacityExhausted("every edge is full: " + "; ".join(refusals))
+        return await self.directory.place(req.substrate, req.image, lambda edge: edge.create(req))
+
+    async def call_fn(self, image: str, payload: bytes, timeout_s: float) -> bytes:
+        """A function call (a cloudpickled ``(fn, args, kwargs)``) on an edge serving fn and
+        the image, admitted like a sandbox (``Projects.admit_call``)."""
+        return await self._fn_call(image, lambda edge: edge.call_fn(image, payload, timeout_s))
+
+    async def run_code(self, req: RunCodeRequest) -> CodeResult:
+        """A program run in a fresh fn worker, placed and admitted like ``call_fn``."""
+        return await self._fn_call(req.image, lambda edge: edge.run_code(req))
+
+    async def _fn_call(self, image: str, call: Callable[[Any], Awaitable[Any]]) -> Any:
+        async def placed() -> Any:
+            return await self.directory.place("fn", image, call)
+        if self.access is not None:
+            return await self.access.admit_call(placed)
+        return await placed()
 
     def list(self) -> list[SandboxInfo]:
-        return [info for edge in self.edges.values() for info in edge.list()]
+        return self.directory.sandboxes()
 
     def list_visible(self) -> builtins.list[SandboxInfo]:
         """The live sandboxes the caller's key may see."""
@@ -109,7 +121,4 @@ class Router:
         return infos if self.access is None else self.access.visible(infos)
 
     def describe(self) -> builtins.list[dict[str, Any]]:
-        return [{"id": e.id, "load": e.load(), "capacity": e.config.capacity,
-                 "substrates": sorted(e.substrates),
-                 "warm": {name: pool.counts() for name, pool in e.pools.items()}}
-                for e in self.edges.values()]
+        return self.directory.describe()

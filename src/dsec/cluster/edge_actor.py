@@ -14,19 +14,17 @@ import asyncio
 import os
 import time
 from collections import Counter
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, AsyncIterator
 
 from prometheus_client import CollectorRegistry
 
 from ..client.errors import InvalidRequest
-from ..edge.edge import Edge, EdgeConfig
+from ..config import Settings, install
+from ..edge.assemble import build_edge
+from ..edge.edge import Edge
 from ..edge.metrics import EdgeMetrics
-from ..images.store import ImageStore
 from ..protocol.ops import OPERATIONS
 from ..store.sqlite import StateStore
-from ..substrates.registry import all_substrates
 from .orphans import reclaim_dead_edges
 
 CAPACITY_RESOURCE = "dsec_capacity"  # a node's own capacity: `ray start --resources '{"dsec_capacity": 64}'`
@@ -35,39 +33,23 @@ CALLS = frozenset(op.method for op in OPERATIONS if op.kind == "call")  # served
 STREAMS = frozenset(op.method for op in OPERATIONS if op.kind == "stream")  # by ``stream``
 
 
-@dataclass
-class EdgeSettings:
-    """What an API replica hands a new edge actor: shared by every edge of the cluster."""
-
-    state_dir: str  # on each node; the edge keeps its sandboxes in <state_dir>/<edge id>
-    state_url: str
-    image_store: str | None
-    capacity: int
-    warm_pool: int
-    runtime: str
-    vm_accel: str = "kvm"
-    kvm_device: str = "/dev/kvm"
-    vm_snapshots: bool = False
-
-
 class EdgeActor:
     """Decorated with ``ray.remote`` where it is started (``members.ensure_edge``)."""
 
-    def __init__(self, edge_id: str, node_id: str, settings: EdgeSettings) -> None:
+    def __init__(self, edge_id: str, node_id: str, settings: Settings, capacity: int) -> None:
+        """``settings``: the API replica's, whole (``state_url`` set: the cluster's shared
+        store); ``capacity``: the node's own (its ``dsec_capacity`` resource)."""
         # Ray makes uvloop the event loop policy of its workers. pyroute2 runs netlink
         # (AF_NETLINK) sockets on a loop of its own, which uvloop cannot open: new loops of
         # this process are the standard library's (the actor's own loop stays as it is).
         asyncio.set_event_loop_policy(None)
-        state_dir = Path(settings.state_dir) / edge_id
-        config = EdgeConfig(state_dir=state_dir, edge_id=edge_id, capacity=settings.capacity,
-                            warm_pool=settings.warm_pool)
+        install(settings)
+        self.settings = settings
         self.node_id = node_id
-        self.state_root = Path(settings.state_dir)
-        self.images = ImageStore(Path(settings.image_store) if settings.image_store else None)
-        substrates = all_substrates(state_dir, edge_id, settings.runtime, settings.vm_accel,
-                                    Path(settings.kvm_device), settings.vm_snapshots)
-        self.edge = Edge(config, StateStore(settings.state_url), self.images, substrates,
-                         EdgeMetrics(CollectorRegistry()))
+        self.edge = build_edge(settings, StateStore(settings.store_target),
+                               EdgeMetrics(CollectorRegistry()), settings.state_dir / edge_id,
+                               edge_id, capacity)
+        self.images = self.edge.images
         self._started: asyncio.Future[None] | None = None
         self._image_names: tuple[float, list[str]] = (0.0, [])
 
@@ -80,14 +62,15 @@ class EdgeActor:
 
     async def _start(self) -> None:
         await self.edge.start()
-        await reclaim_dead_edges(self.state_root, self.edge.id, self.edge.store)
+        await reclaim_dead_edges(self.settings, self.edge.id, self.edge.store)
 
     async def status(self) -> dict[str, Any]:
         edge = await self._ready()
         return {"edge": edge.id, "node": self.node_id, "pid": os.getpid(), "load": edge.load(),
                 "capacity": edge.config.capacity, "substrates": sorted(edge.substrates),
                 "images": self._images(), "at": time.time(),
-                "sandboxes": dict(Counter(info.substrate for info in edge.list()))}
+                "sandboxes": dict(Counter(info.substrate for info in edge.list())),
+                "settings": self.settings.as_dict()}
 
     def _images(self) -> list[str]:
         """Names and digests of the images this node can start (the store may be shared)."""

@@ -14,6 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from ..config import Settings
+from ..images.mount import LayerMounter
 from .edge_actor import CAPACITY_RESOURCE
 from .ids import edge_id_for
 from .orphans import edge_dirs, sweep_edge
@@ -32,6 +34,7 @@ class LocalRayCluster:
                  health_checks: dict[str, int] = HEALTH_CHECKS) -> None:
         """``state_dir``: where the API replicas keep their state (the edges' dirs are in it)."""
         self.state_dir = state_dir
+        self.settings = Settings.load(state_dir=state_dir)  # what the sweep of its edges uses
         self.capacities = capacities
         self.health_checks = health_checks
         self.cluster: Any = None
@@ -75,10 +78,11 @@ class LocalRayCluster:
             self.cluster.shutdown()
             self.cluster = None
         with ThreadPoolExecutor(1) as thread:  # callable with or without a running event loop
-            thread.submit(asyncio.run, sweep_edges(self.state_dir)).result()
+            thread.submit(asyncio.run, sweep_edges(self.settings)).result()
+        LayerMounter(self.settings.state_dir / "layers").unmount_all()  # the node's, shared
 
 
-async def sweep_edges(state_dir: Path) -> None:
-    """Destroy every sandbox the edges under ``state_dir`` left on this host."""
-    for edge_dir in edge_dirs(state_dir):
-        await sweep_edge(edge_dir)
+async def sweep_edges(settings: Settings) -> None:
+    """Destroy every sandbox the edges under the state directory left on this host."""
+    for edge_dir in edge_dirs(settings.state_dir):
+        await sweep_edge(settings, edge_dir)

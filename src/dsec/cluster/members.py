@@ -19,7 +19,8 @@ from typing import Any, Callable
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from .edge_actor import CAPACITY_RESOURCE, EdgeActor, EdgeSettings
+from ..config import Settings
+from .edge_actor import CAPACITY_RESOURCE, EdgeActor
 from .ids import NAMESPACE, actor_name, edge_id_for
 from .placement import EdgeLoad, Placement
 
@@ -40,17 +41,16 @@ class Member:
     error: str | None = None  # why it last failed to report, logged once per change
 
 
-def ensure_edge(node: dict[str, Any], settings: EdgeSettings) -> Any:
+def ensure_edge(node: dict[str, Any], settings: Settings) -> Any:
     """The edge actor of a node, started there if it has none yet (races between replicas
     end in the same named actor)."""
     edge = edge_id_for(node["NodeID"])
     capacity = int(node["Resources"].get(CAPACITY_RESOURCE, settings.capacity))
-    node_settings = EdgeSettings(**{**settings.__dict__, "capacity": capacity})
     return RemoteEdgeActor.options(
         name=actor_name(edge), namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
         num_cpus=0, max_concurrency=10_000, max_restarts=-1,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
-    ).remote(edge, node["NodeID"], node_settings)
+    ).remote(edge, node["NodeID"], settings, capacity)
 
 
 def existing_edge(edge: str) -> Any | None:
@@ -61,7 +61,7 @@ def existing_edge(edge: str) -> Any | None:
 
 
 class Members:
-    def __init__(self, settings: EdgeSettings | None, placement: Placement,
+    def __init__(self, settings: Settings | None, placement: Placement,
                  on_dead: Callable[[str, str], None], poll_s: float = 0.5) -> None:
         """``settings`` None: observe only (start no edges)."""
         self.settings = settings

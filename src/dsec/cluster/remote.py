@@ -16,6 +16,7 @@ from ray.exceptions import (ActorDiedError, ActorUnavailableError, ActorUnschedu
                             RayTaskError)
 
 from ..client.errors import DSecError, SandboxDied, SandboxError, SandboxNotFound
+from ..client.fn import CodeResult, RunCodeRequest
 from ..client.models import CreateRequest, SandboxInfo
 from ..edge.edge import sandbox_info
 from ..protocol.ops import Operation, derive_operations
@@ -158,6 +159,12 @@ class RemoteEdge:
 
     async def create(self, req: CreateRequest) -> SandboxInfo:
         return await self._guarded("(new)", self._await("create", req))
+
+    async def call_fn(self, image: str, payload: bytes, timeout_s: float) -> bytes:
+        return await self._guarded("(fn call)", self._await("call_fn", image, payload, timeout_s))
+
+    async def run_code(self, req: RunCodeRequest) -> CodeResult:
+        return await self._guarded("(fn call)", self._await("run_code", req))
 
 
 async def _get(ref: Any) -> Any:

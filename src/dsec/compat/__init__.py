@@ -9,24 +9,24 @@ Both call the router and edges through their public methods only. See docs/COMPA
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from fastapi import FastAPI
 
-from ..api.routing import Router
-from ..store.sqlite import StateStore
+from ..control.plane import ControlPlane
 from .auth import Keys
-from .e2b import create_e2b_app
+from .e2b import create_e2b_app, template_mapping
 from .sandboxfusion import create_sandboxfusion_app
 
 E2B_PREFIX = "/e2b"
 SANDBOXFUSION_PREFIX = "/sandboxfusion"
 
 
-def mount_compat(app: FastAPI, router: Router, store: StateStore, state_dir: Path) -> FastAPI:
-    keys = Keys(store, state_dir, router.access.enter if router.access is not None else None)
-    app.mount(E2B_PREFIX, create_e2b_app(router, keys))
-    app.mount(SANDBOXFUSION_PREFIX, create_sandboxfusion_app(router, keys))
+def mount_compat(app: FastAPI, control: ControlPlane) -> FastAPI:
+    """The compatibility front-ends, over the same router (and so the same admission) as the
+    native API."""
+    keys = Keys(control.store, control.settings.state_dir, control.projects.enter)
+    app.mount(E2B_PREFIX, create_e2b_app(control.router, keys, template_mapping(control.settings.e2b_templates)))
+    app.mount(SANDBOXFUSION_PREFIX, create_sandboxfusion_app(control.router, keys,
+                                                             control.settings.sandboxfusion_image))
     return app
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-import os
 import time
 import urllib.parse
 from typing import Any
@@ -32,9 +31,18 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from ..api.routing import Router
-from ..client.errors import (CapacityExhausted, DSecError, IdempotencyKeyReused, ImageNotFound,
-                             InvalidRequest, NotSupported, QuotaExceeded, SandboxDied,
-                             SandboxNotFound, Unauthorized)
+from ..client.errors import (
+    CapacityExhausted,
+    DSecError,
+    IdempotencyKeyReused,
+    ImageNotFound,
+    InvalidRequest,
+    NotSupported,
+    QuotaExceeded,
+    SandboxDied,
+    SandboxNotFound,
+    Unauthorized,
+)
 from ..client.models import CreateRequest, SandboxInfo, lone_surrogate
 from .auth import Keys
 from .connect import PlainHttpError
@@ -48,11 +56,10 @@ DEFAULT_MEMORY_MB = 512
 MAX_TIMEOUT_S = 7 * 86400
 
 
-def templates_from_env(value: str | None = None) -> dict[str, str]:
-    """``DSEC_E2B_TEMPLATES="base=python-3.11,mytpl=myimage"`` adds to (or overrides) the
-    default template mapping."""
+def template_mapping(raw: str) -> dict[str, str]:
+    """``DSEC_E2B_TEMPLATES="base=python-3.11,mytpl=myimage"`` (``Settings.e2b_templates``)
+    adds to (or overrides) the default template mapping."""
     mapping = dict(DEFAULT_TEMPLATES)
-    raw = os.environ.get("DSEC_E2B_TEMPLATES", "") if value is None else value
     for item in filter(None, (part.strip() for part in raw.split(","))):
         name, sep, image = item.partition("=")
         if not sep or not name.strip() or not image.strip():
@@ -61,8 +68,7 @@ def templates_from_env(value: str | None = None) -> dict[str, str]:
     return mapping
 
 
-def create_e2b_app(router: Router, keys: Keys, templates: dict[str, str] | None = None) -> FastAPI:
-    templates = templates_from_env() if templates is None else templates
+def create_e2b_app(router: Router, keys: Keys, templates: dict[str, str]) -> FastAPI:
     envd = Envd(router, keys)
     app = FastAPI(title="dsec: E2B compatibility", docs_url=None, redoc_url=None)
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import base64
 import binascii
 import logging
-import os
 import posixpath
 import secrets
 from dataclasses import dataclass
@@ -110,16 +109,16 @@ class SandboxError(Exception):
 
 
 class SandboxFusion:
-    def __init__(self, router: Router, keys: Keys, image: str | None = None) -> None:
+    def __init__(self, router: Router, keys: Keys, image: str) -> None:
         self.router = router
         self.keys = keys
-        self.image = image or os.environ.get("DSEC_SANDBOXFUSION_IMAGE", DEFAULT_IMAGE)
+        self.image = image
         self._available: dict[tuple[str, str], bool] = {}  # (image digest, language) -> tool chain there
 
     def substrate(self) -> str:
         """The ``fn`` substrate when an edge serves it (function-style calls are what it is
         for), containers until then."""
-        return "fn" if any("fn" in edge.substrates for edge in self.router.edges.values()) else "container"
+        return "fn" if "fn" in self.router.directory.substrates() else "container"
 
     async def run_code(self, request: Request) -> JSONResponse:
         if not self.keys.valid(self.keys.from_headers(request.headers)):
@@ -223,8 +222,9 @@ class SandboxFusion:
         return files
 
 
-def create_sandboxfusion_app(router: Router, keys: Keys) -> FastAPI:
-    sf = SandboxFusion(router, keys)
+def create_sandboxfusion_app(router: Router, keys: Keys, image: str) -> FastAPI:
+    """``image``: the one ``run_code`` runs in."""
+    sf = SandboxFusion(router, keys, image)
     app = FastAPI(title="dsec: SandboxFusion compatibility", docs_url=None, redoc_url=None)
     app.add_api_route("/run_code", sf.run_code, methods=["POST"])
 

@@ -28,6 +28,7 @@ from ..agent.tools import TAR
 from ..client.errors import (CapacityExhausted, DSecError, FileNotFound, InvalidRequest,
                              NotSupported, ProcessNotFound, SandboxDied, SandboxError,
                              SandboxNotFound)
+from ..client.fn import CodeResult, RunCodeRequest
 from ..client.models import (CreateRequest, ExecRequest, ExecResult, FileEntry, Network,
                              ProcessInfo, SandboxInfo, b64)
 from ..images.store import Image, ImageStore
@@ -35,6 +36,7 @@ from ..network.hosts import pin_in_sandbox
 from ..network.policy import Egress, ServiceTable, resolve
 from ..store.sqlite import SandboxRow, StateStore
 from ..substrates.base import StartPlan, Substrate
+from ..substrates.fn import FnSubstrate
 from .commands import check_env, exec_argv, sandbox_path
 from .metrics import EdgeMetrics
 from .pool import Pooled, WarmPool
@@ -92,6 +94,7 @@ class Edge:
         self._live: dict[str, Live] = {}
         self._tasks: set[asyncio.Future[None]] = set()
         self._starting = 0
+        self._calling = 0  # fn calls in flight
         self._reaper: asyncio.Task[None] | None = None
         self.on_end: list[Callable[[str, str, str], None]] = []  # (sandbox id, state, reason)
 
@@ -153,7 +156,13 @@ class Edge:
 
     # create / stop
     def load(self) -> int:
-        return len(self._live) + self._starting
+        """Sandboxes live or starting, and fn calls in flight: each holds a slot."""
+        return len(self._live) + self._starting + self._calling
+
+    def _admit(self) -> None:
+        if self.load() >= self.config.capacity:
+            raise CapacityExhausted(f"edge {self.id} is at its capacity of "
+                                    f"{self.config.capacity} sandboxes", edge=self.id)
 
     async def create(self, req: CreateRequest) -> SandboxInfo:
         started = time.perf_counter()
@@ -174,9 +183,7 @@ class Edge:
                                served=sorted(self.substrates))
         egress = await self._egress(substrate, req.network)
         check_env(req.env)
-        if self.load() >= self.config.capacity:
-            raise CapacityExhausted(f"edge {self.id} is at its capacity of "
-                                    f"{self.config.capacity} sandboxes", edge=self.id)
+        self._admit()
         self._starting += 1
         try:
             image = self.images.get(req.image)
@@ -287,6 +294,35 @@ class Edge:
         live.row.request["network"] = network if network == "none" else network.model_dump()
         self.store.set_request(sandbox_id, live.row.request)
         return self.info(live.row)
+
+    # fn calls: a fresh worker of the fn substrate per call, no sandbox kept
+    def _fn(self) -> FnSubstrate:
+        fn = self.substrates.get("fn")
+        if not isinstance(fn, FnSubstrate):
+            raise NotSupported(f"edge {self.id} does not serve the fn substrate",
+                               served=sorted(self.substrates))
+        return fn
+
+    async def _fn_call(self, work: Callable[[FnSubstrate], Awaitable[T]]) -> T:
+        fn = self._fn()
+        self._admit()
+        self._calling += 1
+        try:
+            return await work(fn)
+        finally:
+            self._calling -= 1
+
+    async def call_fn(self, image: str, payload: bytes, timeout_s: float) -> bytes:
+        """Run a cloudpickled ``(fn, args, kwargs)``; its pickled return value (passed through
+        unread: it is untrusted). RemoteError when the function raised."""
+        return await self._fn_call(lambda fn: fn.call(self.images.get(image), payload, timeout_s))
+
+    async def run_code(self, req: RunCodeRequest) -> CodeResult:
+        """Write, compile if needed and run a program; what it did."""
+        fields = await self._fn_call(lambda fn: fn.run_code(
+            self.images.get(req.image), req.language, req.code, req.stdin, req.timeout_s,
+            req.max_output_bytes))
+        return CodeResult.model_validate(fields)
 
     # queries
     def info(self, row: SandboxRow) -> SandboxInfo:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dsec.client.errors import NotSupported
+from dsec.config import current
 from dsec.images.node_cache import node_copy
 
 if TYPE_CHECKING:
@@ -102,9 +103,8 @@ class LayerMounter:
     """
 
     def __init__(self, cache_dir: Path | None = None) -> None:
-        state_dir = Path(os.environ.get("DSEC_STATE_DIR", "/var/lib/dsec"))
         # Resolved, so paths compare equal to the ones in /proc/self/mountinfo.
-        self.cache_dir = Path(cache_dir or state_dir / "layers").resolve()
+        self.cache_dir = Path(cache_dir or current().state_dir / "layers").resolve()
         # Layers this mounter has seen mounted: they stay mounted until unmount_all(), so the
         # sandbox create path need not parse /proc/self/mountinfo (long on a busy node) again.
         self._known: set[Path] = set()

@@ -1,6 +1,6 @@
 """A node-local cache of layer files from a shared image store (NFS, 3FS, any POSIX mount).
 
-With ``DSEC_LAYER_CACHE`` set to a local directory, a node copies each EROFS layer file it
+With ``DSEC_LAYER_CACHE`` (``Settings.layer_cache``) set to a local directory, a node copies each EROFS layer file it
 uses there once (to a temporary name, then an atomic rename) and loop-mounts the copy: later
 sandboxes read local disk, and a node keeps running its images when the shared mount is slow
 or briefly away. Layers are immutable and named by digest, so a copy never goes stale.
@@ -12,12 +12,12 @@ import os
 import shutil
 from pathlib import Path
 
-ENV = "DSEC_LAYER_CACHE"
+from ..config import current
 
 
 def node_copy(layer_file: Path) -> Path:
     """The file to mount for ``layer_file``: a local copy when a cache is configured."""
-    cache = os.environ.get(ENV)
+    cache = current().layer_cache
     if not cache:
         return layer_file
     target = Path(cache) / f"{layer_file.parent.name}{layer_file.suffix}"

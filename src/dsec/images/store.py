@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dsec.client.errors import ImageNotFound, InvalidRequest
-from dsec.client.errors import ImageBuildError
+from dsec.client.errors import ImageBuildError, ImageNotFound, InvalidRequest
+from dsec.config import current
 from dsec.images.builder import build_layers, plan_layers
 from dsec.images.mount import kernel_supports, locked
 from dsec.images.oci import import_archive
@@ -169,7 +169,7 @@ class ImageStore:
     """Named images over shared layers; see the module docstring for the on-disk layout."""
 
     def __init__(self, root: Path | None = None, layer_format: str | None = None) -> None:
-        self.root = Path(root or os.environ.get("DSEC_IMAGE_STORE") or DEFAULT_ROOT)
+        self.root = Path(root or current().image_store or DEFAULT_ROOT)
         self._images = self.root / "images"
         self._images.mkdir(parents=True, exist_ok=True)
         self.layers = LayerStore(self.root, layer_format or detect_layer_format())

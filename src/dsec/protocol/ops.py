@@ -6,8 +6,8 @@ cluster proxy, trajectory codecs); a forgotten one ran unlogged or failed only i
 mode. Here, as in Firecracker's single action enum between its API and its VMM, each
 operation is one frozen ``Operation``:
 
-- ``method``: the edge's method, called ``method(sandbox_id, *params)`` (``create`` takes
-  its request alone). ``Edge`` implements it; ``RecordedEdge`` (trajectory/recorder.py),
+- ``method``: the edge's method, called ``method(sandbox_id, *params)`` (``create`` and the fn
+  calls take no sandbox id). ``Edge`` implements it; ``RecordedEdge`` (trajectory/recorder.py),
   ``RemoteEdge`` and ``EdgeActor`` (cluster/) are derived from this table.
 - ``params``: name, type and default of each argument after the sandbox id. ``payload`` names
   the one carried as raw bytes in a trajectory step (file data, tar); an ``ExecRequest``
@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any, Literal, TypeVar
 
+from ..client.fn import CodeResult, RunCodeRequest
 from ..client.models import (
     CreateRequest,
     ExecRequest,
@@ -74,7 +75,7 @@ class Operation:
     kind: Literal["call", "stream"] = "call"
     payload: str | None = None
     sdk: str | None = None
-    on_sandbox: bool = True  # False: no sandbox id argument (create)
+    on_sandbox: bool = True  # False: no sandbox id argument (create, fn calls)
 
     @property
     def exec_param(self) -> str | None:
@@ -142,6 +143,11 @@ OPERATIONS: tuple[Operation, ...] = (
         step="upload", payload="tar", sdk="Sandbox.upload"),
     _op("download_tar", (PATH,), bytes, f"GET {SANDBOX}/archive", step="download",
         sdk="Sandbox.download"),
+    # fn: a call in a fresh worker, no sandbox (placed and admitted like a create)
+    _op("call_fn", (Param("image", str), Param("payload", bytes), Param("timeout_s", float)), bytes,
+        "POST /v1/call", sdk="Client.call", on_sandbox=False),
+    _op("run_code", (Param("req", RunCodeRequest),), CodeResult, "POST /v1/run_code",
+        sdk="Client.run_code", on_sandbox=False),
 )
 
 BY_METHOD: dict[str, Operation] = {op.method: op for op in OPERATIONS}

@@ -123,7 +123,7 @@ def oom_kills(parent: str, sandbox_id: str) -> int:
         path = CGROUP_ROOT / "memory" / parent.strip("/") / sandbox_id / "memory.oom_control"
     try:
         return oom_count(path.read_text(), OOM_KEYS[path.name])
-    except FileNotFoundError:
+    except OSError:  # gone, or being removed (ENODEV on cgroup v1)
         return 0
 
 

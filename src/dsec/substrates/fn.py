@@ -30,6 +30,7 @@ import logging
 import os
 import secrets
 import shutil
+import signal
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,9 +39,15 @@ import cloudpickle
 from ..agent.build import agent_binary
 from ..agent.client import AgentClient
 from ..agent.tools import install_tools
-from ..client.errors import (CommandTimeout, NotSupported, RemoteError, SandboxDied,
-                             SandboxError)
+from ..client.errors import (
+    CommandTimeout,
+    NotSupported,
+    RemoteError,
+    SandboxDied,
+    SandboxError,
+)
 from ..client.models import CreateRequest
+from ..config import current
 from ..images.mount import LayerMounter
 from ..images.store import Image
 from . import cgroups, spawn
@@ -54,20 +61,23 @@ LANGUAGES = {"python": "python3", "bash": "bash", "c": "gcc", "cpp": "g++"}
 IMAGE_PYTHON = "/usr/bin/python3"
 COMPILE_TIMEOUT_S = 30.0
 MAX_ERROR_FIELD = 64 << 10  # of a remote error's type, message and traceback, each
+# A call's worker's limits: also what a call holds of its project's quota while it runs.
+FN_CALL_CPU = 1.0
+FN_CALL_MEMORY_MB = 512
 
 
 class FnSubstrate(Substrate):
     name = "fn"
 
     def __init__(self, state_dir: Path, edge_id: str, pool_size: int = 8,
-                 preload: tuple[str, ...] | None = None, cpu: float = 1.0, memory_mb: int = 512,
+                 preload: tuple[str, ...] | None = None, cpu: float = FN_CALL_CPU,
+                 memory_mb: int = FN_CALL_MEMORY_MB,
                  pids: int = 64, tmp_mb: int = 256, mounter: LayerMounter | None = None) -> None:
         self.root = state_dir / "fn"
         self.cgroup_parent = f"/dsec-fn-{edge_id}"
         self.pool_size = pool_size
         # Modules every template imports before it forks (those the image lacks are skipped).
-        self.preload = preload if preload is not None else tuple(
-            m for m in os.environ.get("DSEC_FN_PRELOAD", "numpy").split(",") if m)
+        self.preload = preload if preload is not None else current().fn_preload
         self.limits = (cpu, memory_mb, pids)
         self.tmp_mb = tmp_mb
         self.mounter = mounter or LayerMounter()
@@ -191,9 +201,7 @@ class FnSubstrate(Substrate):
         try:
             reply = await asyncio.wait_for(worker.exchange(frame), timeout_s)
             if reply[:1] == b"D":  # the call's process died; the worker saw how
-                status = json.loads(reply[1:])["status"]
-                oom = cgroups.oom_kills(self._cgroup_of(worker.template.key), worker.wid)
-                raise _died(Death(status, oom))
+                raise _died(await self._call_death(worker, json.loads(reply[1:])["status"]))
         except asyncio.TimeoutError:
             raise CommandTimeout(f"the call did not return within {timeout_s}s; its worker "
                                  "was killed", timeout_s=timeout_s) from None
@@ -210,6 +218,16 @@ class FnSubstrate(Substrate):
                         worker.template.key)
             return await self._exchange(image, frame, timeout_s, retry=False)
         return reply[:1], reply[1:]
+
+    async def _call_death(self, worker: Worker, status: int) -> Death:
+        """How a call's process died. A SIGKILL with no OOM kill counted yet may be one the
+        kernel has not counted (cgroup v1 counts after the kill): the template's report,
+        read once the worker has also exited, settles it."""
+        oom = cgroups.oom_kills(self._cgroup_of(worker.template.key), worker.wid)
+        if not oom and os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
+            reported = await worker.ended()
+            oom = reported.oom_kills if reported is not None else 0
+        return Death(status, oom)
 
     # sandboxes: a worker running the agent as its init ------------------------------------
     async def start(self, plan: StartPlan) -> dict[str, Any]:

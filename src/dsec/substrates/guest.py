@@ -40,6 +40,7 @@ from pathlib import Path
 from ..agent.build import agent_binary
 from ..agent.tools import HOST_SHELL, install_tools
 from ..client.errors import NotSupported
+from ..config import current
 from .vmnet import AGENT_MAC, POLICY_MAC
 
 AGENT_PORT = 7000  # inside the guest
@@ -172,7 +173,7 @@ def guest_boot() -> GuestBoot:
                  agent.read_bytes(), init.encode(),
                  *(f"{name}\0".encode() + path.read_bytes() for name, path in modules)):
         digest.update(hashlib.sha256(part).digest())
-    out_dir = Path(os.environ.get("DSEC_CACHE", "/var/cache/dsec")) / "vm" / digest.hexdigest()[:16]
+    out_dir = current().cache / "vm" / digest.hexdigest()[:16]
     initramfs, vmlinux = out_dir / "initramfs.cpio", out_dir / "vmlinux"
     if not initramfs.exists():
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..config import Settings
+from ..images.mount import LayerMounter
 from .base import Substrate
 from .container import ContainerSubstrate
 from .fn import FnSubstrate
@@ -13,11 +15,15 @@ from .vm import VMSubstrate
 VM_SUBSTRATES = (MicroVMSubstrate, VMSubstrate)
 
 
-def all_substrates(state_dir: Path, edge_id: str, runtime: str, vm_accel: str,
-                   kvm_device: Path, vm_snapshots: bool) -> dict[str, Substrate]:
+def all_substrates(settings: Settings, state_dir: Path, edge_id: str) -> dict[str, Substrate]:
+    """Every substrate of the edge ``edge_id`` whose sandboxes live under ``state_dir``
+    (a dead edge's too, to find and remove its leftovers)."""
+    mounter = LayerMounter(settings.state_dir / "layers")  # one per node, shared by its edges
     substrates: dict[str, Substrate] = {
-        "container": ContainerSubstrate(state_dir, edge_id, runtime=runtime),
-        "fn": FnSubstrate(state_dir, edge_id)}
+        "container": ContainerSubstrate(state_dir, edge_id, runtime=settings.runtime,
+                                        mounter=mounter),
+        "fn": FnSubstrate(state_dir, edge_id, preload=settings.fn_preload, mounter=mounter)}
     for vm in VM_SUBSTRATES:
-        substrates[vm.name] = vm(state_dir, edge_id, vm_accel, kvm_device, vm_snapshots)
+        substrates[vm.name] = vm(state_dir, edge_id, settings.vm_accel, settings.kvm_device,
+                                 settings.vm_snapshots)
     return substrates

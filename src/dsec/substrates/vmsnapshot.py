@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 from ..client.errors import SandboxError
+from ..config import current
 from . import spawn
 
 SAVE_TIMEOUT_S = 120.0
@@ -33,7 +34,7 @@ SAVE_TIMEOUT_S = 120.0
 
 def snapshot_dir(parts: list[str]) -> Path:
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
-    return Path(os.environ.get("DSEC_CACHE", "/var/cache/dsec")) / "vm-snapshots" / key
+    return current().cache / "vm-snapshots" / key
 
 
 class TemplateLock:

@@ -1,0 +1,28 @@
+"""What a server's HTTP front-ends are built on: one control plane, composed once
+(``control.compose``), never rewired by the routes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry
+
+from ..api.projects import Projects
+from ..api.routing import Router
+from ..config import Settings
+from ..store.sqlite import StateStore
+
+
+@dataclass(frozen=True)
+class ControlPlane:
+    settings: Settings
+    store: StateStore  # sandbox records and API keys
+    registry: CollectorRegistry  # the server's metrics
+    projects: Projects  # access control and quotas (the router admits through them)
+    router: Router  # the edges (a directory), placement, trajectories, idempotency
+
+    async def start(self) -> None:
+        await self.router.start()
+
+    async def close(self) -> None:
+        await self.router.close()

@@ -1,0 +1,29 @@
+"""An edge with its substrates, image store and pools, made from the server's ``Settings``:
+the one mapping from settings to an edge, for the embedded edge and each Ray edge actor."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..config import Settings
+from ..images.store import ImageStore
+from ..store.sqlite import StateStore
+from ..substrates.registry import VM_SUBSTRATES, all_substrates
+from .edge import Edge, EdgeConfig
+from .metrics import EdgeMetrics
+
+
+def build_edge(settings: Settings, store: StateStore, metrics: EdgeMetrics, state_dir: Path,
+               edge_id: str = "", capacity: int | None = None) -> Edge:
+    """The edge keeping its sandboxes under ``state_dir``; ``edge_id`` and ``capacity``
+    default to the settings' (a Ray node brings its own)."""
+    config = EdgeConfig(state_dir=state_dir, edge_id=edge_id or settings.edge_id,
+                        capacity=settings.capacity if capacity is None else capacity,
+                        warm_pool=settings.warm_pool,
+                        network_services=(settings.network_services
+                                          or settings.state_dir / "network-services.toml"))
+    edge = Edge(config, store, ImageStore(settings.image_store),
+                all_substrates(settings, state_dir, config.edge_id), metrics)
+    for vm in VM_SUBSTRATES:
+        edge.pools[vm.name].size = settings.vm_warm_pool
+    return edge

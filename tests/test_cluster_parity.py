@@ -1,0 +1,302 @@
+"""Cluster parity: what the embedded server serves, ``dsec serve --ray`` serves too.
+
+A real one-node Ray cluster, real PostgreSQL, a real API replica given every ``serve``
+option (and some settings by environment only): its edge actor reports the settings it got,
+field by field as serve was given them; ``set_network`` applies a policy on a cluster edge;
+fn calls, ``map`` and ``run_code`` run on the cluster's fn substrate, SandboxFusion's
+``run_code`` too; the dashboard lists the node; an fn call counts against the caller's
+project quota (embedded and cluster alike); and what a dead edge's fn substrate left on the
+host (template cgroups, its directory) is removed when the node's new edge starts.
+
+A VM leftover is not made here: booting a VM under TCG takes minutes on this host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+from dataclasses import fields
+from pathlib import Path
+from typing import Iterator
+
+import cloudpickle
+import pytest
+
+import dsec
+from conftest import TEST_ROOT, Server, free_port, make_tcp_server, stop_server
+from dsec.config import Settings
+from dsec.images.mount import LayerMounter
+from dsec.images.store import ImageStore
+from dsec.network.testbed import Destination
+from dsec.substrates.fn import FnSubstrate
+from test_network import fetch
+
+pytest.importorskip("ray", reason="the cluster tests need the `cluster` extra (Ray)")
+import ray  # noqa: E402
+
+from dsec.cluster.ids import NAMESPACE, actor_name  # noqa: E402
+from dsec.cluster.local import TOLERANT_HEALTH_CHECKS, LocalRayCluster  # noqa: E402
+from dsec.store.local_postgres import LocalPostgres  # noqa: E402
+
+NODE_CAPACITY = 16
+DEAD_EDGE = "rdeadbeef"  # an edge directory whose node Ray never listed: an orphan
+FN_IMAGE = "python-3.11"
+# Settings given by environment only (no serve option), as an operator's unit file would.
+ENV_ONLY = {"DSEC_FN_PRELOAD": "numpy,fractions", "DSEC_E2B_TEMPLATES": "mine=python-3.11",
+            "DSEC_SANDBOXFUSION_IMAGE": FN_IMAGE}
+
+
+def fn_cgroups(edge: str) -> list[Path]:
+    root = Path("/sys/fs/cgroup")
+    return [p for p in [root / f"dsec-fn-{edge}", *root.glob(f"*/dsec-fn-{edge}")] if p.is_dir()]
+
+
+def leave_fn_leftovers(state: Path, images: ImageStore) -> None:
+    """What a node's fn substrate leaves when the node is killed mid-work: a template that
+    served a call, killed (its workers die with it), its cgroups and directory left behind."""
+    async def work() -> None:
+        fn = FnSubstrate(state / DEAD_EDGE, DEAD_EDGE, pool_size=1,
+                         mounter=LayerMounter(state / "layers"))
+        await fn.prepare()
+        payload = cloudpickle.dumps((lambda: 41 + 1, (), {}))
+        assert cloudpickle.loads(await fn.call(images.get(FN_IMAGE), payload, 60)) == 42
+    asyncio.run(work())
+    # the node dies: every process in the edge's fn cgroups is killed (the template is ours)
+    for procs in (p for group in fn_cgroups(DEAD_EDGE) for p in group.rglob("cgroup.procs")):
+        for pid in map(int, procs.read_text().split()):
+            os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+
+
+@pytest.fixture(scope="module")
+def cluster_state(images: ImageStore) -> Iterator[Path]:
+    state = TEST_ROOT / f"cp-{secrets.token_hex(3)}"
+    state.mkdir(parents=True)
+    leave_fn_leftovers(state, images)
+    assert fn_cgroups(DEAD_EDGE) and (state / DEAD_EDGE / "fn").is_dir()
+    try:
+        yield state
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(cluster_state: Path) -> Iterator[LocalRayCluster]:
+    cluster = LocalRayCluster(cluster_state, [NODE_CAPACITY], TOLERANT_HEALTH_CHECKS)
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def services(dest: Destination, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    table = tmp_path_factory.mktemp("services") / "services.toml"
+    table.write_text(f'[services.testsvc]\nallow = ["{dest.address}:8001"]\n')
+    return table
+
+
+@pytest.fixture(scope="module")
+def serve_args(ray_cluster: LocalRayCluster, local_postgres: LocalPostgres, services: Path,
+               images: ImageStore) -> dict[str, str | None]:
+    """Every ``serve`` option (None: a flag), none at its default where that can be told."""
+    url = local_postgres.fresh_database("parity_" + secrets.token_hex(3))
+    return {"--host": "127.0.0.1", "--port": str(free_port()), "--capacity": "5",
+            "--warm-pool": "0", "--runtime": "crun", "--edge-id": "ignored-in-a-cluster",
+            "--log-format": "json", "--network-services": str(services), "--vm-accel": "tcg",
+            "--kvm-device": "/dev/kvm", "--vm-warm-pool": "1", "--vm-snapshots": None,
+            "--state-url": url, "--ray": ray_cluster.address, "--image-store": str(images.root)}
+
+
+@pytest.fixture(scope="module")
+def replica(ray_cluster: LocalRayCluster, serve_args: dict[str, str | None]) -> Iterator[Server]:
+    args = [part for option, value in serve_args.items()
+            for part in ([option] if value is None else [option, value])]
+    saved = {name: os.environ.get(name) for name in ENV_ONLY}
+    os.environ.update(ENV_ONLY)  # inherited by the server process only: restored at once
+    try:
+        server = Server(ray_cluster.state_dir, args).start()
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    yield server
+    server.kill(signal.SIGTERM)
+
+
+@pytest.fixture(scope="module")
+def embedded(images: ImageStore) -> Iterator[Server]:
+    server = make_tcp_server("--warm-pool", "0").start()
+    yield server
+    stop_server(server)
+
+
+def edge_status(cluster: LocalRayCluster) -> dict:  # type: ignore[type-arg]
+    """The edge actor's own report, asked through Ray (not through the replica)."""
+    ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
+    try:
+        edge = cluster.edge_of(cluster.nodes[0])
+        return ray.get(ray.get_actor(actor_name(edge), namespace=NAMESPACE).status.remote())
+    finally:
+        ray.shutdown()  # a driver on the head node would keep the cluster from stopping
+
+
+def test_every_setting_reaches_the_ray_edge(replica: Server, ray_cluster: LocalRayCluster,
+                                            serve_args: dict[str, str | None]) -> None:
+    status = edge_status(ray_cluster)
+    options = {name.removeprefix("--").replace("-", "_"): value
+               for name, value in serve_args.items()}
+    options["ray_address"] = options.pop("ray")
+    given = Settings.load({**os.environ, **ENV_ONLY}, state_dir=str(ray_cluster.state_dir),
+                          **{k: (True if v is None else v) for k, v in options.items()})
+    reported = status["settings"]
+    assert set(reported) == {f.name for f in fields(Settings)}
+    for name, value in given.as_dict().items():
+        assert reported[name] == value, name
+    # the environment-only ones arrived too
+    assert reported["fn_preload"] == ["numpy", "fractions"]
+    assert reported["e2b_templates"] == "mine=python-3.11"
+    assert status["capacity"] == NODE_CAPACITY  # the node's own dsec_capacity
+
+
+async def test_set_network_under_ray(replica: Server, dest: Destination) -> None:
+    rule = f"{dest.address}:8001"
+    async with replica.client() as client:
+        sb = await client.create(ttl_s=300)
+        try:
+            assert await fetch(sb, dest.address, 8001) is None
+            info = await sb.set_network([rule])
+            assert info.network == dsec.NetworkPolicy(allow=[rule])
+            assert (await client.get(sb.id)).info.network == info.network
+            assert await fetch(sb, dest.address, 8001) == "hello-8001"
+            await sb.set_network({"testsvc": True})  # the table given by --network-services
+            assert await fetch(sb, dest.address, 8001) == "hello-8001"
+            await sb.set_network("none")
+            assert (await sb.run("ls /sys/class/net")).stdout.split() == ["lo"]
+        finally:
+            await sb.stop()
+
+
+async def test_fn_call_map_and_run_code_under_ray(replica: Server) -> None:
+    async with replica.client() as client:
+        assert await client.call(lambda: 1) == 1
+        assert await client.call(lambda x, y: x + y, 2, 3) == 5
+        assert await client.map(lambda x: x * x, range(10), concurrency=4) == [x * x for x in range(10)]
+        with pytest.raises(dsec.RemoteError) as raised:
+            await client.call(lambda: {}["missing"])
+        assert raised.value.remote_type == "builtins.KeyError"
+
+        def preloaded() -> bool:
+            import sys
+            return "fractions" in sys.modules  # imported by the template: DSEC_FN_PRELOAD
+        assert await client.call(preloaded) is True
+        r = await client.run_code("python", "print(int(input()) * 2)", stdin="21\n")
+        assert (r.stdout, r.exit_code, r.ok) == ("42\n", 0, True)
+        with pytest.raises(dsec.NotSupported):
+            await client.run_code("c", "int main(){return 0;}")  # python-3.11 has no gcc
+
+
+def test_sandboxfusion_on_fn_under_ray(replica: Server) -> None:
+    from sandbox_fusion import RunCodeRequest, RunStatus, run_code
+    host = replica.url.removeprefix("http://")
+    endpoint = f"http://dsec:{replica.key}@{host}/sandboxfusion"
+    r = run_code(RunCodeRequest(code="import sys; print(sys.stdin.read()[::-1])",
+                                language="python", stdin="olleh"),
+                 endpoint=endpoint, max_attempts=1)
+    assert r.status == RunStatus.Success and r.run_result.stdout == "hello\n"
+    with replica.http(authenticated=True) as http:
+        ran_on = http.get(f"/v1/sandboxes/{r.executor_pod_name}").json()
+    assert ran_on["substrate"] == "fn" and ran_on["state"] == "stopped"
+
+
+async def test_dashboard_lists_the_node_under_ray(replica: Server,
+                                                  ray_cluster: LocalRayCluster) -> None:
+    async with replica.client() as client:
+        sb = await client.create(ttl_s=300)
+        try:
+            with replica.http(authenticated=True) as http:
+                data = http.get("/v1/dashboard").json()
+        finally:
+            await sb.stop()
+    edge = ray_cluster.edge_of(ray_cluster.nodes[0])
+    [node] = [n for n in data["nodes"] if n["edge"] == edge]
+    assert node["capacity"] == NODE_CAPACITY and node["live"] >= 1
+    assert node["substrates"]["container"] >= 1 and "fn" in node["substrates"]
+    assert data["live_total"] >= 1
+
+
+@pytest.mark.parametrize("where", ["embedded", "cluster"])
+async def test_an_fn_call_counts_against_the_project_quota(
+        where: str, request: pytest.FixtureRequest) -> None:
+    server: Server = request.getfixturevalue("embedded" if where == "embedded" else "replica")
+    project = f"fnq-{secrets.token_hex(3)}"
+    async with server.client() as admin:
+        await admin.projects().create(project, sandboxes=1, cpu=4, memory_mb=4096)
+        key = (await admin.projects().create_key(project, "k")).key
+        async with dsec.DSecClient(server.url, key, autostart=False) as client:
+            assert await client.call(lambda: 7) == 7
+            with pytest.raises(dsec.RemoteError):
+                await client.call(lambda: 1 // 0)
+            used = (await admin.projects().get(project)).used
+            assert (used.sandboxes, used.cpu, used.memory_mb) == (0, 0.0, 0)  # given back
+            with server.http() as http:  # a function that raised is no failure of the platform
+                failures = http.get("/v1/dashboard", headers={
+                    "authorization": f"Bearer {key}"}).json()["failures"]
+            assert [f["code"] for f in failures] == []
+            sb = await client.create(ttl_s=300, memory_mb=256, cpu=0.5)
+            try:
+                with pytest.raises(dsec.QuotaExceeded) as refused:
+                    await client.call(lambda: 7)
+                assert refused.value.details["resource"] == "sandboxes"
+                with pytest.raises(dsec.QuotaExceeded):
+                    await client.run_code("python", "print(1)")
+            finally:
+                await sb.stop()
+            await admin.projects().set_quota(project, sandboxes=2, memory_mb=256)
+            with pytest.raises(dsec.QuotaExceeded) as refused:  # a call holds 512 MB
+                await client.call(lambda: 7)
+            assert refused.value.details["resource"] == "memory_mb"
+
+
+def test_a_dead_edges_fn_leftovers_are_removed(replica: Server, cluster_state: Path) -> None:
+    """The node's edge started after the fixture left a dead edge's fn remains: it removed
+    them (before the replica could serve, since the edge answers only once started)."""
+    assert fn_cgroups(DEAD_EDGE) == []
+    assert not (cluster_state / DEAD_EDGE).exists()
+
+
+@pytest.mark.parametrize("where", ["embedded", "cluster"])
+async def test_every_create_path_is_admitted_by_the_project_quota(
+        where: str, request: pytest.FixtureRequest) -> None:
+    """A project with no room: the native API, an fn call, run_code, E2B and SandboxFusion
+    are all refused by the same admission, and nothing is held."""
+    from sandbox_fusion import RunCodeRequest, run_code
+    server: Server = request.getfixturevalue("embedded" if where == "embedded" else "replica")
+    project = f"full-{secrets.token_hex(3)}"
+    async with server.client() as admin:
+        await admin.projects().create(project, sandboxes=0, cpu=4, memory_mb=4096)
+        key = (await admin.projects().create_key(project, "k")).key
+        async with dsec.DSecClient(server.url, key, autostart=False) as client:
+            with pytest.raises(dsec.QuotaExceeded):
+                await client.create(ttl_s=60)
+            with pytest.raises(dsec.QuotaExceeded):
+                await client.call(lambda: 1)
+            with pytest.raises(dsec.QuotaExceeded):
+                await client.run_code("python", "print(1)")
+        with server.http() as http:
+            e2b = http.post("/e2b/sandboxes", headers={"x-api-key": key},
+                            json={"templateID": "base"})
+        assert e2b.status_code == 429 and "quota" in e2b.json()["message"]
+        host = server.url.removeprefix("http://")
+        with pytest.raises(Exception, match="quota_exceeded"):  # the client raises on SandboxError
+            run_code(RunCodeRequest(code="print(1)", language="python"),
+                     endpoint=f"http://dsec:{key}@{host}/sandboxfusion", max_attempts=1)
+        used = (await admin.projects().get(project)).used
+        assert (used.sandboxes, used.cpu, used.memory_mb) == (0, 0.0, 0)
