@@ -20,7 +20,7 @@ from .client.errors import (CapacityExhausted, CommandTimeout, DelegationExceede
                             Unauthorized)
 from .client.project_models import ProjectInfo, ProjectKey, Quota
 from .client.errors import IdempotencyKeyReused, RemoteError, ResultRefused, UnsafeArchive
-from .client.fn import CodeResult
+from .client.fn_models import CodeResult
 from .client.models import (FileEntry, ProcessInfo, SandboxInfo, StepDiff, StepRecord,
                             TrajectoryInfo)
 from .client.models import NetworkPolicy

@@ -9,7 +9,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
-from ..client.fn import DEFAULT_IMAGE, CodeResult, RunCodeRequest
+from ..client.fn_models import DEFAULT_IMAGE, CodeResult, RunCodeRequest
 from .routing import Router
 
 

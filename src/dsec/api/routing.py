@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from ..client.errors import NotSupported
-from ..client.fn import CodeResult, RunCodeRequest
+from ..client.fn_models import CodeResult, RunCodeRequest
 from ..client.models import CreateRequest, SandboxInfo
 from ..control.directory import EdgeDirectory, edge_of
 from ..edge.edge import Edge

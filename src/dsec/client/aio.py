@@ -29,6 +29,7 @@ from ..trajectory.outcome import decode, output_chunks
 from . import archive
 from . import fn as fn_calls
 from .errors import CommandTimeout, DSecError, FileNotFound, InvalidRequest, ServerUnavailable
+from .fn_models import DEFAULT_IMAGE, CodeResult, Language, RunCodeRequest
 from .models import (CreateRequest, ExecRequest, ExecResult, FileEntry, NetworkRequest, ProcessInfo,
                      ReplayReport, ReplayRequest, SandboxInfo, StepDiff, StepPage,
                      StepRecord, TrajectoryInfo, b64)
@@ -654,7 +655,7 @@ class AsyncClient:
 
     # fn substrate: calls into pre-warmed, jailed workers (see docs/FN.md)
     async def call(self, fn: Callable[..., V], *args: Any, substrate: str = "fn",
-                   image: str = fn_calls.DEFAULT_IMAGE, timeout_s: float = 60.0,
+                   image: str = DEFAULT_IMAGE, timeout_s: float = 60.0,
                    kwargs: dict[str, Any] | None = None, trusted_result: bool = False) -> V:
         """``fn(*args, **kwargs)`` in a fresh jailed worker of ``image``; its return value.
         Raises ``RemoteError`` (``remote_type``, ``traceback``) if it raised,
@@ -666,20 +667,20 @@ class AsyncClient:
         fn_calls.check_substrate(substrate)
         return await fn_calls.call(self._t, fn, args, kwargs or {}, image, timeout_s, trusted_result)
 
-    async def run_code(self, language: fn_calls.Language, code: str, *, stdin: str = "",
-                       image: str = fn_calls.DEFAULT_IMAGE, timeout_s: float = 10.0,
+    async def run_code(self, language: Language, code: str, *, stdin: str = "",
+                       image: str = DEFAULT_IMAGE, timeout_s: float = 10.0,
                        max_output_bytes: int | None = None,
-                       substrate: str = "fn") -> fn_calls.CodeResult:
+                       substrate: str = "fn") -> CodeResult:
         """Run a python, bash, c or cpp program (compiled with gcc/g++ where the image has
         them, else ``NotSupported``) with ``stdin``; a time-out is ``result.timed_out``."""
         fn_calls.check_substrate(substrate)
-        req = _validated(fn_calls.RunCodeRequest, language=language, code=code, stdin=stdin,
+        req = _validated(RunCodeRequest, language=language, code=code, stdin=stdin,
                          image=image, timeout_s=timeout_s,
                          **({} if max_output_bytes is None else {"max_output_bytes": max_output_bytes}))
         return await fn_calls.run_code(self._t, req)
 
     async def map(self, fn: Callable[..., V], items: Iterable[Any], *, concurrency: int = 16,
-                  substrate: str = "fn", image: str = fn_calls.DEFAULT_IMAGE,
+                  substrate: str = "fn", image: str = DEFAULT_IMAGE,
                   timeout_s: float = 60.0, return_exceptions: bool = False,
                   trusted_result: bool = False) -> builtins.list[Any]:
         """``[fn(item) for item in items]``, each in its own worker, ``concurrency`` at a

@@ -16,7 +16,7 @@ from ray.exceptions import (ActorDiedError, ActorUnavailableError, ActorUnschedu
                             RayTaskError)
 
 from ..client.errors import DSecError, SandboxDied, SandboxError, SandboxNotFound
-from ..client.fn import CodeResult, RunCodeRequest
+from ..client.fn_models import CodeResult, RunCodeRequest
 from ..client.models import CreateRequest, SandboxInfo
 from ..edge.edge import sandbox_info
 from ..protocol.ops import Operation, derive_operations

@@ -28,7 +28,7 @@ from ..agent.tools import TAR
 from ..client.errors import (CapacityExhausted, DSecError, FileNotFound, InvalidRequest,
                              NotSupported, ProcessNotFound, SandboxDied, SandboxError,
                              SandboxNotFound)
-from ..client.fn import CodeResult, RunCodeRequest
+from ..client.fn_models import CodeResult, RunCodeRequest
 from ..client.models import (CreateRequest, ExecRequest, ExecResult, FileEntry, Network,
                              ProcessInfo, SandboxInfo, b64)
 from ..images.store import Image, ImageStore

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any, Literal, TypeVar
 
-from ..client.fn import CodeResult, RunCodeRequest
+from ..client.fn_models import CodeResult, RunCodeRequest
 from ..client.models import (
     CreateRequest,
     ExecRequest,
