@@ -23,8 +23,8 @@ from typing import Iterator
 import pytest
 
 import dsec
-from chaos import (CALL_BOUND_S, Burst, Tally, TrajectoryWorker, blackhole, edge_id,
-                   host_traces, kill_agent, step_command, when)
+from support.chaos import (CALL_BOUND_S, Burst, Tally, TrajectoryWorker, blackhole, edge_id,
+                           host_traces, kill_agent, step_command, when)
 from conftest import Server, make_server, make_tcp_server, stop_server
 
 CLIENTS = 4

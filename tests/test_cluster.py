@@ -286,7 +286,7 @@ def test_shared_image_store_with_a_node_local_layer_cache(images, tmp_path: Path
 
 
 def test_placement_counts_its_own_placements_not_yet_reported() -> None:
-    from dsec.cluster.placement import EdgeLoad, Placement
+    from dsec.control.placement import EdgeLoad, Placement
 
     def report(edge: str, load: int) -> EdgeLoad:
         return EdgeLoad(edge, load, capacity=2, substrates=["container"], images=[IMAGE],

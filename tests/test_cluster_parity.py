@@ -32,7 +32,7 @@ from dsec.config import Settings
 from dsec.images.mount import LayerMounter
 from dsec.images.store import ImageStore
 from dsec.network.testbed import Destination
-from dsec.substrates.fn import FnSubstrate
+from dsec.substrates.fn.fn import FnSubstrate
 from test_network import fetch
 
 pytest.importorskip("ray", reason="the cluster tests need the `cluster` extra (Ray)")

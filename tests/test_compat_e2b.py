@@ -4,7 +4,7 @@ the wire (binary protobuf, keepalives) and the gateway's refusals.
 
 Each SDK version lives in its own virtualenv under ``$DSEC_COMPAT_VENVS``
 (``/var/cache/dsec/compat-venvs``), built on first use from PyPI and reused afterwards; it
-runs ``compat_e2b_driver.py``, which reports what each step observed as JSON.
+runs ``tests/support/compat_e2b_driver.py``, which reports what each step observed as JSON.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from conftest import Server, make_tcp_server, stop_server
 # httpcore, protobuf's json_format) and the newest (connectrpc on pyqwest, protobuf-py).
 E2B_VERSIONS = ["2.20.0", "2.63.0"]
 VENVS = Path(os.environ.get("DSEC_COMPAT_VENVS", "/var/cache/dsec/compat-venvs"))
-DRIVER = Path(__file__).with_name("compat_e2b_driver.py")
+DRIVER = Path(__file__).parent / "support" / "compat_e2b_driver.py"
 
 
 def compat_python(package: str, version: str) -> Path:

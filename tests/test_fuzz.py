@@ -1,7 +1,7 @@
 """Fuzz the whole OpenAPI with schemathesis against a real server and real sandboxes.
 
 Checks: no 5xx that is not a typed refusal (``not_a_server_error``), and every 4xx/5xx body
-a typed dsec error (``typed_dsec_error``); see tests/fuzz_hooks.py. Deterministic: a fixed
+a typed dsec error (``typed_dsec_error``); see tests/support/fuzz_hooks.py. Deterministic: a fixed
 seed, one worker, no shrinking, no example database, no cache, and nothing generated from
 the server's answers (tests/fuzz.toml), so CI generates exactly the cases a local run does
 (clean locally with seeds 1-12, up to 150 examples per operation). Bounded: a fixed number
@@ -46,7 +46,7 @@ async def test_openapi_fuzz(fuzz_server: Server, tmp_path: Path) -> None:
         sb = await client.create(ttl_s=3600)
         await client.create(ttl_s=3600, trajectory=f"fuzz-{sb.id}")
         proc = await sb.start("sleep 3600")
-        env = {**os.environ, "SCHEMATHESIS_HOOKS": "fuzz_hooks",
+        env = {**os.environ, "SCHEMATHESIS_HOOKS": "support.fuzz_hooks",
                "PYTHONPATH": str(Path(__file__).parent), "DSEC_FUZZ_SANDBOX": sb.id,
                "DSEC_FUZZ_PROCESS": proc.id, "DSEC_FUZZ_TRAJECTORY": f"fuzz-{sb.id}"}
         run = await asyncio.to_thread(

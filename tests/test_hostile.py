@@ -1,7 +1,7 @@
 """Hostile workloads and hostile requests: each must leave the host, the other sandboxes and
 the next sandbox unaffected, and nothing of the sandbox behind once it is stopped.
 
-Attacks that run inside a sandbox use ``tests/hostile_probe.py`` (copied in) where a shell is
+Attacks that run inside a sandbox use ``tests/support/hostile_probe.py`` (copied in) where a shell is
 not enough. See docs/SECURITY.md for the threat model.
 """
 
@@ -21,12 +21,12 @@ import pytest
 import dsec
 from conftest import Server, _sandbox
 from dsec.api.limits import MAX_BODY_BYTES
-from dsec.client.models import DEFAULT_MAX_OUTPUT
+from dsec.protocol.models import DEFAULT_MAX_OUTPUT
 from dsec.images.mount import unmount
-from dsec.substrates.disk import DiskPool, loop_devices_of, release
+from dsec.substrates.host.disk import DiskPool, loop_devices_of, release
 from test_recovery import first_edge_id, host_traces
 
-PROBE = Path(__file__).with_name("hostile_probe.py")
+PROBE = Path(__file__).parent / "support" / "hostile_probe.py"
 
 
 async def assert_no_trace(server: Server, sandbox_id: str) -> None:

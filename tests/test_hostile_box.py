@@ -23,8 +23,8 @@ import pytest
 
 import dsec
 from conftest import Server, make_server, stop_server
-from dsec.substrates.oci_spec import MASKED_PATHS
-from dsec.substrates.tree import remove_tree
+from dsec.substrates.host.oci_spec import MASKED_PATHS
+from dsec.substrates.host.tree import remove_tree
 from test_hostile import assert_host_fine, assert_no_trace, create, hostile, sandbox  # noqa: F401
 from test_recovery import first_edge_id, host_traces
 

@@ -34,7 +34,7 @@ from dsec.network.testbed import Destination
 from dsec.network.wiring import Slot
 from test_network import PORTS, edge_id, fetch, slot_of
 
-PROBE = Path(__file__).with_name("hostile_net_probe.py")
+PROBE = Path(__file__).parent / "support" / "hostile_net_probe.py"
 ECHO_PORT = 8000
 # On a destination: TCP and UDP echo on ECHO_PORT; a UDP "sub" makes the server push "tick"
 # to that flow every 50 ms (what a destination that keeps talking to a cut flow would do).

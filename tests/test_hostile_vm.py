@@ -20,7 +20,7 @@ import dsec
 from conftest import VM_ACCEL, VM_SUBSTRATES, Server, make_server, stop_server
 from dsec.agent.client import AgentUnavailable
 from dsec.edge.edge import default_edge_id
-from dsec.substrates.qemu import QemuSubstrate
+from dsec.substrates.vm.qemu import QemuSubstrate
 from test_vm import _qemu_pids, _traces
 
 NOBODY = 65534

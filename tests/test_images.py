@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from dsec.client.errors import ImageNotFound, InvalidRequest
+from dsec.protocol.errors import ImageNotFound, InvalidRequest
 from dsec.images import (
     Image,
     ImageBuildError,

@@ -23,8 +23,8 @@ import dsec
 from conftest import DEST_PORTS as PORTS
 from conftest import Server, make_server, pool_filled, stop_server
 from dsec.network.hosts import pin_hosts
-from dsec.network.rules import Destination as Rule
-from dsec.network.rules import parse_rule
+from dsec.protocol.rules import Destination as Rule
+from dsec.protocol.rules import parse_rule
 from dsec.network.testbed import Destination
 
 

@@ -19,9 +19,9 @@ import pytest
 
 import dsec
 from conftest import Server, make_server, stop_server
-from trajectory_worker import SLOW_STEP, STEPS, result_record, step_command
+from support.trajectory_worker import SLOW_STEP, STEPS, result_record, step_command
 
-WORKER = Path(__file__).with_name("trajectory_worker.py")
+WORKER = Path(__file__).parent / "support" / "trajectory_worker.py"
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgres"])

@@ -22,7 +22,7 @@ from conftest import (VM_ACCEL, VM_SUBSTRATES, Server, make_server, pool_filled,
                       warm_count)
 from dsec.network.testbed import Destination
 from dsec.network.wiring import Slot
-from dsec.substrates.guest import AGENT_PORT
+from dsec.substrates.vm.guest import AGENT_PORT
 from test_network import PORTS, Traces, assert_clean, edge_id, fetch, net_traces, slot_of
 
 

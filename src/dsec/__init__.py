@@ -2,7 +2,7 @@
 
 ``AsyncClient`` is the asyncio SDK (its sandboxes are ``AsyncSandbox``; ``DSecClient`` is
 its former name); ``Client`` and ``Sandbox`` are the blocking facade with the same methods and
-signatures. Errors are ``DSecError`` and its subclasses (the tree is in ``dsec.client.errors``).
+signatures. Errors are ``DSecError`` and its subclasses (the tree is in ``dsec.protocol.errors``).
 """
 
 from .client.aio import AsyncClient, CommandResult, DSecClient, OutputChunk
@@ -11,19 +11,19 @@ from .client.aio import Process as AsyncProcess
 from .client.aio import Replay as AsyncReplay
 from .client.aio import Sandbox as AsyncSandbox
 from .client.aio import Session as AsyncSession
-from .client.errors import (CapacityExhausted, CommandTimeout, DelegationExceeded, DSecError,
-                            FileNotFound, Forbidden, ImageBuildError, ImageNotFound,
-                            InvalidRequest, NotSupported, PayloadTooLarge, ProcessNotFound,
-                            ProjectExists, ProjectNotFound, QuotaExceeded, SandboxDied,
-                            SandboxError, SandboxNotFound, ServerUnavailable, StepInterrupted,
-                            TrajectoryDiverged, TrajectoryExists, TrajectoryNotFound,
-                            Unauthorized)
-from .client.project_models import ProjectInfo, ProjectKey, Quota
-from .client.errors import IdempotencyKeyReused, RemoteError, ResultRefused, UnsafeArchive
-from .client.fn_models import CodeResult
-from .client.models import (FileEntry, ProcessInfo, SandboxInfo, StepDiff, StepRecord,
-                            TrajectoryInfo)
-from .client.models import NetworkPolicy
+from .protocol.errors import (CapacityExhausted, CommandTimeout, DelegationExceeded, DSecError,
+                              FileNotFound, Forbidden, ImageBuildError, ImageNotFound,
+                              InvalidRequest, NotSupported, PayloadTooLarge, ProcessNotFound,
+                              ProjectExists, ProjectNotFound, QuotaExceeded, SandboxDied,
+                              SandboxError, SandboxNotFound, ServerUnavailable, StepInterrupted,
+                              TrajectoryDiverged, TrajectoryExists, TrajectoryNotFound,
+                              Unauthorized)
+from .protocol.project_models import ProjectInfo, ProjectKey, Quota
+from .protocol.errors import IdempotencyKeyReused, RemoteError, ResultRefused, UnsafeArchive
+from .protocol.fn import CodeResult
+from .protocol.models import (FileEntry, ProcessInfo, SandboxInfo, StepDiff, StepRecord,
+                              TrajectoryInfo)
+from .protocol.models import NetworkPolicy
 from .client.sync import Client, OutputStream, Process, Replay, Sandbox, Session
 
 __all__ = [

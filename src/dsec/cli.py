@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .client.aio import DSecClient
-from .client.errors import DSecError
+from .protocol.errors import DSecError
 from .config import Settings, serve_options
 
 console = Console(stderr=True)
@@ -303,7 +303,7 @@ def key_create(name: str, project: str | None, state_dir: Path | None, state_url
         key_id, secret, _ = store.create_key(name)
         console.print(f"created admin key {key_id}; use it as DSEC_API_KEY")
     else:
-        from .api.project_keys import create_project_key
+        from .control.project_keys import create_project_key
         try:
             key_id, secret = create_project_key(store, name, project)
         except DSecError as exc:
@@ -402,12 +402,12 @@ def bench(quick: bool, json_out: Path | None, only_trajectory: bool, only: str |
           sizes: str) -> None:
     """Run the benchmark against bare crun and print the figures (see docs/BENCHMARKS.md)."""
     if only == "fn":
-        from .bench_fn import main as fn_main
+        from dsec_benchmarks.bench_fn import main as fn_main
         return fn_main(quick=quick, json_out=json_out)
     if only in ("microvm", "vm"):
-        from .bench_vm import main as bench_vm_main
+        from dsec_benchmarks.bench_vm import main as bench_vm_main
         return bench_vm_main(only, quick=quick, json_out=json_out)
-    from .bench import main as bench_main
+    from dsec_benchmarks.bench import main as bench_main
     bench_main(quick=quick, json_out=json_out, only_trajectory=only_trajectory, only=only,
                sizes=[int(n) for n in sizes.split(",")])
 

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from dsec.client.archive import extract
-from dsec.client.errors import DSecError, UnsafeArchive
+from dsec.protocol.errors import DSecError, UnsafeArchive
 
 
 def tar(*members: tuple[tarfile.TarInfo, bytes | None], fmt: int = tarfile.PAX_FORMAT) -> bytes:

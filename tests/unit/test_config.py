@@ -19,7 +19,7 @@ ENV_READERS = {
     "config.py": "the one place settings are read",
     "client/transport.py": "the SDK's own variables (config.CLIENT_ENV)",
     "cluster/local.py": "Ray's own variable for the test and benchmark cluster",
-    "substrates/spawn.py": "hands the server's environment to the runtimes it runs",
+    "substrates/host/spawn.py": "hands the server's environment to the runtimes it runs",
     "images/builder.py": "hands the environment to mmdebstrap and apt",
 }
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pydantic
 import pytest
 
-from dsec.client.errors import InvalidRequest
-from dsec.client.models import CreateRequest, NetworkPolicy
+from dsec.protocol.errors import InvalidRequest
+from dsec.protocol.models import CreateRequest, NetworkPolicy
 from dsec.network.policy import Egress, Rule, ServiceTable, resolve
-from dsec.network.rules import Destination, parse_rule
+from dsec.protocol.rules import Destination, parse_rule
 
 
 @pytest.mark.parametrize(("text", "host", "port"), [

@@ -8,8 +8,8 @@ import pickle
 import pytest
 from ray.exceptions import RayTaskError
 
-from dsec.client.errors import (ERRORS, CommandTimeout, DSecError, FileNotFound,
-                                error_from_json)
+from dsec.protocol.errors import (ERRORS, CommandTimeout, DSecError, FileNotFound,
+                                  error_from_json)
 from dsec.cluster.remote import _unwrap
 
 

@@ -14,7 +14,7 @@ import cloudpickle
 import pytest
 
 from dsec.client import plain
-from dsec.client.errors import ResultRefused
+from dsec.protocol.errors import ResultRefused
 
 PLAIN = [
     None, True, False, 0, -1, 2**100, -(2**70), 1.5, float("inf"), "", "héllo\udc80"[:5],

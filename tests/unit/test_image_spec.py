@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from dsec.client.errors import InvalidRequest
+from dsec.protocol.errors import InvalidRequest
 from dsec.images.spec import BaseSection, ImageSpec, ToolkitSection, WorkspaceSection, builtin_names, load_spec, parse_spec
 
 FULL = """

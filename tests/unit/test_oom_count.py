@@ -1,7 +1,7 @@
 """The OOM count a death is described with: the kernel bumps ``oom`` before it kills and
 ``oom_kill`` after, so a reader woken by the death must not see "no OOM"."""
 
-from dsec.substrates.cgroups import OOM_KEYS, oom_count
+from dsec.substrates.host.cgroups import OOM_KEYS, oom_count
 
 
 def test_a_kill_still_in_flight_counts() -> None:

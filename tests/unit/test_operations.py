@@ -18,10 +18,10 @@ from prometheus_client import CollectorRegistry
 
 import dsec
 from dsec.api.app import create_app
-from dsec.api.projects import Projects as ProjectAccess
-from dsec.api.routing import Router
+from dsec.control.projects import Projects as ProjectAccess
+from dsec.control.routing import Router
 from dsec.client import aio, sync
-from dsec.client.models import ExecRequest, ExecResult, FileEntry, ProcessInfo
+from dsec.protocol.models import ExecRequest, ExecResult, FileEntry, ProcessInfo
 from dsec.client.projects import Projects, SyncProjects
 from dsec.cluster.edge_actor import CALLS, STREAMS
 from dsec.cluster.remote import RemoteEdge
@@ -31,8 +31,8 @@ from dsec.control.plane import ControlPlane
 from dsec.edge.edge import Edge
 from dsec.protocol.ops import BY_STEP, OPERATIONS, Operation
 from dsec.store.sqlite import StateStore
-from dsec.trajectory.digest import OPS, STREAM_OPS, call_arguments, step_request
-from dsec.trajectory.outcome import decode, encode
+from dsec.protocol.digest import OPS, STREAM_OPS, call_arguments, step_request
+from dsec.protocol.outcome import decode, encode
 from dsec.trajectory.recorder import RecordedEdge
 
 EDGES = [Edge, RecordedEdge, RemoteEdge]

@@ -7,7 +7,7 @@ import random
 import time
 from collections import Counter
 
-from dsec.cluster.placement import EdgeLoad, Placement
+from dsec.control.placement import EdgeLoad, Placement
 
 
 def edge(name: str, load: int, capacity: int = 10, substrates: tuple[str, ...] = ("container",),

@@ -21,7 +21,7 @@ import pglast
 import pytest
 from pglast import ast as pg
 
-from dsec.client.errors import InvalidRequest
+from dsec.protocol.errors import InvalidRequest
 from dsec.store import idempotency, projects
 from dsec.store import sqlite as state
 from dsec.store.db import IntegrityError, SqliteDatabase, open_database, postgres_schema, postgres_statement

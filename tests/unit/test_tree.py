@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dsec.substrates.tree import remove_tree
+from dsec.substrates.host.tree import remove_tree
 
 
 def _chain(top: Path, depth: int) -> None:

@@ -31,7 +31,7 @@ import os
 import shutil
 from pathlib import Path
 
-from ..client.errors import NotSupported
+from ..protocol.errors import NotSupported
 from ..config import current
 from .build import agent_binary
 

@@ -27,14 +27,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..agent.client import Output
-from ..client.errors import DSecError, InvalidRequest, Unauthorized
-from ..client.models import (CreateRequest, ExecRequest, ExecResult, FileEntry, NetworkRequest,
-                             ProcessInfo, SandboxInfo, SignalRequest, TtlRequest, b64)
+from ..protocol.errors import DSecError, InvalidRequest, Unauthorized
+from ..protocol.models import (CreateRequest, ExecRequest, ExecResult, FileEntry, NetworkRequest,
+                               ProcessInfo, SandboxInfo, SignalRequest, TtlRequest, b64)
 from ..control.plane import ControlPlane
 from ..trajectory.recorder import Call
 from .limits import BodyLimit, typed_http_error
 from .fn_routes import fn_routes
-from .idempotency import REPLAYED_HEADER
+from ..control.idempotency import REPLAYED_HEADER
 from .dashboard import dashboard_routes
 from .project_routes import project_routes
 from .trajectories import trajectory_routes

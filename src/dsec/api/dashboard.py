@@ -16,8 +16,8 @@ from fastapi import APIRouter, params
 from fastapi.responses import HTMLResponse, Response
 from prometheus_client import CollectorRegistry
 
-from .projects import Projects
-from .routing import Router
+from ..control.projects import Projects
+from ..control.routing import Router
 
 STATIC = Path(__file__).parent / "static"
 SHOWN_FAILURES = 20

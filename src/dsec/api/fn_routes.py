@@ -9,8 +9,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
-from ..client.fn_models import DEFAULT_IMAGE, CodeResult, RunCodeRequest
-from .routing import Router
+from ..protocol.fn import DEFAULT_IMAGE, CodeResult, RunCodeRequest
+from ..control.routing import Router
 
 
 def fn_routes(router: Router) -> APIRouter:

@@ -24,15 +24,16 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from ..protocol.ops import BY_METHOD
-from ..trajectory.digest import StepRequest, step_request
-from ..trajectory.outcome import decode, output_chunks
+from ..protocol.digest import StepRequest, step_request
+from ..protocol.outcome import decode, output_chunks
 from . import archive
 from . import fn as fn_calls
-from .errors import CommandTimeout, DSecError, FileNotFound, InvalidRequest, ServerUnavailable
-from .fn_models import DEFAULT_IMAGE, CodeResult, Language, RunCodeRequest
-from .models import (CreateRequest, ExecRequest, ExecResult, FileEntry, NetworkRequest, ProcessInfo,
-                     ReplayReport, ReplayRequest, SandboxInfo, StepDiff, StepPage,
-                     StepRecord, TrajectoryInfo, b64)
+from ..protocol.errors import (CommandTimeout, DSecError, FileNotFound, InvalidRequest,
+                               ServerUnavailable)
+from ..protocol.fn import DEFAULT_IMAGE, CodeResult, Language, RunCodeRequest
+from ..protocol.models import (CreateRequest, ExecRequest, ExecResult, FileEntry, NetworkRequest,
+                               ProcessInfo, ReplayReport, ReplayRequest, SandboxInfo, StepDiff,
+                               StepPage, StepRecord, TrajectoryInfo, b64)
 from .projects import Projects
 from .trajectory import Attachment, OnDivergence, check_on_divergence
 from .transport import Transport, retrying

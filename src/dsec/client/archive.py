@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from .errors import UnsafeArchive
+from ..protocol.errors import UnsafeArchive
 
 DEFAULT_MAX_MEMBERS = 100_000
 DEFAULT_MAX_BYTES = 2 << 30  # the server's archives hold at most 1 GiB of plain tar

@@ -19,8 +19,8 @@ from typing import Any, Callable, Iterable
 import cloudpickle
 
 from . import plain
-from .errors import DSecError, NotSupported
-from .fn_models import CodeResult, RunCodeRequest
+from ..protocol.errors import DSecError, NotSupported
+from ..protocol.fn import CodeResult, RunCodeRequest
 from .transport import Transport
 
 

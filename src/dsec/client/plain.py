@@ -19,7 +19,7 @@ import pickle
 import pickletools
 from typing import Any, NoReturn
 
-from .errors import ResultRefused
+from ..protocol.errors import ResultRefused
 
 MAX_BYTES = 64 << 20
 MAX_OPS = 1 << 23

@@ -11,9 +11,9 @@ from typing import Any, Callable, Coroutine, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from .errors import InvalidRequest
-from .project_models import (KeyRequest, ProjectCreate, ProjectInfo, ProjectKey,
-                             Quota, QuotaUpdate)
+from ..protocol.errors import InvalidRequest
+from ..protocol.project_models import (KeyRequest, ProjectCreate, ProjectInfo, ProjectKey,
+                                       Quota, QuotaUpdate)
 from .transport import Transport
 
 M = TypeVar("M", bound=BaseModel)

@@ -22,10 +22,10 @@ from typing import (
 )
 
 from . import aio, archive
-from . import fn as fn_calls
+from ..protocol.fn import DEFAULT_IMAGE, CodeResult, Language
 from .aio import CommandResult, CreateOptions, OutputChunk
-from .errors import DSecError
-from .models import (
+from ..protocol.errors import DSecError
+from ..protocol.models import (
     FileEntry,
     ProcessInfo,
     SandboxInfo,
@@ -400,7 +400,7 @@ class Client:
 
     # fn substrate
     def call(self, fn: Callable[..., V], *args: Any, substrate: str = "fn",
-             image: str = fn_calls.DEFAULT_IMAGE, timeout_s: float = 60.0,
+             image: str = DEFAULT_IMAGE, timeout_s: float = 60.0,
              kwargs: dict[str, Any] | None = None, trusted_result: bool = False) -> V:
         """``fn(*args, **kwargs)`` in a fresh jailed worker of ``image``; its return value,
         which must be plain data unless ``trusted_result`` (see ``AsyncClient.call``)."""
@@ -408,10 +408,10 @@ class Client:
                                                 timeout_s=timeout_s, kwargs=kwargs,
                                                 trusted_result=trusted_result))
 
-    def run_code(self, language: fn_calls.Language, code: str, *, stdin: str = "",
-                 image: str = fn_calls.DEFAULT_IMAGE, timeout_s: float = 10.0,
+    def run_code(self, language: Language, code: str, *, stdin: str = "",
+                 image: str = DEFAULT_IMAGE, timeout_s: float = 10.0,
                  max_output_bytes: int | None = None,
-                 substrate: str = "fn") -> fn_calls.CodeResult:
+                 substrate: str = "fn") -> CodeResult:
         """Run a python, bash, c or cpp program with ``stdin``; a time-out is
         ``result.timed_out``."""
         return self._loop.call(self._async.run_code(
@@ -419,7 +419,7 @@ class Client:
             max_output_bytes=max_output_bytes, substrate=substrate))
 
     def map(self, fn: Callable[..., V], items: Iterable[Any], *, concurrency: int = 16,
-            substrate: str = "fn", image: str = fn_calls.DEFAULT_IMAGE,
+            substrate: str = "fn", image: str = DEFAULT_IMAGE,
             timeout_s: float = 60.0, return_exceptions: bool = False,
             trusted_result: bool = False) -> builtins.list[Any]:
         """``[fn(item) for item in items]``, each in its own worker, ``concurrency`` at a

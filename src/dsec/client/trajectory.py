@@ -18,10 +18,10 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Literal
 
-from ..trajectory.digest import StepRequest
-from ..trajectory.outcome import inline
-from .errors import InvalidRequest
-from .models import StepPage
+from ..protocol.digest import StepRequest
+from ..protocol.outcome import inline
+from ..protocol.errors import InvalidRequest
+from ..protocol.models import StepPage
 
 PAGE = 1000
 OnDivergence = Literal["raise", "fork"]

@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import httpx
 
-from .errors import DSecError, ServerUnavailable, Unauthorized, error_from_json
+from ..protocol.errors import DSecError, ServerUnavailable, Unauthorized, error_from_json
 
 START_TIMEOUT_S = 120.0
 # TCP keepalive: a server whose host died (or was cut off) mid-call leaves a half-open

@@ -1,7 +1,7 @@
 """Scale-out on Ray: one edge actor per node, power-of-k placement, stateless API replicas
 (see docs/CLUSTER.md). Needs the ``cluster`` extra (Ray)."""
 
-from ..client.errors import NotSupported
+from ..protocol.errors import NotSupported
 
 try:
     import ray  # noqa: F401

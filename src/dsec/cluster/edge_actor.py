@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator
 
 from prometheus_client import CollectorRegistry
 
-from ..client.errors import InvalidRequest
+from ..protocol.errors import InvalidRequest
 from ..config import Settings, install
 from ..edge.assemble import build_edge
 from ..edge.edge import Edge

@@ -22,7 +22,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ..config import Settings
 from .edge_actor import CAPACITY_RESOURCE, EdgeActor
 from .ids import NAMESPACE, actor_name, edge_id_for
-from .placement import EdgeLoad, Placement
+from ..control.placement import EdgeLoad, Placement
 
 log = logging.getLogger("dsec.cluster")
 STATUS_TIMEOUT_S = 10.0

@@ -26,7 +26,7 @@ from ..config import Settings
 from ..images.mount import locked
 from ..store.sqlite import StateStore
 from ..substrates.registry import all_substrates
-from ..substrates.tree import remove_tree
+from ..substrates.host.tree import remove_tree
 from .ids import edge_id_for
 
 log = logging.getLogger("dsec.cluster")

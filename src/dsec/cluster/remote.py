@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 from ray.exceptions import (ActorDiedError, ActorUnavailableError, ActorUnschedulableError,
                             RayTaskError)
 
-from ..client.errors import DSecError, SandboxDied, SandboxError, SandboxNotFound
-from ..client.fn_models import CodeResult, RunCodeRequest
-from ..client.models import CreateRequest, SandboxInfo
+from ..protocol.errors import DSecError, SandboxDied, SandboxError, SandboxNotFound
+from ..protocol.fn import CodeResult, RunCodeRequest
+from ..protocol.models import CreateRequest, SandboxInfo
 from ..edge.edge import sandbox_info
 from ..protocol.ops import Operation, derive_operations
 from ..store.sqlite import LIVE_STATES, SandboxRow, StateStore

@@ -11,7 +11,7 @@ import ray
 
 from .ids import NAMESPACE
 from .members import Members
-from .placement import Placement
+from ..control.placement import Placement
 
 
 def cluster_status(address: str) -> tuple[list[dict[str, Any]], int]:

@@ -27,7 +27,7 @@ from ..store.sqlite import StateStore
 class Keys:
     def __init__(self, store: StateStore, state_dir: Path,
                  enter: Callable[[str], None] | None = None) -> None:
-        """``enter(key id)`` makes a valid key's project the caller's (see api/projects.py)."""
+        """``enter(key id)`` makes a valid key's project the caller's (see control/projects.py)."""
         self.store = store
         self._known: dict[str, str] = {}  # secret -> key id
         self._secret = _load_secret(state_dir / "compat.secret")

@@ -29,7 +29,7 @@ from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..client.models import lone_surrogate
+from ..protocol.models import lone_surrogate
 from .proto import DecodeError, Message, Schema
 
 log = logging.getLogger("dsec.compat.connect")

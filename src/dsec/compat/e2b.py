@@ -8,7 +8,7 @@ Control plane (``X-API-Key`` or ``Authorization: Bearer``, any dsec API key; a p
 key sees and creates only its project's sandboxes, see docs/PROJECTS.md):
 
 - ``POST /sandboxes``, ``POST /v2/sandboxes``: create from a template (mapped to a dsec image);
-  the SDK's ``Idempotency-Key`` makes its retries return the same sandbox (api/idempotency.py)
+  the SDK's ``Idempotency-Key`` makes its retries return the same sandbox (control/idempotency.py)
 - ``GET /sandboxes``, ``GET /v2/sandboxes`` (metadata/state/template filters, pagination)
 - ``GET /sandboxes/{id}``, ``DELETE /sandboxes/{id}``, ``POST /sandboxes/{id}/timeout``
 - ``POST /sandboxes/{id}/connect``, ``POST /v2/sandboxes/{id}/connect``
@@ -30,8 +30,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from ..api.routing import Router
-from ..client.errors import (
+from ..control.routing import Router
+from ..protocol.errors import (
     CapacityExhausted,
     DSecError,
     IdempotencyKeyReused,
@@ -43,7 +43,7 @@ from ..client.errors import (
     SandboxNotFound,
     Unauthorized,
 )
-from ..client.models import CreateRequest, SandboxInfo, lone_surrogate
+from ..protocol.models import CreateRequest, SandboxInfo, lone_surrogate
 from .auth import Keys
 from .connect import PlainHttpError
 from .envd import ENVD_VERSION, USERS, Envd, gone

@@ -37,9 +37,9 @@ from fastapi.responses import JSONResponse
 from pydantic import ConfigDict, Field, ValidationError
 
 from ..agent.tools import SHELL
-from ..api.routing import Router
-from ..client.errors import DSecError
-from ..client.models import CreateRequest, ExecRequest, ExecResult, _Request, b64
+from ..control.routing import Router
+from ..protocol.errors import DSecError
+from ..protocol.models import CreateRequest, ExecRequest, ExecResult, _Request, b64
 from ..edge.edge import Edge
 from .auth import Keys
 

@@ -9,8 +9,8 @@ import secrets
 
 from prometheus_client import CollectorRegistry
 
-from ..api.projects import Projects
-from ..api.routing import Router
+from .projects import Projects
+from .routing import Router
 from ..config import Settings
 from ..edge.assemble import build_edge
 from ..edge.metrics import EdgeMetrics

@@ -13,8 +13,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from ..client.errors import CapacityExhausted, SandboxNotFound
-from ..client.models import SandboxInfo
+from ..protocol.errors import CapacityExhausted, SandboxNotFound
+from ..protocol.models import SandboxInfo
 from ..edge.edge import Edge
 
 T = TypeVar("T")

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
-from ..api.projects import Projects
-from ..api.routing import Router
+from .projects import Projects
+from .routing import Router
 from ..config import Settings
 from ..store.sqlite import StateStore
 

@@ -18,8 +18,8 @@ import re
 import shlex
 
 from ..agent.tools import BUSYBOX, RUN_DIR, SHELL
-from ..client.errors import InvalidRequest
-from ..client.models import ExecRequest
+from ..protocol.errors import InvalidRequest
+from ..protocol.models import ExecRequest
 
 DEFAULT_CWD = "/work"
 SESSION_DIR = RUN_DIR

@@ -25,18 +25,18 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from ..agent.client import AgentClient, AgentError, AgentUnavailable, Exit, Output
 from ..agent.tools import TAR
-from ..client.errors import (CapacityExhausted, DSecError, FileNotFound, InvalidRequest,
-                             NotSupported, ProcessNotFound, SandboxDied, SandboxError,
-                             SandboxNotFound)
-from ..client.fn_models import CodeResult, RunCodeRequest
-from ..client.models import (CreateRequest, ExecRequest, ExecResult, FileEntry, Network,
-                             ProcessInfo, SandboxInfo, b64)
+from ..protocol.errors import (CapacityExhausted, DSecError, FileNotFound, InvalidRequest,
+                               NotSupported, ProcessNotFound, SandboxDied, SandboxError,
+                               SandboxNotFound)
+from ..protocol.fn import CodeResult, RunCodeRequest
+from ..protocol.models import (CreateRequest, ExecRequest, ExecResult, FileEntry, Network,
+                               ProcessInfo, SandboxInfo, b64)
 from ..images.store import Image, ImageStore
 from ..network.hosts import pin_in_sandbox
 from ..network.policy import Egress, ServiceTable, resolve
 from ..store.sqlite import SandboxRow, StateStore
 from ..substrates.base import StartPlan, Substrate
-from ..substrates.fn import FnSubstrate
+from ..substrates.fn.fn import FnSubstrate
 from .commands import check_env, exec_argv, sandbox_path
 from .metrics import EdgeMetrics
 from .pool import Pooled, WarmPool

@@ -13,7 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ..store.sqlite import LIVE_STATES
-from ..substrates.fn import FnSubstrate
+from ..substrates.fn.fn import FnSubstrate
 
 if TYPE_CHECKING:
     from .edge import Edge

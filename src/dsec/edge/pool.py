@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from ..client.models import DEFAULT_DISK_MB, CreateRequest
+from ..protocol.models import DEFAULT_DISK_MB, CreateRequest
 from ..images.store import Image
 from ..substrates.base import StartPlan, Substrate
 

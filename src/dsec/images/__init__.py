@@ -1,6 +1,6 @@
 """Images: declarative specs, content-addressed layers, layer mounting and OCI import."""
 
-from dsec.client.errors import ImageBuildError
+from dsec.protocol.errors import ImageBuildError
 from dsec.images.mount import LayerMounter, overlay_mount, unmount
 from dsec.images.spec import ImageSpec, load_spec, parse_spec
 from dsec.images.store import Image, ImageConfig, ImageStore, Layer

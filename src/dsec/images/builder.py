@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from dsec.client.errors import ImageBuildError
+from dsec.protocol.errors import ImageBuildError
 from dsec.images.mount import overlay_options
 from dsec.images.spec import WORKDIR, ImageSpec, ToolkitSection, WorkspaceSection
 

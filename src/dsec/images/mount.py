@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dsec.client.errors import NotSupported
+from dsec.protocol.errors import NotSupported
 from dsec.config import current
 from dsec.images.node_cache import node_copy
 

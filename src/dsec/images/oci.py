@@ -24,8 +24,8 @@ from functools import partial
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from dsec.client.errors import InvalidRequest, NotSupported
-from dsec.client.errors import ImageBuildError
+from dsec.protocol.errors import InvalidRequest, NotSupported
+from dsec.protocol.errors import ImageBuildError
 from dsec.images.builder import BuildProgress, layer_key
 from dsec.images.spec import WORKDIR
 

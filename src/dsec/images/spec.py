@@ -16,7 +16,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, NoReturn
 
-from dsec.client.errors import InvalidRequest
+from dsec.protocol.errors import InvalidRequest
 
 IMAGE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 _SUITE = re.compile(r"^[a-z0-9][a-z0-9.-]*$")

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dsec.client.errors import ImageBuildError, ImageNotFound, InvalidRequest
+from dsec.protocol.errors import ImageBuildError, ImageNotFound, InvalidRequest
 from dsec.config import current
 from dsec.images.builder import build_layers, plan_layers
 from dsec.images.mount import kernel_supports, locked

@@ -24,7 +24,7 @@ from pyroute2 import Conntrack
 from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
 
-from ..client.errors import SandboxError
+from ..protocol.errors import SandboxError
 from .policy import Rule
 
 PORTED = (socket.IPPROTO_TCP, socket.IPPROTO_UDP)

@@ -16,9 +16,9 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..client.errors import InvalidRequest
-from ..client.models import Network
-from .rules import Destination, parse_rule
+from ..protocol.errors import InvalidRequest
+from ..protocol.models import Network
+from ..protocol.rules import Destination, parse_rule
 
 DEFAULT_TABLE = Path(__file__).with_name("services.toml")
 log = logging.getLogger("dsec.network")

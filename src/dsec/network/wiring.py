@@ -45,7 +45,7 @@ from typing import Callable, Iterable, Iterator, TypeVar
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
-from ..client.errors import SandboxError
+from ..protocol.errors import SandboxError
 from . import flows
 from .policy import Egress
 

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any, Literal, TypeVar
 
-from ..client.fn_models import CodeResult, RunCodeRequest
-from ..client.models import (
+from .fn import CodeResult, RunCodeRequest
+from .models import (
     CreateRequest,
     ExecRequest,
     ExecResult,

@@ -13,7 +13,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from ..client.errors import DSecError
+from ..protocol.errors import DSecError
 
 
 class BlobStore:

@@ -18,7 +18,7 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from ..client.errors import InvalidRequest
+from ..protocol.errors import InvalidRequest
 
 
 class IntegrityError(Exception):

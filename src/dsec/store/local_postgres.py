@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..client.errors import NotSupported
+from ..protocol.errors import NotSupported
 
 
 def _bin(name: str) -> str:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..agent.client import AgentClient
-from ..client.errors import NotSupported
-from ..client.models import CreateRequest
+from ..protocol.errors import NotSupported
+from ..protocol.models import CreateRequest
 from ..images.store import Image
 from ..network.policy import Egress
 

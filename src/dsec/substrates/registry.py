@@ -7,10 +7,10 @@ from pathlib import Path
 from ..config import Settings
 from ..images.mount import LayerMounter
 from .base import Substrate
-from .container import ContainerSubstrate
-from .fn import FnSubstrate
-from .microvm import MicroVMSubstrate
-from .vm import VMSubstrate
+from .container.container import ContainerSubstrate
+from .fn.fn import FnSubstrate
+from .vm.microvm import MicroVMSubstrate
+from .vm.vm import VMSubstrate
 
 VM_SUBSTRATES = (MicroVMSubstrate, VMSubstrate)
 

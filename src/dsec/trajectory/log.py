@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..client.errors import TrajectoryDiverged, TrajectoryExists, TrajectoryNotFound
+from ..protocol.errors import TrajectoryDiverged, TrajectoryExists, TrajectoryNotFound
 from ..store.blobs import BlobStore
 from ..store.db import IntegrityError, Row, open_database
-from .digest import StepRequest
-from .outcome import Outcome
+from ..protocol.digest import StepRequest
+from ..protocol.outcome import Outcome
 
 INLINE_MAX = 4096  # bytes fields above this go to the blob area
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from ..agent.client import Output
-from ..client.models import ExecResult, b64
+from ..protocol.models import ExecResult, b64
 from ..protocol.ops import BY_STEP, Operation
-from .digest import StepRequest, call_arguments
-from .outcome import ChunkRuns
+from ..protocol.digest import StepRequest, call_arguments
+from ..protocol.outcome import ChunkRuns
 
 if TYPE_CHECKING:
     from ..edge.edge import Edge

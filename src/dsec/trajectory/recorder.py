@@ -43,20 +43,20 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Coroutine, Literal
 
 from ..agent.client import Output
-from ..client.errors import (DSecError, InvalidRequest, SandboxDied,
-                             SandboxNotFound, StepInterrupted, TrajectoryDiverged,
-                             TrajectoryExists)
-from ..client.models import (CreateRequest, ExecResult, GenerationInfo, ReplayReport,
-                             ReplayRequest, SandboxInfo, StepDiff, TrajectoryInfo)
+from ..protocol.errors import (DSecError, InvalidRequest, SandboxDied,
+                               SandboxNotFound, StepInterrupted, TrajectoryDiverged,
+                               TrajectoryExists)
+from ..protocol.models import (CreateRequest, ExecResult, GenerationInfo, ReplayReport,
+                               ReplayRequest, SandboxInfo, StepDiff, TrajectoryInfo)
 from ..protocol.ops import Operation, bind, derive_operations
 from . import ops
-from .digest import STREAM_OPS, StepRequest, step_request
+from ..protocol.digest import STREAM_OPS, StepRequest, step_request
 from .log import StepRow, TrajectoryLog
-from .outcome import Outcome, decode, encode, encode_error, output_chunks
+from ..protocol.outcome import Outcome, decode, encode, encode_error, output_chunks
 from .replay import replay_rows
 
 if TYPE_CHECKING:
-    from ..api.routing import Router
+    from ..control.routing import Router
     from ..edge.edge import Edge
     from ..store.sqlite import SandboxRow
 

@@ -15,11 +15,11 @@ import io
 import tarfile
 from typing import TYPE_CHECKING, Any
 
-from ..client.errors import DSecError
-from ..client.models import ExecResult, FileEntry, ProcessInfo, StepDiff
+from ..protocol.errors import DSecError
+from ..protocol.models import ExecResult, FileEntry, ProcessInfo, StepDiff
 from ..protocol.ops import BY_STEP
 from . import ops
-from .outcome import decode
+from ..protocol.outcome import decode
 
 if TYPE_CHECKING:
     from ..edge.edge import Edge

@@ -1,0 +1,405 @@
+"""The benchmark: dsec against bare ``crun`` on the same image, in one process run.
+
+Measured (latencies in ms, p50/p95/p99):
+- create-to-first-output, one at a time and in a burst of 100: dsec's ``create`` + ``stream``
+  of ``echo hi`` until the first byte, against ``crun run`` of ``echo hi`` on an overlay of the
+  same layers until its first byte;
+- exec round trip of ``true`` in a warm sandbox, against ``crun exec`` into a running container;
+- the trajectory log, against executing ``true`` live in a sandbox with no trajectory: the
+  round trip of a logged ``true`` (log write overhead), and the time per step to fast-forward
+  the 1,000 (``--quick``: 200) steps so logged, answered from the SDK's prefetched log and
+  (``prefetch=False``) by the server.
+Ratios are dsec over the baseline. ``dsec bench`` runs it; docs/BENCHMARKS.md has the figures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib
+import json
+import os
+import secrets
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from dsec.client.aio import DSecClient
+from dsec.client.aio import Sandbox as AsyncSandbox
+from dsec.images.mount import LayerMounter, overlay_mount, unmount
+from dsec.images.store import ImageStore
+from dsec.substrates.host import spawn
+from dsec.substrates.host.cgroups import remove_parent_if_unused
+from dsec.substrates.host.spawn import Spawned
+
+IMAGE = "debian-minbase"
+BENCH_ROOT = Path("/run/dsec-bench")
+BARE_CGROUP_PARENT = "/dsec-bench"
+
+
+@dataclass
+class Sample:
+    name: str
+    values_ms: list[float]
+    failures: int = 0
+    baseline: Sample | None = None
+    errors: list[str] = field(default_factory=list)  # the first few failures, for the report
+
+    def ratio(self) -> float | None:
+        """p50 over the baseline's p50."""
+        return self.pct(50) / self.baseline.pct(50) if self.baseline else None
+
+    def pct(self, q: float) -> float:
+        ordered = sorted(self.values_ms) or [float("nan")]
+        return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+    def row(self) -> dict[str, float | int | str | None]:
+        return {"name": self.name, "n": len(self.values_ms), "failures": self.failures,
+                "p50": self.pct(50), "p95": self.pct(95), "p99": self.pct(99),
+                "mean": statistics.fmean(self.values_ms) if self.values_ms else None, "p50_ratio_to_baseline": self.ratio()}
+
+
+async def compare(base: Sample, base_fn: Callable[[], Awaitable[float]], ours: Sample,
+                  ours_fn: Callable[[], Awaitable[float]], batch: int, rounds: int,
+                  concurrent: bool = False, settle_s: float = 0.0,
+                  between: Callable[[], Awaitable[None]] | None = None) -> list[Sample]:
+    """Alternate batches of the baseline and of dsec, so both meet the same machine: on a
+    shared host, conditions drift more between minutes than between the two. A batch runs
+    one call after another, or all at once (``concurrent``); ``between`` runs after each
+    round, untimed (clean-up of both sides); ``settle_s`` pauses after each batch, so the
+    kernel's deferred teardown of one side's containers (network namespaces above all) does
+    not land in the other's timings. Each function returns the milliseconds that count."""
+    ours.baseline = base
+    for _ in range(rounds):
+        for sample, fn in ((base, base_fn), (ours, ours_fn)):
+            if concurrent:
+                results = await asyncio.gather(*(fn() for _ in range(batch)), return_exceptions=True)
+            else:
+                results = [await _attempt(fn) for _ in range(batch)]
+            sample.values_ms += [r for r in results if isinstance(r, float)]
+            failed = [r for r in results if isinstance(r, BaseException)]
+            sample.failures += len(failed)
+            sample.errors += [f"{type(e).__name__}: {e}" for e in failed][:3 - len(sample.errors)]
+            await asyncio.sleep(settle_s)
+        if between:
+            await between()
+    return [base, ours]
+
+
+async def _attempt(fn: Callable[[], Awaitable[float]]) -> float | BaseException:
+    try:
+        return await fn()
+    except Exception as exc:
+        return exc
+
+
+class BareCrun:
+    """The baseline: crun itself, on an overlay of the same image layers."""
+
+    def __init__(self, root: Path, lowerdirs: list[Path]) -> None:
+        self.root = root
+        self.lowerdirs = lowerdirs
+        self.state = root / "crun-state"
+        root.mkdir(parents=True)
+        subprocess.run(["crun", "spec"], cwd=root, capture_output=True, check=True)
+        self.template = json.loads((root / "config.json").read_text())
+
+    def _bundle(self, args: list[str]) -> tuple[str, Path]:
+        cid = "bare-" + secrets.token_hex(4)
+        d = self.root / cid
+        for sub in ("upper", "work", "rootfs"):
+            (d / sub).mkdir(parents=True)
+        overlay_mount(self.lowerdirs, d / "upper", d / "work", d / "rootfs")
+        config = json.loads(json.dumps(self.template))
+        config["root"] = {"path": str(d / "rootfs"), "readonly": False}
+        config["process"]["terminal"] = False
+        config["process"]["args"] = args
+        config["linux"]["cgroupsPath"] = f"{BARE_CGROUP_PARENT}/{cid}"
+        (d / "config.json").write_text(json.dumps(config))
+        return cid, d
+
+    async def run_echo(self) -> float:
+        """ms from setting up the bundle to the first byte ``crun run`` prints (clean-up not
+        counted, as dsec's stop is not)."""
+        t0 = time.perf_counter()
+        cid, d = self._bundle(["/bin/echo", "hi"])
+        crun = Spawned(["crun", "--root", str(self.state), "run", "--bundle", str(d), cid],
+                       capture_stdout=True, stderr=None)
+        first = await crun.first_byte()
+        elapsed = (time.perf_counter() - t0) * 1000
+        await crun.wait()
+        await self._remove(cid, d)  # untimed; its mount must not linger into dsec's timings
+        if first != b"h":
+            raise RuntimeError("bare crun printed nothing")
+        return elapsed
+
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[str]:
+        cid, d = self._bundle(["/bin/sleep", "infinity"])
+        await spawn.run(["crun", "--root", str(self.state), "run", "--detach", "--bundle", str(d), cid])
+        try:
+            yield cid
+        finally:
+            await self._remove(cid, d)
+
+    async def exec_true(self, cid: str) -> float:
+        t0 = time.perf_counter()
+        if await spawn.run(["crun", "--root", str(self.state), "exec", cid, "true"]) != 0:
+            raise RuntimeError("crun exec failed")
+        return (time.perf_counter() - t0) * 1000
+
+    async def _remove(self, cid: str, d: Path) -> None:
+        await spawn.run(["crun", "--root", str(self.state), "delete", "--force", cid])
+        unmount(d / "rootfs")
+        shutil.rmtree(d, ignore_errors=True)
+
+
+class Created:
+    """Sandboxes made by a timed series, stopped after it, outside the timings."""
+
+    def __init__(self, client: DSecClient, substrate: str = "container", image: str = IMAGE,
+                 **options: Any) -> None:
+        """``options``: more of ``create``'s arguments, for every sandbox of the series."""
+        self.client = client
+        self.substrate = substrate
+        self.image = image
+        self.options = {"ttl_s": 120, **options}
+        self.sandboxes: list[AsyncSandbox] = []
+
+    async def first_output(self, **options: Any) -> float:
+        """ms from asking for a sandbox (``options`` on top of the series') to the first byte
+        of ``echo hi`` run in it."""
+        t0 = time.perf_counter()
+        sb = await self.client.create(**{"substrate": self.substrate, "image": self.image,
+                                         **self.options, **options})
+        self.sandboxes.append(sb)
+        async for chunk in sb.stream("echo hi"):
+            elapsed = (time.perf_counter() - t0) * 1000
+            if not chunk.data.startswith(b"h"):
+                raise RuntimeError(f"unexpected output {chunk.data!r}")
+            return elapsed
+        raise RuntimeError("no output")
+
+    async def wait_warm(self, n: int, timeout_s: float = 120) -> None:
+        """Until the server's warm pool holds ``n`` sandboxes."""
+        deadline = time.monotonic() + timeout_s
+        while (await self.client.health())["edges"][0]["warm"][self.substrate].get(self.image, 0) < n:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the warm pool did not reach {n} within {timeout_s}s")
+            await asyncio.sleep(0.2)
+
+    async def stop_all(self) -> None:
+        while self.sandboxes:
+            batch, self.sandboxes = self.sandboxes[:50], self.sandboxes[50:]
+            await asyncio.gather(*(sb.stop() for sb in batch))
+
+
+@asynccontextmanager
+async def bench_server(state: Path, *args: str) -> AsyncIterator[Created]:
+    """A private dsec server; every sandbox made through the yielded ``Created`` is stopped
+    before the server is, also when a series fails."""
+    state.mkdir(parents=True)
+    with open(state / "server.log", "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "dsec", "serve", "--state-dir", str(state),
+                                 "--capacity", "250", *args], stdout=log, stderr=log,
+                                start_new_session=True)
+    try:
+        _wait_healthy(state)
+        async with DSecClient(f"unix://{state / 'api.sock'}",
+                              (state / "local.key").read_text().strip(), autostart=False) as client:
+            created = Created(client)
+            try:
+                yield created
+            finally:  # everything the server still runs, also what a failed series left
+                await created.stop_all()
+                left = [await client.get(info.id) for info in await client.list()]
+                await asyncio.gather(*(sb.stop() for sb in left))
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def _wait_healthy(state: Path) -> None:
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(state / "api.sock")),
+                      base_url="http://dsec") as http:
+        for _ in range(2400):
+            try:
+                if http.get("/v1/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.05)
+    raise RuntimeError(f"server did not start: {(state / 'server.log').read_text()}")
+
+
+@contextmanager
+def phase(console: Console, title: str) -> Iterator[None]:
+    """Say what is being measured. Deliberately no live spinner: its refresh thread would take
+    the GIL from the client's event loop and inflate every latency measured."""
+    console.print(f"[dim]measuring {title} ...[/dim]")
+    t0 = time.perf_counter()
+    yield
+    console.print(f"[dim]  done in {time.perf_counter() - t0:.1f}s[/dim]")
+
+
+def idle_memory(created: Created) -> list[float]:
+    """MB charged to each idle sandbox's memory cgroup (agent, page tables, its page cache)."""
+    values = []
+    for sb in created.sandboxes:
+        for usage in Path("/sys/fs/cgroup/memory").glob(f"dsec-*/{sb.id}/memory.usage_in_bytes"):
+            values.append(int(usage.read_text()) / 1e6)
+    return values
+
+
+async def trajectory_series(console: Console, client: DSecClient, steps: int) -> list[Sample]:
+    """Log overhead: ``true`` in a plain sandbox against ``true`` logged in a trajectory,
+    alternating batches. Fast-forward: the logged steps re-issued by a resumed handle (SDK
+    prefetch, then server only), alternating with ``true`` run live in the plain sandbox."""
+    plain = await client.create(image=IMAGE, ttl_s=900)
+    trajectory = f"bench/{secrets.token_hex(4)}"
+    logged = await client.create(image=IMAGE, ttl_s=900, trajectory=trajectory)
+    samples: list[Sample] = []
+    try:
+        with phase(console, f"trajectory: log write overhead over {steps} execs of `true`"):
+            samples += await compare(Sample("exec true (no trajectory)", []),
+                                     lambda: _run_true(plain),
+                                     Sample("exec true, logged in a trajectory", []),
+                                     lambda: _run_true(logged), 20, steps // 20)
+        for prefetch, where in ((True, "from the SDK's prefetched log"), (False, "by the server")):
+            with phase(console, f"trajectory: fast-forward of {steps} steps {where}"):
+                resumed = await client.resume(trajectory, prefetch=prefetch)
+                samples += await compare(Sample("exec true (no trajectory), again", []),
+                                         lambda: _run_true(plain),
+                                         Sample(f"fast-forward, answered {where}", []),
+                                         functools.partial(_run_true, resumed), 20, steps // 20)
+                if resumed.fast_forwarded != steps:
+                    raise RuntimeError(f"only {resumed.fast_forwarded} of {steps} steps were "
+                                       "fast-forwarded")
+    finally:
+        await asyncio.gather(plain.stop(), logged.stop())
+    return samples
+
+
+async def run_benchmark(console: Console, quick: bool = False,
+                        only_trajectory: bool = False) -> list[Sample]:
+    n_seq, n_burst, burst_rounds, n_exec = (10, 20, 1, 50) if quick else (50, 100, 2, 200)
+    n_steps = 200 if quick else 1000
+    image = ImageStore().ensure(IMAGE, console=console)
+    root = BENCH_ROOT / secrets.token_hex(3)
+    if only_trajectory:
+        try:
+            async with bench_server(root / "trajectory", "--warm-pool", "0") as server:
+                await server.first_output()  # warm-up
+                await server.stop_all()
+                return await trajectory_series(console, server.client, n_steps)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    bare = BareCrun(root / "bare", LayerMounter().lowerdirs(image))
+    samples: list[Sample] = []
+    memory = Sample("idle sandbox memory (MB, not ms)", [])
+    try:
+        async with bench_server(root / "cold", "--warm-pool", "0") as cold:
+            await cold.first_output()  # warm-up: agent binary, layer mounts, page cache
+            await bare.run_echo()
+            await cold.stop_all()
+            async def clean_up() -> None:
+                memory.values_ms += idle_memory(cold)
+                await cold.stop_all()
+
+            with phase(console, "create-to-first-output, one at a time"):
+                samples += await compare(Sample("bare crun run: first output", []), bare.run_echo,
+                                         Sample("dsec create (cold): first output", []),
+                                         cold.first_output, 10, n_seq // 10, between=clean_up)
+            with phase(console, f"create-to-first-output, {burst_rounds} bursts of {n_burst}"):
+                samples += await compare(Sample(f"bare crun run: burst {n_burst}", []), bare.run_echo,
+                                         Sample(f"dsec create (cold): burst {n_burst}", []),
+                                         cold.first_output, n_burst, burst_rounds, concurrent=True,
+                                         settle_s=2.0, between=clean_up)
+            with phase(console, "exec round trip of `true`"):
+                sb = await cold.client.create(image=IMAGE, ttl_s=300)
+                async with bare.running() as cid:
+                    samples += await compare(Sample("bare crun exec true", []),
+                                             lambda: bare.exec_true(cid), Sample("dsec exec true", []),
+                                             lambda: _run_true(sb), 20, n_exec // 20)
+                await sb.stop()
+            samples += await trajectory_series(console, cold.client, n_steps)
+        async with bench_server(root / "warm", "--warm-pool", str(n_burst)) as warm:
+            with phase(console, f"create-to-first-output from a warm pool of {n_burst}"):
+                await warm.first_output()  # asks for the image: its pool fills
+                await warm.stop_all()
+                await warm.wait_warm(n_burst)
+                samples += await compare(Sample("bare crun run: first output (again)", []),
+                                         bare.run_echo,
+                                         Sample("dsec create (warm pool): first output", []),
+                                         warm.first_output, 10, 1)
+                await warm.stop_all()
+                await warm.wait_warm(n_burst)
+                samples += await compare(Sample(f"bare crun run: burst {n_burst} (again)", []),
+                                         bare.run_echo,
+                                         Sample(f"dsec create (warm pool): burst {n_burst}", []),
+                                         warm.first_output, n_burst, 1, concurrent=True,
+                                         settle_s=2.0)
+                await warm.stop_all()
+        samples.append(memory)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        remove_parent_if_unused(BARE_CGROUP_PARENT)
+    return samples
+
+
+async def _run_true(sb: AsyncSandbox) -> float:
+    t0 = time.perf_counter()
+    if (await sb.run("true")).exit_code != 0:
+        raise RuntimeError("true failed")
+    return (time.perf_counter() - t0) * 1000
+
+
+def report(console: Console, samples: list[Sample]) -> None:
+    table = Table("measure", "n", "fail", "p50", "p95", "p99", "p50 / baseline", title="dsec bench (ms)")
+    for s in samples:
+        ratio = s.ratio()
+        table.add_row(s.name, str(len(s.values_ms)), str(s.failures), _ms(s.pct(50)),
+                      _ms(s.pct(95)), _ms(s.pct(99)), f"{ratio:.3f}" if ratio else "")
+    console.print(table)
+    for s in samples:
+        for error in s.errors:
+            console.print(f"[red]{s.name} failed:[/red] {error}")
+
+
+def _ms(value: float) -> str:
+    return f"{value:.1f}" if value >= 0.1 else f"{value:.3f}"  # fast-forwards take µs
+
+
+# Series run alone with ``dsec bench --only NAME``: "module:function(console, quick)".
+ONLY = {"network": "dsec_benchmarks.bench_network:network_series",
+        "projects": "dsec_benchmarks.bench_projects:run_projects"}
+
+
+def main(quick: bool = False, json_out: Path | None = None, only_trajectory: bool = False,
+         only: str | None = None, sizes: list[int] | None = None) -> None:
+    if os.geteuid() != 0:
+        raise SystemExit("dsec bench runs containers and must run as root")
+    console = Console()
+    if only == "cluster":
+        from .bench_cluster import cluster_benchmark
+        samples = asyncio.run(cluster_benchmark(console, sizes or [100]))
+    elif only is not None:
+        module, _, function = ONLY[only].partition(":")
+        series = getattr(importlib.import_module(module), function)
+        samples = asyncio.run(series(console, quick))
+    else:
+        samples = asyncio.run(run_benchmark(console, quick, only_trajectory))
+    report(console, samples)
+    if json_out:
+        json_out.write_text(json.dumps([s.row() for s in samples], indent=2))
+        console.print(f"raw figures in {json_out}")

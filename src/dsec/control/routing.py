@@ -1,0 +1,124 @@
+"""Which edge owns a sandbox, and where a new sandbox or an fn call goes.
+
+A sandbox id is ``sb-<edge id>-<random>``, so any API replica routes any call without shared
+state. The edges are a directory's (``control.directory``: this process's, or a Ray
+cluster's); placement is the directory's, admission (the caller's project quota) the
+router's, the same for every create path (native, trajectory, E2B, SandboxFusion) and for fn
+calls. Calls on a sandbox attached to a trajectory go through the trajectory recorder
+(``edge_for``).
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from ..protocol.errors import NotSupported
+from ..protocol.fn import CodeResult, RunCodeRequest
+from ..protocol.models import CreateRequest, SandboxInfo
+from .directory import EdgeDirectory, edge_of
+from ..edge.edge import Edge
+from ..store.idempotency import IdempotencyStore
+from ..trajectory.log import TrajectoryLog
+from ..trajectory.recorder import Call, RecordedEdge, Recorder
+from .idempotency import Idempotency
+
+if TYPE_CHECKING:
+    from .projects import Projects
+
+__all__ = ["Router", "edge_of"]
+
+
+class Router:
+    def __init__(self, directory: EdgeDirectory, access: Projects | None = None,
+                 trajectories: TrajectoryLog | None = None,
+                 idempotency: IdempotencyStore | None = None) -> None:
+        """``access``: who sees and creates which sandboxes (quotas), None admits all;
+        ``trajectories``: the log of trajectories; ``idempotency``: the keys of creates made
+        once (``create_once``). Without them, those features answer NotSupported."""
+        self.directory = directory
+        self.access = access
+        self.recorder = Recorder(trajectories, self) if trajectories is not None else None
+        self.idempotency = Idempotency(idempotency, self) if idempotency is not None else None
+        if access is not None:
+            directory.on_end(access.ended)
+
+    async def start(self) -> None:
+        await self.directory.start()
+        if self.access is not None:
+            self.access.reconcile()
+
+    async def close(self) -> None:
+        await self.directory.close()
+        if self.recorder is not None:
+            self.recorder.log.close()
+
+    def owner(self, sandbox_id: str) -> Edge:
+        """The edge that owns a sandbox the caller may see, itself."""
+        edge: Edge = self.directory.owner(sandbox_id)
+        if self.access is not None:
+            self.access.check(sandbox_id)
+        return edge
+
+    def edge_for(self, sandbox_id: str, call: Call | None = None) -> Edge | RecordedEdge:
+        """The edge to make a call on: for a sandbox attached to a trajectory, the edge as
+        the trajectory recorder serves it (calls logged and fast-forwarded)."""
+        edge = self.owner(sandbox_id)
+        return edge if self.recorder is None else self.recorder.wrap(edge, sandbox_id, call)
+
+    def trajectories(self) -> Recorder:
+        if self.recorder is None:
+            raise NotSupported("this server keeps no trajectory log")
+        return self.recorder
+
+    async def create(self, req: CreateRequest, caller: str | None = None) -> SandboxInfo:
+        if req.trajectory is not None:
+            return await self.trajectories().create(req, caller)
+        return await self.place(req)
+
+    async def create_once(self, key: str | None, kind: str, req: CreateRequest,
+                          make: Callable[[], Awaitable[SandboxInfo]]) -> tuple[SandboxInfo, bool]:
+        """``make()``'s sandbox, made once per Idempotency-Key (``key``) of the caller's
+        project; True when an earlier request with the key made it (see control/idempotency.py)."""
+        if key is None:
+            return await make(), False
+        if self.idempotency is None:
+            raise NotSupported("this server keeps no idempotency keys")
+        return await self.idempotency.create(key, kind, req, make)
+
+    async def place(self, req: CreateRequest) -> SandboxInfo:
+        """Start a sandbox on an edge that takes it, once the caller's project quota admits it."""
+        if self.access is not None:
+            return await self.access.admit(req, self._place)
+        return await self._place(req)
+
+    async def _place(self, req: CreateRequest) -> SandboxInfo:
+        return await self.directory.place(req.substrate, req.image, lambda edge: edge.create(req))
+
+    async def call_fn(self, image: str, payload: bytes, timeout_s: float) -> bytes:
+        """A function call (a cloudpickled ``(fn, args, kwargs)``) on an edge serving fn and
+        the image, admitted like a sandbox (``Projects.admit_call``)."""
+        return await self._fn_call(image, lambda edge: edge.call_fn(image, payload, timeout_s))
+
+    async def run_code(self, req: RunCodeRequest) -> CodeResult:
+        """A program run in a fresh fn worker, placed and admitted like ``call_fn``."""
+        return await self._fn_call(req.image, lambda edge: edge.run_code(req))
+
+    async def _fn_call(self, image: str, call: Callable[[Any], Awaitable[Any]]) -> Any:
+        async def placed() -> Any:
+            return await self.directory.place("fn", image, call)
+        if self.access is not None:
+            return await self.access.admit_call(placed)
+        return await placed()
+
+    def list(self) -> list[SandboxInfo]:
+        return self.directory.sandboxes()
+
+    def list_visible(self) -> builtins.list[SandboxInfo]:
+        """The live sandboxes the caller's key may see."""
+        infos = self.list()
+        return infos if self.access is None else self.access.visible(infos)
+
+    def describe(self) -> builtins.list[dict[str, Any]]:
+        return self.directory.describe()

@@ -1,0 +1,264 @@
+"""The container substrate: an OCI runtime (crun, runc or runsc) over an overlayfs rootfs.
+
+Per sandbox, under ``<state>/sandboxes/<id>/``: ``disk.img`` mounted at ``disk`` (an ext4 file
+system of ``disk_mb``, see disk.py) holding ``upper`` and ``work`` (the writable layer) and
+``run`` (bind-mounted at /.dsec/run: the agent socket and session state), ``rootfs`` (the
+overlay of the image's read-only layers under ``upper``), ``config.json``, ``pid`` and
+``runtime.log``. Everything a sandbox can write is on its own disk, in its quota; the host
+never walks it: clean-up unmounts the disk and unlinks its file. dsec's agent and tools are
+one read-only bind at /.dsec (agent/tools.py). The agent is the container's init; it prints
+``R`` on stdout once it listens, so start-up waits on an event, never a poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import logging
+import os
+import secrets
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+from ...agent.client import AgentClient
+from ...agent.tools import sandbox_tree
+from ...protocol.errors import NotSupported, SandboxError
+from ...protocol.models import DEFAULT_DISK_MB, CreateRequest
+from ...images.mount import LayerMounter, overlay_mount, unmount
+from ...network.policy import Egress
+from ...network.wired import WiredSandboxes
+from ...network.wiring import Slot
+from ..host import cgroups, spawn
+from ..base import StartPlan, Substrate
+from ..host.disk import DiskPool, release
+from ..host.oci_spec import container_config
+from ..host.pidwatch import PidWatch
+from ..host.spawn import Spawned
+from ..host.tree import remove_tree
+
+log = logging.getLogger("dsec.container")
+RUNTIMES = ("crun", "runc", "runsc")
+START_TIMEOUT_S = 30.0
+
+
+class ContainerSubstrate(Substrate):
+    """Network policies: a sandbox starts with loopback only (warm-pool ones too);
+    ``set_network`` wires its netns to the host when a policy is first applied, at create
+    or claim time or later (see ``dsec.network.wiring``)."""
+
+    name = "container"
+    network_policies = True
+
+    def __init__(self, state_dir: Path, edge_id: str, runtime: str = "crun",
+                 mounter: LayerMounter | None = None) -> None:
+        if runtime not in RUNTIMES:
+            raise NotSupported(f"unknown container runtime {runtime!r}; choose one of {RUNTIMES}")
+        self.default_runtime = runtime
+        self.root = state_dir / "sandboxes"
+        self.runtime_root = state_dir / "runtime"
+        self.cgroup_parent = f"/dsec-{edge_id}"
+        self.edge_id = edge_id
+        self.mounter = mounter or LayerMounter()
+        self.disks = DiskPool(state_dir / "disks", (DEFAULT_DISK_MB,))
+        self._tree: Path | None = None  # mounted read-only at /.dsec
+        self._pids = PidWatch(self.cgroup_parent)
+        # Bundle set-up and teardown wait on kernel locks (mounts, cgroups) under load: in
+        # threads, they never stall the event loop.
+        self._io = ThreadPoolExecutor(16, thread_name_prefix="dsec-fs")
+        self.network = WiredSandboxes(f"{edge_id}/", self._io)
+
+    async def prepare(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.disks.prepare()
+        for runtime in RUNTIMES:
+            (self.runtime_root / runtime).mkdir(parents=True, exist_ok=True)
+        if self.default_runtime == "crun":
+            cgroups.prepare_hybrid_host()
+        self._tree = await asyncio.to_thread(sandbox_tree)
+        await self.network.recover()
+
+    async def close(self) -> None:
+        cgroups.remove_parent_if_unused(self.cgroup_parent)
+
+    def _dir(self, sandbox_id: str) -> Path:
+        return self.root / sandbox_id
+
+    def _runtime_cmd(self, runtime: str) -> list[str]:
+        cmd = [spawn.resolve(runtime), "--root", str(self.runtime_root / runtime)]  # NotSupported if absent
+        if runtime == "runsc":
+            # --host-uds: the agent binds its socket on the host; --oci-seccomp: the deny-list of
+            # oci_spec.py holds inside gVisor too (io_uring, mount, ...), not only on its sentry
+            cmd += ["--network=none", "--host-uds=create", "--oci-seccomp"]
+        return cmd
+
+    async def start(self, plan: StartPlan) -> dict[str, Any]:
+        runtime = plan.request.runtime or self.default_runtime
+        base = self._runtime_cmd(runtime)
+        d = self._dir(plan.sandbox_id)
+        try:
+            return await self._start(plan, runtime, base, d)
+        except BaseException:
+            await self.destroy(plan.sandbox_id)
+            raise
+
+    async def _start(self, plan: StartPlan, runtime: str, base: list[str], d: Path) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._io, self._bundle, plan, d)
+        crun = Spawned([*base, "run", "--detach", "--bundle", str(d), "--pid-file", str(d / "pid"),
+                        plan.sandbox_id], capture_stdout=True, stderr=d / "runtime.log",
+                       idle_priority=plan.warm)
+        try:
+            ready = await asyncio.wait_for(crun.first_byte(), START_TIMEOUT_S)
+            code = await asyncio.wait_for(crun.wait(), START_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            crun.kill()
+            await crun.wait()
+            raise SandboxError(f"{runtime} did not start the sandbox within {START_TIMEOUT_S:.0f}s") from None
+        finally:
+            crun.close()
+        if ready != b"R" or code != 0:
+            log_text = (d / "runtime.log").read_text(errors="replace").strip()
+            raise SandboxError(f"{runtime} failed to start the sandbox (exit {code}): "
+                               f"{log_text[-2000:] or 'no output'}")
+        pid = int((d / "pid").read_text())
+        self._pids.adopt(plan.sandbox_id, pid)  # it is ours: it just said R
+        facts = {"runtime": runtime, "pid": pid, "token": secrets.token_hex(32)}
+        # Claimed before start() returns: no user command can have run yet to claim it first.
+        await self.agent(plan.sandbox_id, facts).claim()
+        return facts
+
+    async def claim(self, sandbox_id: str, runtime: dict[str, Any], request: CreateRequest) -> None:
+        cgroups.set_limits(self.cgroup_parent, sandbox_id, request.cpu, request.memory_mb << 20,
+                           request.pids)
+        os.sched_setscheduler(runtime["pid"], os.SCHED_OTHER, os.sched_param(0))
+
+    async def set_network(self, sandbox_id: str, runtime: dict[str, Any],
+                          egress: Egress | None) -> None:
+        if egress is not None and runtime.get("runtime") == "runsc":
+            raise NotSupported("network policies need a runtime that uses the host kernel's "
+                               "network stack (crun or runc), not runsc")
+
+        async def wire() -> Slot:
+            netns = self._netns(sandbox_id, runtime)
+            try:
+                return await self.network.run(self.network.wiring.attach,
+                                              self.network.owner(sandbox_id), netns)
+            finally:
+                os.close(netns)
+
+        async def unwire(slot: Slot) -> None:
+            await self.network.run(self.network.wiring.detach, slot)
+
+        await self.network.set(sandbox_id, egress, wire, unwire)
+
+    def _netns(self, sandbox_id: str, runtime: dict[str, Any]) -> int:
+        """An fd on the sandbox's network namespace. Its init must still be alive once the
+        fd is open (its pidfd says so), or the pid may name another process by now."""
+        try:
+            fd = os.open(f"/proc/{runtime['pid']}/ns/net", os.O_RDONLY)
+        except OSError:
+            fd = -1
+        if fd < 0 or not self.alive(sandbox_id, runtime):
+            if fd >= 0:
+                os.close(fd)
+            raise SandboxError(f"sandbox {sandbox_id}'s init is gone: no network to wire",
+                               sandbox_id=sandbox_id)
+        return fd
+
+
+    def _bundle(self, plan: StartPlan, d: Path) -> None:
+        """The OCI bundle: the overlay rootfs and config.json (in a worker thread)."""
+        disk = d / "disk"
+        upper, work, run, rootfs = disk / "upper", disk / "work", disk / "run", d / "rootfs"
+        d.mkdir()
+        self.disks.attach(d / "disk.img", disk, plan.request.disk_mb)
+        for p in (work, run, rootfs):
+            p.mkdir()
+        # Mount points and the default cwd exist in the writable layer before it is mounted.
+        (upper / ".dsec").mkdir(parents=True)
+        (upper / "work").mkdir()
+        lowers = self.mounter.lowerdirs(plan.image)  # mounts a layer the first time (ms, once)
+        overlay_mount(lowers, upper, work, rootfs)
+        assert self._tree is not None, "prepare() runs before start()"
+        config = container_config(plan.sandbox_id, plan.request, str(rootfs), str(self._tree),
+                                  str(run), self.cgroup_parent)
+        (d / "config.json").write_text(json.dumps(config))
+
+    def agent(self, sandbox_id: str, runtime: dict[str, Any]) -> AgentClient:
+        # gVisor's sentry, not the agent, holds the host end of the socket: no pid to check.
+        peer = None if runtime["runtime"] == "runsc" else runtime["pid"]
+        # No token: a sandbox started before agents were claimed (its agent takes none).
+        return AgentClient(self._dir(sandbox_id) / "disk" / "run" / "agent.sock", runtime.get("token"),
+                           peer)
+
+    def alive(self, sandbox_id: str, runtime: dict[str, Any]) -> bool:
+        return self._pids.alive(sandbox_id, runtime.get("pid"))
+
+    def watch(self, sandbox_id: str, runtime: dict[str, Any], on_exit: Callable[[], None]) -> None:
+        self._pids.watch(sandbox_id, runtime.get("pid"), on_exit)
+
+    def death_cause(self, sandbox_id: str, runtime: dict[str, Any]) -> str:
+        if self.oom_kills(sandbox_id, runtime):
+            return "out of memory: the kernel killed the sandbox's init"
+        return "the sandbox's init process exited"
+
+    def oom_kills(self, sandbox_id: str, runtime: dict[str, Any]) -> int:
+        return cgroups.oom_kills(self.cgroup_parent, sandbox_id)
+
+    async def destroy(self, sandbox_id: str) -> None:
+        d = self._dir(sandbox_id)
+        self._pids.forget(sandbox_id)
+        for runtime in RUNTIMES:
+            if sandbox_id in _state_ids(self.runtime_root / runtime):
+                await spawn.run([*self._runtime_cmd(runtime), "delete", "--force", sandbox_id])
+        await self.network.remove(sandbox_id)
+        await asyncio.get_running_loop().run_in_executor(self._io, self._teardown, sandbox_id, d)
+
+    def _teardown(self, sandbox_id: str, d: Path) -> None:
+        """What the runtime leaves or never made: cgroups, the overlay, the disk, the bundle
+        dir. Once the disk is unmounted, the dir holds only what dsec wrote (see tree.py)."""
+        cgroups.remove_cgroups(cgroups.sandbox_dirs(self.cgroup_parent, sandbox_id))
+        for mount in _mounts_under(d):
+            try:
+                unmount(mount)
+            except OSError as exc:
+                if exc.errno != errno.EBUSY:
+                    raise
+                unmount(mount, lazy=True)  # detached now, freed when its last user goes
+        release(d / "disk.img")
+        try:
+            remove_tree(d)
+        except OSError:  # the stop still answers; the next start finds the dir and retries
+            log.exception("could not remove all of sandbox %s's directory", sandbox_id)
+
+    async def leftovers(self) -> set[str]:
+        ids = {p.name for p in self.root.iterdir()} if self.root.exists() else set()
+        for runtime in RUNTIMES:
+            ids.update(_state_ids(self.runtime_root / runtime))
+        ids.update(cgroups.sandbox_cgroups(self.cgroup_parent))
+        ids.update(m.relative_to(self.root).parts[0] for m in _mounts_under(self.root))
+        ids.update(self.network.ids())
+        return ids
+
+
+def _state_ids(runtime_root: Path) -> set[str]:
+    """Sandboxes a runtime holds state for: a directory each under crun and runc, files
+    ``<id>_sandbox:<id>.state`` and ``.lock`` under runsc (which ``runsc delete`` removes)."""
+    if not runtime_root.exists():
+        return set()
+    return {p.name if p.is_dir() else p.name.partition("_sandbox:")[0]
+            for p in runtime_root.iterdir() if p.is_dir() or "_sandbox:" in p.name}
+
+
+def _mounts_under(d: Path) -> list[Path]:
+    """Mount points below ``d``, the last mounted first (an overlay before the disk under it)."""
+    prefix = str(d) + "/"
+    found = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            target = line.split()[4].replace("\\040", " ")
+            if target.startswith(prefix):
+                found.append(Path(target))
+    return found[::-1]

@@ -1,0 +1,157 @@
+"""Host cgroup facts for sandboxes: preparing a hybrid host, finding leftovers, OOM counts.
+
+The OCI runtime creates and removes each sandbox's cgroups (``<parent>/<id>`` in every
+hierarchy); dsec only prepares the host, reads counters and sweeps what a crash left.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from ...protocol.errors import NotSupported
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+CPU_PERIOD_US = 100_000
+
+
+def is_cgroup2_only() -> bool:
+    return (CGROUP_ROOT / "cgroup.controllers").exists()
+
+
+def prepare_hybrid_host() -> list[str]:
+    """On a hybrid (v1 + v2) host, crun refuses to run while the v2 hierarchy holds any
+    controller. Bind each such controller to a v1 hierarchy of its own; returns the ones bound.
+    """
+    unified = CGROUP_ROOT / "unified" / "cgroup.controllers"
+    if is_cgroup2_only() or not unified.exists():
+        return []
+    bound = []
+    for controller in unified.read_text().split():
+        target = CGROUP_ROOT / controller
+        target.mkdir(exist_ok=True)
+        done = subprocess.run(["mount", "-t", "cgroup", "-o", controller, "cgroup", str(target)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise NotSupported(
+                f"crun cannot run on this hybrid cgroup host: the v2 hierarchy holds "
+                f"'{controller}' and binding it to v1 failed ({done.stderr.strip()}); "
+                "use runtime='runc' instead")
+        bound.append(controller)
+    return bound
+
+
+def sandbox_cgroups(parent: str) -> dict[str, list[Path]]:
+    """Every sandbox cgroup directory under ``parent``, by sandbox id, in all hierarchies."""
+    found: dict[str, list[Path]] = {}
+    for base in _hierarchies():
+        d = base / parent.strip("/")
+        if d.is_dir():
+            for child in d.iterdir():
+                if child.is_dir():
+                    found.setdefault(child.name, []).append(child)
+    return found
+
+
+def remove_parent_if_unused(parent: str) -> None:
+    """Remove the edge's parent cgroup in every hierarchy once no sandbox is left under it."""
+    for base in _hierarchies():
+        try:
+            (base / parent.strip("/")).rmdir()
+        except OSError:  # absent, or sandboxes still live in it
+            pass
+
+
+def _hierarchies() -> list[Path]:
+    return [CGROUP_ROOT] if is_cgroup2_only() else [p for p in CGROUP_ROOT.iterdir() if p.is_dir()]
+
+
+def sandbox_dirs(parent: str, sandbox_id: str) -> list[Path]:
+    """One sandbox's cgroup directories, in every hierarchy that has one."""
+    return [d for base in _hierarchies() if (d := base / parent.strip("/") / sandbox_id).is_dir()]
+
+
+def remove_cgroups(dirs: list[Path]) -> None:
+    """Kill what is left in each cgroup, then remove it (deepest first)."""
+    for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
+        for sub in sorted(d.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+            if sub.is_dir():
+                _kill_and_rmdir(sub)
+        _kill_and_rmdir(d)
+
+
+def _kill_and_rmdir(d: Path) -> None:
+    procs = d / "cgroup.procs"
+    for _ in range(50):
+        try:
+            pids = [int(p) for p in procs.read_text().split()]
+        except FileNotFoundError:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        try:
+            d.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:  # still emptying
+            time.sleep(0.02)
+
+
+# The kernel counts ``oom`` (the cgroup hit its limit and the OOM killer ran) before it sends
+# the kill, and ``oom_kill`` only after: a reader woken by the victim's death can still see
+# ``oom_kill 0``. Counting whichever is larger closes that race; cgroup v1 has no early count.
+OOM_KEYS = {"memory.events": ("oom_kill", "oom"), "memory.oom_control": ("oom_kill",)}
+
+
+def oom_count(text: str, keys: tuple[str, ...]) -> int:
+    """The OOM kills a cgroup's events file reports, counting one the kernel is still making."""
+    counts = dict(line.partition(" ")[::2] for line in text.splitlines())
+    return max((int(counts[key]) for key in keys if key in counts), default=0)
+
+
+def oom_kills(parent: str, sandbox_id: str) -> int:
+    """How many processes the kernel's OOM killer ended in this sandbox's memory cgroup."""
+    if is_cgroup2_only():
+        path = CGROUP_ROOT / parent.strip("/") / sandbox_id / "memory.events"
+    else:
+        path = CGROUP_ROOT / "memory" / parent.strip("/") / sandbox_id / "memory.oom_control"
+    try:
+        return oom_count(path.read_text(), OOM_KEYS[path.name])
+    except OSError:  # gone, or being removed (ENODEV on cgroup v1)
+        return 0
+
+
+def set_limits(parent: str, sandbox_id: str, cpu: float, memory_bytes: int, pids: int) -> None:
+    """Change a running sandbox's limits in place (what ``crun update`` does, without a fork)."""
+    rel = f"{parent.strip('/')}/{sandbox_id}"
+    quota = int(cpu * CPU_PERIOD_US)
+    if is_cgroup2_only():
+        writes = {f"{rel}/cpu.max": f"{quota} {CPU_PERIOD_US}", f"{rel}/memory.max": str(memory_bytes),
+                  f"{rel}/pids.max": str(pids)}
+    else:
+        writes = {f"cpu/{rel}/cpu.cfs_quota_us": str(quota),
+                  f"memory/{rel}/memory.limit_in_bytes": str(memory_bytes),
+                  f"pids/{rel}/pids.max": str(pids)}
+    for path, value in writes.items():
+        (CGROUP_ROOT / path).write_text(value)
+
+
+def create_for_process(parent: str, sandbox_id: str, pid: int) -> None:
+    """Create the sandbox's cgroups (cpu, memory, pids) and move ``pid`` into them: for
+    substrates whose process no OCI runtime places (a VM's QEMU)."""
+    if is_cgroup2_only():
+        for d in (CGROUP_ROOT, CGROUP_ROOT / parent.strip("/")):
+            d.mkdir(exist_ok=True)
+            (d / "cgroup.subtree_control").write_text("+cpu +memory +pids")
+        dirs = [CGROUP_ROOT / parent.strip("/") / sandbox_id]
+    else:
+        dirs = [CGROUP_ROOT / c / parent.strip("/") / sandbox_id for c in ("cpu", "memory", "pids")]
+    for d in dirs:
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "cgroup.procs").write_text(str(pid))

@@ -1,0 +1,2 @@
+"""The microvm and vm substrates: QEMU machines booting the host's guest kernel with the
+dsec agent, their network and snapshots."""
