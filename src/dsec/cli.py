@@ -1,4 +1,9 @@
-"""The ``dsec`` command."""
+"""The ``dsec`` command.
+
+It is installed with the SDK alone (``pip install dsec``): the client commands (run, ls, exec,
+trajectory, project) need only the SDK; the server's (serve, image, key, bench, cluster)
+import their modules when run, and say which extra to install when those are missing.
+"""
 
 from __future__ import annotations
 
@@ -32,7 +37,36 @@ def _run(coro: Any) -> Any:
         _fail(exc)
 
 
-@click.group()
+# Modules of the extras (top-level names) -> what to install for them.
+EXTRAS = {**dict.fromkeys(["fastapi", "starlette", "uvicorn", "uvloop", "httptools", "anyio",
+                           "prometheus_client", "pyroute2", "psycopg"],
+                          "the server: pip install 'dsec[server]'"),
+          "ray": "the cluster extra: pip install 'dsec[cluster]'",
+          "dsec_benchmarks": "the benchmarks of a dsec checkout: pip install -e ./benchmarks "
+                             "(scripts/setup does)"}
+
+
+class MissingExtra(click.ClickException):
+    """A command whose dependencies are not installed (exit code 3)."""
+
+    exit_code = 3
+
+
+class Commands(click.Group):
+    """Turns a missing optional dependency into ``MissingExtra`` naming what to install."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ModuleNotFoundError as exc:
+            needed = EXTRAS.get((exc.name or "").partition(".")[0])
+            if needed is None:
+                raise
+            raise MissingExtra(f"dsec {ctx.invoked_subcommand} needs {needed} "
+                               f"(module {exc.name!r} is missing)") from exc
+
+
+@click.group(cls=Commands)
 @click.version_option(package_name="dsec")
 def main() -> None:
     """dsec: elastic sandboxes for agentic RL and evaluation."""
