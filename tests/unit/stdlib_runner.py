@@ -5,8 +5,8 @@ interpreters::
     ~/.pyenv/versions/3.10.13/bin/python tests/unit/stdlib_runner.py
 
 ``dsec`` and ``dsec.client`` are registered as bare packages over ``src/`` so that importing
-``dsec.client.archive`` loads only that module and ``errors`` (no SDK, no pydantic). Each
-``test_*`` function gets a fresh temporary directory as its ``tmp_path``.
+``dsec.client.archive`` loads only that module and ``dsec.protocol.errors`` (no SDK, no
+pydantic). Each ``test_*`` function gets a fresh temporary directory as its ``tmp_path``.
 """
 
 from __future__ import annotations

@@ -1,1 +1,2 @@
-"""API server: HTTP routes, auth, routing to edges."""
+"""The HTTP API: routes, auth and error mapping, the dashboard, the server's assembly. Which edge
+serves a call, and whether a create is admitted, is the control plane's (``dsec.control``)."""

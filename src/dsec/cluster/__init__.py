@@ -1,5 +1,5 @@
-"""Scale-out on Ray: one edge actor per node, power-of-k placement, stateless API replicas
-(see docs/CLUSTER.md). Needs the ``cluster`` extra (Ray)."""
+"""Scale-out on Ray: one edge actor per node, power-of-k placement (``dsec.control.placement``),
+stateless API replicas (see docs/CLUSTER.md). Needs the ``cluster`` extra (Ray)."""
 
 from ..protocol.errors import NotSupported
 
