@@ -3,7 +3,8 @@ a wheel of this checkout goes into a fresh venv of pyenv's 3.10 and 3.13, which 
 real sandbox of the test server (``support/sdk_driver.py``), async and blocking, and finds
 that the server's dependencies were never installed and none of its modules were loaded. The
 ``dsec`` command of that install serves the client commands and refuses ``serve`` with exit
-code 3, naming the ``server`` extra."""
+code 3, naming the ``server`` extra, which the SDK's autostart of a local server reports as
+``NotSupported`` at once."""
 
 from __future__ import annotations
 
@@ -78,3 +79,18 @@ def test_sdk_alone_drives_a_sandbox(minor: str, wheel: Path, server: Server,
                              timeout=120, cwd=tmp_path)
     assert refused.returncode == 3, refused.stdout + refused.stderr
     assert "dsec serve needs the server: pip install 'dsec[server]'" in refused.stderr
+
+    autostart = ("import asyncio, dsec\n"
+                 "async def main():\n"
+                 "    async with dsec.DSecClient() as client:\n"
+                 "        await client.list()\n"
+                 "try:\n"
+                 "    asyncio.run(main())\n"
+                 "except dsec.NotSupported as exc:\n"
+                 "    print(exc.message)\n")
+    local = {k: v for k, v in os.environ.items() if k not in ("DSEC_URL", "DSEC_API_KEY")}
+    started = subprocess.run([str(venv / "bin" / "python"), "-c", autostart], capture_output=True,
+                             text=True, timeout=60, cwd=tmp_path,
+                             env={**local, "DSEC_STATE_DIR": str(tmp_path / "local")})
+    assert started.returncode == 0, started.stderr
+    assert "needs the server: pip install 'dsec[server]'" in started.stdout

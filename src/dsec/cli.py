@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .client.aio import DSecClient
+from .client.transport import EXIT_MISSING_EXTRA
 from .protocol.errors import DSecError
 from .config import Settings, serve_options
 
@@ -47,9 +48,9 @@ EXTRAS = {**dict.fromkeys(["fastapi", "starlette", "uvicorn", "uvloop", "httptoo
 
 
 class MissingExtra(click.ClickException):
-    """A command whose dependencies are not installed (exit code 3)."""
+    """A command whose dependencies are not installed (its exit code tells the SDK's autostart)."""
 
-    exit_code = 3
+    exit_code = EXIT_MISSING_EXTRA
 
 
 class Commands(click.Group):

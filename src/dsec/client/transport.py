@@ -20,9 +20,11 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import httpx
 
-from ..protocol.errors import DSecError, ServerUnavailable, Unauthorized, error_from_json
+from ..protocol.errors import (DSecError, NotSupported, ServerUnavailable, Unauthorized,
+                               error_from_json)
 
 START_TIMEOUT_S = 120.0
+EXIT_MISSING_EXTRA = 3  # `dsec serve` (any dsec command) run without its extra installed
 # TCP keepalive: a server whose host died (or was cut off) mid-call leaves a half-open
 # connection that no read ever ends; the kernel probes it after 10 s of silence and drops it
 # after 3 unanswered probes 3 s apart, so the call fails with ServerUnavailable in about 20 s
@@ -92,13 +94,16 @@ class Transport:
         directory = self.socket.parent if self.socket else state_dir()
         directory.mkdir(parents=True, exist_ok=True)
         with open(directory / "server.log", "ab") as log:
-            subprocess.Popen([sys.executable, "-m", "dsec", "serve", "--state-dir", str(directory)],
-                             stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                             start_new_session=True)
+            server = subprocess.Popen([sys.executable, "-m", "dsec", "serve", "--state-dir",
+                                       str(directory)], stdin=subprocess.DEVNULL, stdout=log,
+                                      stderr=log, start_new_session=True)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if await self._healthy():
                 return
+            if server.poll() == EXIT_MISSING_EXTRA:
+                raise NotSupported("starting a local dsec server needs the server: pip install "
+                                   "'dsec[server]' (or pass the URL of a running server)")
             await asyncio.sleep(0.05)
         raise DSecError(f"the local dsec server did not start within {START_TIMEOUT_S:.0f}s; "
                         f"see {directory / 'server.log'}")
