@@ -11,6 +11,7 @@ attack. They return plain data: what they reached.
 from __future__ import annotations
 
 import asyncio
+import errno
 import inspect
 import json
 import os
@@ -485,6 +486,10 @@ def _read(path: Path) -> str:
     try:
         return path.read_text()
     except FileNotFoundError:  # the worker ended meanwhile
+        return "gone"
+    except OSError as exc:  # its cgroup was removed between listing and reading it
+        if exc.errno != errno.ENODEV:
+            raise
         return "gone"
 
 
