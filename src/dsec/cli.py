@@ -8,6 +8,7 @@ import their modules when run, and say which extra to install when those are mis
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import sys
 import time
@@ -437,14 +438,17 @@ def bench(quick: bool, json_out: Path | None, only_trajectory: bool, only: str |
           sizes: str) -> None:
     """Run the benchmark against bare crun and print the figures (see docs/BENCHMARKS.md)."""
     if only == "fn":
-        from dsec_benchmarks.bench_fn import main as fn_main
-        return fn_main(quick=quick, json_out=json_out)
+        return _benchmark("bench_fn").main(quick=quick, json_out=json_out)
     if only in ("microvm", "vm"):
-        from dsec_benchmarks.bench_vm import main as bench_vm_main
-        return bench_vm_main(only, quick=quick, json_out=json_out)
-    from dsec_benchmarks.bench import main as bench_main
-    bench_main(quick=quick, json_out=json_out, only_trajectory=only_trajectory, only=only,
-               sizes=[int(n) for n in sizes.split(",")])
+        return _benchmark("bench_vm").main(only, quick=quick, json_out=json_out)
+    _benchmark("bench").main(quick=quick, json_out=json_out, only_trajectory=only_trajectory,
+                             only=only, sizes=[int(n) for n in sizes.split(",")])
+
+
+def _benchmark(name: str) -> Any:
+    """A module of the benchmarks: package ``dsec_benchmarks``, installed from a checkout and not
+    with dsec (so not a static import of the package)."""
+    return importlib.import_module(f"dsec_benchmarks.{name}")
 
 
 @main.group()
