@@ -24,18 +24,19 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from rich.console import Console
 
-from dsec.control.routing import Router
 from dsec.config import Settings
 from dsec.control.directory import LocalEdges
-from .bench import BENCH_ROOT, IMAGE, Sample, phase
-from dsec.protocol.errors import SandboxDied
-from dsec.protocol.models import CreateRequest, ExecRequest
+from dsec.control.routing import Router
 from dsec.edge.edge import Edge, EdgeConfig
 from dsec.edge.metrics import EdgeMetrics
 from dsec.images.store import ImageStore
+from dsec.protocol.errors import SandboxDied
+from dsec.protocol.models import CreateRequest, ExecRequest
 from dsec.store.local_postgres import LocalPostgres
 from dsec.store.sqlite import StateStore
 from dsec.substrates.container.container import ContainerSubstrate
+
+from .bench import BENCH_ROOT, IMAGE, Sample, phase
 
 CONCURRENCY = 32
 NODES = 3

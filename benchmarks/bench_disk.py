@@ -18,9 +18,10 @@ from pathlib import Path
 
 from rich.console import Console
 
-from .bench import Sample, compare, report
 from dsec.images.mount import unmount
 from dsec.substrates.host.disk import DiskPool, release
+
+from .bench import Sample, compare, report
 
 ROOT = Path("/run/dsec-bench")
 POOLED_MB, UNPOOLED_MB = 1024, 1000

@@ -27,12 +27,22 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from .bench import (BENCH_ROOT, Created, Sample, _run_true, bench_server, compare, idle_memory,
-                    phase, report)
-from .bench_vm import IDLE_SETTLE_S, _mem_available_mb, _stop
 from dsec.client.aio import DSecClient
 from dsec.images.store import ImageStore
 from dsec.store.sqlite import StateStore
+
+from .bench import (
+    BENCH_ROOT,
+    Created,
+    Sample,
+    _run_true,
+    bench_server,
+    compare,
+    idle_memory,
+    phase,
+    report,
+)
+from .bench_vm import IDLE_SETTLE_S, _mem_available_mb, _stop
 
 IMAGE = "python-3.11"
 # The interpreter running the bench: a real binary. ``python3`` on PATH may be a version

@@ -25,10 +25,11 @@ from typing import Any, Awaitable, Callable
 
 from rich.console import Console
 
-from .bench import BENCH_ROOT, IMAGE, Created, Sample, bench_server, compare, phase
 from dsec.client.aio import Sandbox as AsyncSandbox
 from dsec.images.store import ImageStore
 from dsec.network.testbed import make_destination
+
+from .bench import BENCH_ROOT, IMAGE, Created, Sample, bench_server, compare, phase
 
 PORTS = (8001, 8002)
 

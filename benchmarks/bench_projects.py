@@ -17,9 +17,10 @@ import time
 
 from rich.console import Console
 
-from .bench import BENCH_ROOT, IMAGE, Created, Sample, bench_server, compare, phase
 from dsec.client.aio import DSecClient
 from dsec.images.store import ImageStore
+
+from .bench import BENCH_ROOT, IMAGE, Created, Sample, bench_server, compare, phase
 
 
 async def run_projects(console: Console, quick: bool = False) -> list[Sample]:

@@ -22,9 +22,20 @@ from pathlib import Path
 
 from rich.console import Console
 
-from .bench import (BENCH_ROOT, IMAGE, Created, Sample, _run_true, bench_server, compare,
-                    idle_memory, phase, report)
 from dsec.images.store import ImageStore
+
+from .bench import (
+    BENCH_ROOT,
+    IMAGE,
+    Created,
+    Sample,
+    _run_true,
+    bench_server,
+    compare,
+    idle_memory,
+    phase,
+    report,
+)
 
 IDLE_SETTLE_S = 3.0  # let a fresh guest finish its boot-time work before reading memory
 

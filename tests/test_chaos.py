@@ -23,9 +23,19 @@ from typing import Iterator
 import pytest
 
 import dsec
-from support.chaos import (CALL_BOUND_S, Burst, Tally, TrajectoryWorker, blackhole, edge_id,
-                           host_traces, kill_agent, step_command, when)
 from conftest import Server, make_server, make_tcp_server, stop_server
+from support.chaos import (
+    CALL_BOUND_S,
+    Burst,
+    Tally,
+    TrajectoryWorker,
+    blackhole,
+    edge_id,
+    host_traces,
+    kill_agent,
+    step_command,
+    when,
+)
 
 CLIENTS = 4
 FAULT_AT = 60  # operations issued before the fault: well into the burst

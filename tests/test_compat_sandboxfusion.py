@@ -11,8 +11,14 @@ import httpx
 import pytest
 import requests
 import sandbox_fusion
-from sandbox_fusion import (CommandRunStatus, RunCodeRequest, RunStatus, run_code, run_code_async,
-                            run_concurrent)
+from sandbox_fusion import (
+    CommandRunStatus,
+    RunCodeRequest,
+    RunStatus,
+    run_code,
+    run_code_async,
+    run_concurrent,
+)
 
 from conftest import Server, make_tcp_server, stop_server
 

@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 
 import dsec
-
 from conftest import Server, make_tcp_server, stop_server
 from test_recovery import first_edge_id, host_traces
 

@@ -21,8 +21,8 @@ import pytest
 import dsec
 from conftest import Server, _sandbox
 from dsec.api.limits import MAX_BODY_BYTES
-from dsec.protocol.models import DEFAULT_MAX_OUTPUT
 from dsec.images.mount import unmount
+from dsec.protocol.models import DEFAULT_MAX_OUTPUT
 from dsec.substrates.host.disk import DiskPool, loop_devices_of, release
 from test_recovery import first_edge_id, host_traces
 

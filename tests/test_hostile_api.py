@@ -30,13 +30,13 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import Server, make_server, make_tcp_server, stop_server
-from test_compat_e2b import compat_python, e2b_env
 
 import dsec
+from conftest import Server, make_server, make_tcp_server, stop_server
 from dsec.client.archive import extract
 from dsec.store.idempotency import IdempotencyStore
 from dsec.store.local_postgres import LocalPostgres
+from test_compat_e2b import compat_python, e2b_env
 
 SURROGATE = '"\\udc80"'  # JSON text: the escape of a lone surrogate
 JSON = {"content-type": "application/json"}

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 
-from dsec.protocol.errors import ImageNotFound, InvalidRequest
 from dsec.images import (
     Image,
     ImageBuildError,
@@ -37,6 +36,7 @@ from dsec.images import (
 )
 from dsec.images.builder import plan_layers
 from dsec.images.mount import mountpoints
+from dsec.protocol.errors import ImageNotFound, InvalidRequest
 
 BUSYBOX = Path("/usr/bin/busybox")  # busybox-static
 

@@ -23,10 +23,9 @@ import dsec
 from conftest import DEST_PORTS as PORTS
 from conftest import Server, make_server, pool_filled, stop_server
 from dsec.network.hosts import pin_hosts
+from dsec.network.testbed import Destination
 from dsec.protocol.rules import Destination as Rule
 from dsec.protocol.rules import parse_rule
-from dsec.network.testbed import Destination
-
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -13,10 +13,17 @@ from pathlib import Path
 import pytest
 
 import dsec
+from conftest import (
+    VM_ACCEL,
+    VM_SUBSTRATES,
+    Server,
+    make_server,
+    pool_filled,
+    stop_server,
+    warm_count,
+)
 from dsec.edge.edge import default_edge_id
 from dsec.images.store import ImageStore
-from conftest import (VM_ACCEL, VM_SUBSTRATES, Server, make_server, pool_filled, stop_server,
-                      warm_count)
 
 
 def _traces(server: Server, sandbox_id: str) -> list[str]:

@@ -18,12 +18,27 @@ from typing import Iterator
 import pytest
 
 import dsec
-from conftest import (VM_ACCEL, VM_SUBSTRATES, Server, make_server, pool_filled, stop_server,
-                      warm_count)
+from conftest import (
+    VM_ACCEL,
+    VM_SUBSTRATES,
+    Server,
+    make_server,
+    pool_filled,
+    stop_server,
+    warm_count,
+)
 from dsec.network.testbed import Destination
 from dsec.network.wiring import Slot
 from dsec.substrates.vm.guest import AGENT_PORT
-from test_network import PORTS, Traces, assert_clean, edge_id, fetch, net_traces, slot_of
+from test_network import (
+    PORTS,
+    Traces,
+    assert_clean,
+    edge_id,
+    fetch,
+    net_traces,
+    slot_of,
+)
 
 
 @pytest.fixture(scope="module")

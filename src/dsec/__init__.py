@@ -11,20 +11,48 @@ from .client.aio import Process as AsyncProcess
 from .client.aio import Replay as AsyncReplay
 from .client.aio import Sandbox as AsyncSandbox
 from .client.aio import Session as AsyncSession
-from .protocol.errors import (CapacityExhausted, CommandTimeout, DelegationExceeded, DSecError,
-                              FileNotFound, Forbidden, ImageBuildError, ImageNotFound,
-                              InvalidRequest, NotSupported, PayloadTooLarge, ProcessNotFound,
-                              ProjectExists, ProjectNotFound, QuotaExceeded, SandboxDied,
-                              SandboxError, SandboxNotFound, ServerUnavailable, StepInterrupted,
-                              TrajectoryDiverged, TrajectoryExists, TrajectoryNotFound,
-                              Unauthorized)
-from .protocol.project_models import ProjectInfo, ProjectKey, Quota
-from .protocol.errors import IdempotencyKeyReused, RemoteError, ResultRefused, UnsafeArchive
-from .protocol.fn import CodeResult
-from .protocol.models import (FileEntry, ProcessInfo, SandboxInfo, StepDiff, StepRecord,
-                              TrajectoryInfo)
-from .protocol.models import NetworkPolicy
 from .client.sync import Client, OutputStream, Process, Replay, Sandbox, Session
+from .protocol.errors import (
+                              CapacityExhausted,
+                              CommandTimeout,
+                              DelegationExceeded,
+                              DSecError,
+                              FileNotFound,
+                              Forbidden,
+                              IdempotencyKeyReused,
+                              ImageBuildError,
+                              ImageNotFound,
+                              InvalidRequest,
+                              NotSupported,
+                              PayloadTooLarge,
+                              ProcessNotFound,
+                              ProjectExists,
+                              ProjectNotFound,
+                              QuotaExceeded,
+                              RemoteError,
+                              ResultRefused,
+                              SandboxDied,
+                              SandboxError,
+                              SandboxNotFound,
+                              ServerUnavailable,
+                              StepInterrupted,
+                              TrajectoryDiverged,
+                              TrajectoryExists,
+                              TrajectoryNotFound,
+                              Unauthorized,
+                              UnsafeArchive,
+)
+from .protocol.fn import CodeResult
+from .protocol.models import (
+                              FileEntry,
+                              NetworkPolicy,
+                              ProcessInfo,
+                              SandboxInfo,
+                              StepDiff,
+                              StepRecord,
+                              TrajectoryInfo,
+)
+from .protocol.project_models import ProjectInfo, ProjectKey, Quota
 
 __all__ = [
     "AsyncClient", "DSecClient", "AsyncSandbox", "AsyncProcess", "AsyncOutputStream",

@@ -21,8 +21,8 @@ from rich.table import Table
 
 from .client.aio import DSecClient
 from .client.transport import EXIT_MISSING_EXTRA
-from .protocol.errors import DSecError
 from .config import Settings, serve_options
+from .protocol.errors import DSecError
 
 console = Console(stderr=True)
 
@@ -80,7 +80,7 @@ def serve(**options: Any) -> None:
     """Run the API server with an embedded edge on this host (or over a Ray cluster).
 
     Every option may be given as a DSEC_* environment variable instead (see README)."""
-    from .api.server import serve as run_server
+    from .server import serve as run_server
     settings = Settings.load(**options)
     where = (f"http://{settings.host}:{settings.port}" if settings.host
              else f"unix://{settings.socket_path}")

@@ -13,9 +13,9 @@ import math
 
 import pytest
 
+from dsec.protocol.digest import StepRequest, call_arguments, canonical_json, step
 from dsec.protocol.models import ExecRequest
 from dsec.protocol.ops import BY_STEP
-from dsec.protocol.digest import StepRequest, call_arguments, canonical_json, step
 
 
 def sha256(data: bytes) -> str:

@@ -12,9 +12,9 @@ from pathlib import Path
 import pydantic
 import pytest
 
+from dsec.network.policy import Egress, Rule, ServiceTable, resolve
 from dsec.protocol.errors import InvalidRequest
 from dsec.protocol.models import CreateRequest, NetworkPolicy
-from dsec.network.policy import Egress, Rule, ServiceTable, resolve
 from dsec.protocol.rules import Destination, parse_rule
 
 

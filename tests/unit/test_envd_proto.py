@@ -13,7 +13,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory, timestamp_pb2
+from google.protobuf import (
+    descriptor_pb2,
+    descriptor_pool,
+    json_format,
+    message_factory,
+    timestamp_pb2,
+)
 from google.protobuf.message import Message
 
 from dsec.compat.proto import ENVD, DecodeError

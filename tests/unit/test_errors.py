@@ -8,9 +8,14 @@ import pickle
 import pytest
 from ray.exceptions import RayTaskError
 
-from dsec.protocol.errors import (ERRORS, CommandTimeout, DSecError, FileNotFound,
-                                  error_from_json)
 from dsec.cluster.remote import _unwrap
+from dsec.protocol.errors import (
+    ERRORS,
+    CommandTimeout,
+    DSecError,
+    FileNotFound,
+    error_from_json,
+)
 
 
 def test_builtin_parents() -> None:

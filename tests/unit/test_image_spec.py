@@ -9,8 +9,16 @@ from typing import Any
 
 import pytest
 
+from dsec.images.spec import (
+    BaseSection,
+    ImageSpec,
+    ToolkitSection,
+    WorkspaceSection,
+    builtin_names,
+    load_spec,
+    parse_spec,
+)
 from dsec.protocol.errors import InvalidRequest
-from dsec.images.spec import BaseSection, ImageSpec, ToolkitSection, WorkspaceSection, builtin_names, load_spec, parse_spec
 
 FULL = """
 name = "my_image:1.0-rc.2"

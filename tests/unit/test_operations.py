@@ -18,21 +18,21 @@ from prometheus_client import CollectorRegistry
 
 import dsec
 from dsec.api.app import create_app
-from dsec.control.projects import Projects as ProjectAccess
-from dsec.control.routing import Router
 from dsec.client import aio, sync
-from dsec.protocol.models import ExecRequest, ExecResult, FileEntry, ProcessInfo
 from dsec.client.projects import Projects, SyncProjects
 from dsec.cluster.edge_actor import CALLS, STREAMS
 from dsec.cluster.remote import RemoteEdge
 from dsec.config import Settings
 from dsec.control.directory import LocalEdges
 from dsec.control.plane import ControlPlane
+from dsec.control.projects import Projects as ProjectAccess
+from dsec.control.routing import Router
 from dsec.edge.edge import Edge
-from dsec.protocol.ops import BY_STEP, OPERATIONS, Operation
-from dsec.store.sqlite import StateStore
 from dsec.protocol.digest import OPS, STREAM_OPS, call_arguments, step_request
+from dsec.protocol.models import ExecRequest, ExecResult, FileEntry, ProcessInfo
+from dsec.protocol.ops import BY_STEP, OPERATIONS, Operation
 from dsec.protocol.outcome import decode, encode
+from dsec.store.sqlite import StateStore
 from dsec.trajectory.recorder import RecordedEdge
 
 EDGES = [Edge, RecordedEdge, RemoteEdge]

@@ -14,13 +14,22 @@ from typing import Any
 import pytest
 
 from dsec.protocol import errors
+from dsec.protocol.digest import OPS
 from dsec.protocol.errors import ERRORS, DSecError
 from dsec.protocol.models import ExecResult, FileEntry, ProcessInfo
+from dsec.protocol.outcome import (
+    MAX_CHUNK_RUNS,
+    REPLAY_CHUNK,
+    ChunkRuns,
+    decode,
+    encode,
+    encode_error,
+    error_of,
+    inline,
+    output_chunks,
+)
 from dsec.store.blobs import BlobStore
-from dsec.protocol.digest import OPS
 from dsec.trajectory.log import INLINE_MAX, TrajectoryLog
-from dsec.protocol.outcome import (MAX_CHUNK_RUNS, REPLAY_CHUNK, ChunkRuns, decode, encode,
-                                   encode_error, error_of, inline, output_chunks)
 
 
 def result(stdout: bytes, stderr: bytes, **fields: Any) -> ExecResult:

@@ -24,7 +24,13 @@ from pglast import ast as pg
 from dsec.protocol.errors import InvalidRequest
 from dsec.store import idempotency, projects
 from dsec.store import sqlite as state
-from dsec.store.db import IntegrityError, SqliteDatabase, open_database, postgres_schema, postgres_statement
+from dsec.store.db import (
+    IntegrityError,
+    SqliteDatabase,
+    open_database,
+    postgres_schema,
+    postgres_statement,
+)
 from dsec.trajectory import log
 
 STORES = [state, projects, idempotency, log]

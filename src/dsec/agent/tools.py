@@ -31,8 +31,8 @@ import os
 import shutil
 from pathlib import Path
 
-from ..protocol.errors import NotSupported
 from ..config import current
+from ..protocol.errors import NotSupported
 from .build import agent_binary
 
 DSEC_DIR = "/.dsec"

@@ -27,15 +27,25 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..agent.client import Output
-from ..protocol.errors import DSecError, InvalidRequest, Unauthorized
-from ..protocol.models import (CreateRequest, ExecRequest, ExecResult, FileEntry, NetworkRequest,
-                               ProcessInfo, SandboxInfo, SignalRequest, TtlRequest, b64)
-from ..control.plane import ControlPlane
-from ..trajectory.recorder import Call
-from .limits import BodyLimit, typed_http_error
-from .fn_routes import fn_routes
 from ..control.idempotency import REPLAYED_HEADER
+from ..control.plane import ControlPlane
+from ..protocol.errors import DSecError, InvalidRequest, Unauthorized
+from ..protocol.models import (
+    CreateRequest,
+    ExecRequest,
+    ExecResult,
+    FileEntry,
+    NetworkRequest,
+    ProcessInfo,
+    SandboxInfo,
+    SignalRequest,
+    TtlRequest,
+    b64,
+)
+from ..trajectory.recorder import Call
 from .dashboard import dashboard_routes
+from .fn_routes import fn_routes
+from .limits import BodyLimit, typed_http_error
 from .project_routes import project_routes
 from .trajectories import trajectory_routes
 

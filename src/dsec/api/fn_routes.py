@@ -9,8 +9,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
-from ..protocol.fn import DEFAULT_IMAGE, CodeResult, RunCodeRequest
 from ..control.routing import Router
+from ..protocol.fn import DEFAULT_IMAGE, CodeResult, RunCodeRequest
 
 
 def fn_routes(router: Router) -> APIRouter:

@@ -14,8 +14,13 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..agent.protocol import MAX_FRAME
-from ..protocol.errors import (DSecError, InvalidRequest, MethodNotAllowed, PayloadTooLarge,
-                               RouteNotFound)
+from ..protocol.errors import (
+    DSecError,
+    InvalidRequest,
+    MethodNotAllowed,
+    PayloadTooLarge,
+    RouteNotFound,
+)
 
 MAX_BODY_BYTES = MAX_FRAME - (1 << 16)  # room for the frame's other fields (path, mode, ...)
 # What Starlette and FastAPI raise themselves: an unreadable body, no such route, no such method.

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Path
 
-from ..protocol.project_models import (PROJECT_NAME, KeyRequest, ProjectCreate, ProjectInfo,
-                                       ProjectKey, QuotaUpdate)
 from ..control.projects import Projects
+from ..protocol.project_models import (
+    PROJECT_NAME,
+    KeyRequest,
+    ProjectCreate,
+    ProjectInfo,
+    ProjectKey,
+    QuotaUpdate,
+)
 
 
 def project_routes(projects: Projects) -> APIRouter:

@@ -13,13 +13,20 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Path, Query
 from fastapi.responses import StreamingResponse
 
+from ..control.routing import Router
 from ..protocol.errors import InvalidRequest, TrajectoryNotFound
-from ..protocol.models import (STEP_MAX, TRAJECTORY_ID, ReplayReport, ReplayRequest, StepPage,
-                               StepRecord, TrajectoryInfo)
+from ..protocol.models import (
+    STEP_MAX,
+    TRAJECTORY_ID,
+    ReplayReport,
+    ReplayRequest,
+    StepPage,
+    StepRecord,
+    TrajectoryInfo,
+)
 from ..store.sqlite import StateStore
 from ..trajectory.export import export_lines
 from ..trajectory.log import StepRow
-from ..control.routing import Router
 
 NDJSON = "application/x-ndjson"
 MAX_PAGE = 5000

@@ -18,22 +18,49 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Literal, TypedDict, TypeVar
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    AsyncIterator,
+    Callable,
+    Iterable,
+    Literal,
+    TypedDict,
+    TypeVar,
+)
 
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from ..protocol.ops import BY_METHOD
 from ..protocol.digest import StepRequest, step_request
+from ..protocol.errors import (
+    CommandTimeout,
+    DSecError,
+    FileNotFound,
+    InvalidRequest,
+    ServerUnavailable,
+)
+from ..protocol.fn import DEFAULT_IMAGE, CodeResult, Language, RunCodeRequest
+from ..protocol.models import (
+    CreateRequest,
+    ExecRequest,
+    ExecResult,
+    FileEntry,
+    NetworkRequest,
+    ProcessInfo,
+    ReplayReport,
+    ReplayRequest,
+    SandboxInfo,
+    StepDiff,
+    StepPage,
+    StepRecord,
+    TrajectoryInfo,
+    b64,
+)
+from ..protocol.ops import BY_METHOD
 from ..protocol.outcome import decode, output_chunks
 from . import archive
 from . import fn as fn_calls
-from ..protocol.errors import (CommandTimeout, DSecError, FileNotFound, InvalidRequest,
-                               ServerUnavailable)
-from ..protocol.fn import DEFAULT_IMAGE, CodeResult, Language, RunCodeRequest
-from ..protocol.models import (CreateRequest, ExecRequest, ExecResult, FileEntry, NetworkRequest,
-                               ProcessInfo, ReplayReport, ReplayRequest, SandboxInfo, StepDiff,
-                               StepPage, StepRecord, TrajectoryInfo, b64)
 from .projects import Projects
 from .trajectory import Attachment, OnDivergence, check_on_divergence
 from .transport import Transport, retrying

@@ -18,9 +18,9 @@ from typing import Any, Callable, Iterable
 
 import cloudpickle
 
-from . import plain
 from ..protocol.errors import DSecError, NotSupported
 from ..protocol.fn import CodeResult, RunCodeRequest
+from . import plain
 from .transport import Transport
 
 

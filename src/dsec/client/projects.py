@@ -12,8 +12,14 @@ from typing import Any, Callable, Coroutine, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from ..protocol.errors import InvalidRequest
-from ..protocol.project_models import (KeyRequest, ProjectCreate, ProjectInfo, ProjectKey,
-                                       Quota, QuotaUpdate)
+from ..protocol.project_models import (
+    KeyRequest,
+    ProjectCreate,
+    ProjectInfo,
+    ProjectKey,
+    Quota,
+    QuotaUpdate,
+)
 from .transport import Transport
 
 M = TypeVar("M", bound=BaseModel)

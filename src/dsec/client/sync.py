@@ -12,7 +12,14 @@ from __future__ import annotations
 import asyncio
 import builtins
 import threading
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Coroutine, Iterable, Iterator
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Callable,
+    Coroutine,
+    Iterable,
+    Iterator,
+)
 from dataclasses import dataclass
 from pathlib import Path
 from typing import (
@@ -21,10 +28,8 @@ from typing import (
     TypeVar,
 )
 
-from . import aio, archive
-from ..protocol.fn import DEFAULT_IMAGE, CodeResult, Language
-from .aio import CommandResult, CreateOptions, OutputChunk
 from ..protocol.errors import DSecError
+from ..protocol.fn import DEFAULT_IMAGE, CodeResult, Language
 from ..protocol.models import (
     FileEntry,
     ProcessInfo,
@@ -33,6 +38,8 @@ from ..protocol.models import (
     StepRecord,
     TrajectoryInfo,
 )
+from . import aio, archive
+from .aio import CommandResult, CreateOptions, OutputChunk
 from .projects import SyncProjects
 from .trajectory import OnDivergence
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Literal
 
 from ..protocol.digest import StepRequest
-from ..protocol.outcome import inline
 from ..protocol.errors import InvalidRequest
 from ..protocol.models import StepPage
+from ..protocol.outcome import inline
 
 PAGE = 1000
 OnDivergence = Literal["raise", "fork"]

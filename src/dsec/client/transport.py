@@ -20,8 +20,13 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import httpx
 
-from ..protocol.errors import (DSecError, NotSupported, ServerUnavailable, Unauthorized,
-                               error_from_json)
+from ..protocol.errors import (
+    DSecError,
+    NotSupported,
+    ServerUnavailable,
+    Unauthorized,
+    error_from_json,
+)
 
 START_TIMEOUT_S = 120.0
 EXIT_MISSING_EXTRA = 3  # `dsec serve` (any dsec command) run without its extra installed

@@ -13,13 +13,18 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from ..protocol.errors import CapacityExhausted, NotSupported, SandboxDied, SandboxNotFound
-from ..protocol.models import SandboxInfo
 from ..config import Settings
 from ..control.directory import EdgeDirectory, EndListener, edge_of
+from ..control.placement import Placement
+from ..protocol.errors import (
+    CapacityExhausted,
+    NotSupported,
+    SandboxDied,
+    SandboxNotFound,
+)
+from ..protocol.models import SandboxInfo
 from ..store.sqlite import StateStore
 from .members import Member, Members, existing_edge
-from ..control.placement import Placement
 from .remote import RemoteEdge
 
 log = logging.getLogger("dsec.cluster")

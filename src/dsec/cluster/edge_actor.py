@@ -18,11 +18,11 @@ from typing import Any, AsyncIterator
 
 from prometheus_client import CollectorRegistry
 
-from ..protocol.errors import InvalidRequest
 from ..config import Settings, install
 from ..edge.assemble import build_edge
 from ..edge.edge import Edge
 from ..edge.metrics import EdgeMetrics
+from ..protocol.errors import InvalidRequest
 from ..protocol.ops import OPERATIONS
 from ..store.sqlite import StateStore
 from .orphans import reclaim_dead_edges

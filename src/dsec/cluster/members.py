@@ -20,9 +20,9 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..config import Settings
+from ..control.placement import EdgeLoad, Placement
 from .edge_actor import CAPACITY_RESOURCE, EdgeActor
 from .ids import NAMESPACE, actor_name, edge_id_for
-from ..control.placement import EdgeLoad, Placement
 
 log = logging.getLogger("dsec.cluster")
 STATUS_TIMEOUT_S = 10.0

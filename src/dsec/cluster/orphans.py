@@ -25,8 +25,8 @@ import ray
 from ..config import Settings
 from ..images.mount import locked
 from ..store.sqlite import StateStore
-from ..substrates.registry import all_substrates
 from ..substrates.host.tree import remove_tree
+from ..substrates.registry import all_substrates
 from .ids import edge_id_for
 
 log = logging.getLogger("dsec.cluster")

@@ -12,13 +12,17 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
-from ray.exceptions import (ActorDiedError, ActorUnavailableError, ActorUnschedulableError,
-                            RayTaskError)
+from ray.exceptions import (
+    ActorDiedError,
+    ActorUnavailableError,
+    ActorUnschedulableError,
+    RayTaskError,
+)
 
+from ..edge.edge import sandbox_info
 from ..protocol.errors import DSecError, SandboxDied, SandboxError, SandboxNotFound
 from ..protocol.fn import CodeResult, RunCodeRequest
 from ..protocol.models import CreateRequest, SandboxInfo
-from ..edge.edge import sandbox_info
 from ..protocol.ops import Operation, derive_operations
 from ..store.sqlite import LIVE_STATES, SandboxRow, StateStore
 from .members import Member

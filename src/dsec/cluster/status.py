@@ -9,9 +9,9 @@ from typing import Any
 
 import ray
 
+from ..control.placement import Placement
 from .ids import NAMESPACE
 from .members import Members
-from ..control.placement import Placement
 
 
 def cluster_status(address: str) -> tuple[list[dict[str, Any]], int]:

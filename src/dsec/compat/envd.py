@@ -45,11 +45,25 @@ from fastapi.responses import JSONResponse, Response
 from ..agent.client import Output
 from ..agent.tools import BUSYBOX, SHELL
 from ..control.routing import Router
-from ..protocol.errors import (CapacityExhausted, CommandTimeout, DSecError, FileNotFound,
-                               InvalidRequest, NotSupported, ProcessNotFound, SandboxDied,
-                               SandboxNotFound)
-from ..protocol.models import DEFAULT_MAX_OUTPUT, ExecRequest, ExecResult, FileEntry, ProcessInfo
 from ..edge.edge import Edge
+from ..protocol.errors import (
+    CapacityExhausted,
+    CommandTimeout,
+    DSecError,
+    FileNotFound,
+    InvalidRequest,
+    NotSupported,
+    ProcessNotFound,
+    SandboxDied,
+    SandboxNotFound,
+)
+from ..protocol.models import (
+    DEFAULT_MAX_OUTPUT,
+    ExecRequest,
+    ExecResult,
+    FileEntry,
+    ProcessInfo,
+)
 from .auth import Keys
 from .connect import Call, ConnectError, Method, PlainHttpError, Service
 from .proto import ENVD, Message

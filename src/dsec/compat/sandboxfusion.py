@@ -38,9 +38,9 @@ from pydantic import ConfigDict, Field, ValidationError
 
 from ..agent.tools import SHELL
 from ..control.routing import Router
+from ..edge.edge import Edge
 from ..protocol.errors import DSecError
 from ..protocol.models import CreateRequest, ExecRequest, ExecResult, _Request, b64
-from ..edge.edge import Edge
 from .auth import Keys
 
 log = logging.getLogger("dsec.compat.sandboxfusion")

@@ -1,7 +1,7 @@
-"""The two composition roots of a server's control plane: ``embedded`` (one edge in this
-process) and ``cluster`` (the edge actors of a Ray cluster). Both build the same pieces in
-the same order (state store, projects, trajectory log, router over a directory of edges,
-idempotency) and differ only in the directory; ``compose`` picks by ``ray_address``."""
+"""The embedded composition root of a server's control plane (one edge in this process), and
+``plane``, the pieces every root builds the same way around its directory of edges (projects,
+trajectory log, router, idempotency). The cluster's root is ``cluster.compose``: the control
+plane knows no Ray; ``dsec.server`` picks the root by ``ray_address``."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ import secrets
 
 from prometheus_client import CollectorRegistry
 
-from .projects import Projects
-from .routing import Router
 from ..config import Settings
 from ..edge.assemble import build_edge
 from ..edge.metrics import EdgeMetrics
@@ -20,10 +18,8 @@ from ..store.sqlite import StateStore
 from ..trajectory.log import TrajectoryLog
 from .directory import EdgeDirectory, LocalEdges
 from .plane import ControlPlane
-
-
-def compose(settings: Settings) -> ControlPlane:
-    return cluster(settings) if settings.ray_address is not None else embedded(settings)
+from .projects import Projects
+from .routing import Router
 
 
 def embedded(settings: Settings) -> ControlPlane:
@@ -31,24 +27,12 @@ def embedded(settings: Settings) -> ControlPlane:
     store = StateStore(settings.store_target)
     registry = CollectorRegistry()
     edge = build_edge(settings, store, EdgeMetrics(registry), settings.state_dir)
-    return _plane(settings, store, registry, LocalEdges([edge]))
+    return plane(settings, store, registry, LocalEdges([edge]))
 
 
-def cluster(settings: Settings) -> ControlPlane:
-    """An API replica over the Ray cluster at ``settings.ray_address``: one edge actor per
-    node, each given these settings whole."""
-    import ray
-
-    from ..cluster.directory import RayEdges
-    from ..cluster.ids import NAMESPACE
-    ray.init(address=settings.ray_address, namespace=NAMESPACE, log_to_driver=False,
-             ignore_reinit_error=True)
-    store = StateStore(settings.store_target)
-    return _plane(settings, store, CollectorRegistry(), RayEdges(store, settings))
-
-
-def _plane(settings: Settings, store: StateStore, registry: CollectorRegistry,
-           directory: EdgeDirectory) -> ControlPlane:
+def plane(settings: Settings, store: StateStore, registry: CollectorRegistry,
+          directory: EdgeDirectory) -> ControlPlane:
+    """The control plane over ``directory``: what both composition roots build alike."""
     projects = Projects(store, registry)
     trajectories = TrajectoryLog(store.url, BlobStore(settings.state_dir / "blobs"),
                                  owner=secrets.token_hex(8))

@@ -13,9 +13,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from ..edge.edge import Edge
 from ..protocol.errors import CapacityExhausted, SandboxNotFound
 from ..protocol.models import SandboxInfo
-from ..edge.edge import Edge
 
 T = TypeVar("T")
 EndListener = Callable[[str, str, str], None]  # (sandbox id, state, reason)

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
-from .projects import Projects
-from .routing import Router
 from ..config import Settings
 from ..store.sqlite import StateStore
+from .projects import Projects
+from .routing import Router
 
 
 @dataclass(frozen=True)

@@ -27,13 +27,30 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..protocol.errors import (CapacityExhausted, DelegationExceeded, DSecError, Forbidden,
-                               ProjectExists, ProjectNotFound, QuotaExceeded, RemoteError,
-                               SandboxNotFound)
+from ..protocol.errors import (
+    CapacityExhausted,
+    DelegationExceeded,
+    DSecError,
+    Forbidden,
+    ProjectExists,
+    ProjectNotFound,
+    QuotaExceeded,
+    RemoteError,
+    SandboxNotFound,
+)
 from ..protocol.models import CreateRequest, SandboxInfo
-from ..protocol.project_models import (MAX_CPU, MAX_MEMORY_MB, MAX_SANDBOXES, ROOT_PROJECT,
-                                       KeyRequest, ProjectCreate, ProjectInfo, ProjectKey, Quota,
-                                       QuotaUpdate)
+from ..protocol.project_models import (
+    MAX_CPU,
+    MAX_MEMORY_MB,
+    MAX_SANDBOXES,
+    ROOT_PROJECT,
+    KeyRequest,
+    ProjectCreate,
+    ProjectInfo,
+    ProjectKey,
+    Quota,
+    QuotaUpdate,
+)
 from ..store.projects import Amounts, NameTaken, ProjectRow, ProjectStore
 from ..store.sqlite import StateStore
 from ..substrates.fn.fn import FN_CALL_CPU, FN_CALL_MEMORY_MB

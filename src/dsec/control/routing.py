@@ -14,14 +14,14 @@ import builtins
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from ..edge.edge import Edge
 from ..protocol.errors import NotSupported
 from ..protocol.fn import CodeResult, RunCodeRequest
 from ..protocol.models import CreateRequest, SandboxInfo
-from .directory import EdgeDirectory, edge_of
-from ..edge.edge import Edge
 from ..store.idempotency import IdempotencyStore
 from ..trajectory.log import TrajectoryLog
 from ..trajectory.recorder import Call, RecordedEdge, Recorder
+from .directory import EdgeDirectory, edge_of
 from .idempotency import Idempotency
 
 if TYPE_CHECKING:

@@ -25,15 +25,31 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from ..agent.client import AgentClient, AgentError, AgentUnavailable, Exit, Output
 from ..agent.tools import TAR
-from ..protocol.errors import (CapacityExhausted, DSecError, FileNotFound, InvalidRequest,
-                               NotSupported, ProcessNotFound, SandboxDied, SandboxError,
-                               SandboxNotFound)
-from ..protocol.fn import CodeResult, RunCodeRequest
-from ..protocol.models import (CreateRequest, ExecRequest, ExecResult, FileEntry, Network,
-                               ProcessInfo, SandboxInfo, b64)
 from ..images.store import Image, ImageStore
 from ..network.hosts import pin_in_sandbox
 from ..network.policy import Egress, ServiceTable, resolve
+from ..protocol.errors import (
+    CapacityExhausted,
+    DSecError,
+    FileNotFound,
+    InvalidRequest,
+    NotSupported,
+    ProcessNotFound,
+    SandboxDied,
+    SandboxError,
+    SandboxNotFound,
+)
+from ..protocol.fn import CodeResult, RunCodeRequest
+from ..protocol.models import (
+    CreateRequest,
+    ExecRequest,
+    ExecResult,
+    FileEntry,
+    Network,
+    ProcessInfo,
+    SandboxInfo,
+    b64,
+)
 from ..store.sqlite import SandboxRow, StateStore
 from ..substrates.base import StartPlan, Substrate
 from ..substrates.fn.fn import FnSubstrate

@@ -15,8 +15,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from ..protocol.models import DEFAULT_DISK_MB, CreateRequest
 from ..images.store import Image
+from ..protocol.models import DEFAULT_DISK_MB, CreateRequest
 from ..substrates.base import StartPlan, Substrate
 
 log = logging.getLogger("dsec.pool")

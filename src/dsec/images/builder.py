@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from dsec.protocol.errors import ImageBuildError
 from dsec.images.mount import overlay_options
 from dsec.images.spec import WORKDIR, ImageSpec, ToolkitSection, WorkspaceSection
+from dsec.protocol.errors import ImageBuildError
 
 if TYPE_CHECKING:
     from rich.console import Console

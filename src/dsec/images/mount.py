@@ -18,9 +18,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dsec.protocol.errors import NotSupported
 from dsec.config import current
 from dsec.images.node_cache import node_copy
+from dsec.protocol.errors import NotSupported
 
 if TYPE_CHECKING:
     from dsec.images.store import Image, Layer

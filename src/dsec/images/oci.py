@@ -24,10 +24,9 @@ from functools import partial
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from dsec.protocol.errors import InvalidRequest, NotSupported
-from dsec.protocol.errors import ImageBuildError
 from dsec.images.builder import BuildProgress, layer_key
 from dsec.images.spec import WORKDIR
+from dsec.protocol.errors import ImageBuildError, InvalidRequest, NotSupported
 
 if TYPE_CHECKING:
     from rich.console import Console

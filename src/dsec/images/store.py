@@ -25,12 +25,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dsec.protocol.errors import ImageBuildError, ImageNotFound, InvalidRequest
 from dsec.config import current
 from dsec.images.builder import build_layers, plan_layers
 from dsec.images.mount import kernel_supports, locked
 from dsec.images.oci import import_archive
 from dsec.images.spec import IMAGE_NAME, WORKDIR, ImageSpec, builtin_names, load_spec
+from dsec.protocol.errors import ImageBuildError, ImageNotFound, InvalidRequest
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..agent.client import AgentClient
-from ..protocol.errors import NotSupported
-from ..protocol.models import CreateRequest
 from ..images.store import Image
 from ..network.policy import Egress
+from ..protocol.errors import NotSupported
+from ..protocol.models import CreateRequest
 
 
 @dataclass(frozen=True)

@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..protocol.digest import StepRequest
 from ..protocol.errors import TrajectoryDiverged, TrajectoryExists, TrajectoryNotFound
+from ..protocol.outcome import Outcome
 from ..store.blobs import BlobStore
 from ..store.db import IntegrityError, Row, open_database
-from ..protocol.digest import StepRequest
-from ..protocol.outcome import Outcome
 
 INLINE_MAX = 4096  # bytes fields above this go to the blob area
 

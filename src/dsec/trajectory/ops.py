@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from ..agent.client import Output
+from ..protocol.digest import StepRequest, call_arguments
 from ..protocol.models import ExecResult, b64
 from ..protocol.ops import BY_STEP, Operation
-from ..protocol.digest import StepRequest, call_arguments
 from ..protocol.outcome import ChunkRuns
 
 if TYPE_CHECKING:

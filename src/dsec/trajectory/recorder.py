@@ -43,16 +43,30 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Coroutine, Literal
 
 from ..agent.client import Output
-from ..protocol.errors import (DSecError, InvalidRequest, SandboxDied,
-                               SandboxNotFound, StepInterrupted, TrajectoryDiverged,
-                               TrajectoryExists)
-from ..protocol.models import (CreateRequest, ExecResult, GenerationInfo, ReplayReport,
-                               ReplayRequest, SandboxInfo, StepDiff, TrajectoryInfo)
-from ..protocol.ops import Operation, bind, derive_operations
-from . import ops
 from ..protocol.digest import STREAM_OPS, StepRequest, step_request
-from .log import StepRow, TrajectoryLog
+from ..protocol.errors import (
+    DSecError,
+    InvalidRequest,
+    SandboxDied,
+    SandboxNotFound,
+    StepInterrupted,
+    TrajectoryDiverged,
+    TrajectoryExists,
+)
+from ..protocol.models import (
+    CreateRequest,
+    ExecResult,
+    GenerationInfo,
+    ReplayReport,
+    ReplayRequest,
+    SandboxInfo,
+    StepDiff,
+    TrajectoryInfo,
+)
+from ..protocol.ops import Operation, bind, derive_operations
 from ..protocol.outcome import Outcome, decode, encode, encode_error, output_chunks
+from . import ops
+from .log import StepRow, TrajectoryLog
 from .replay import replay_rows
 
 if TYPE_CHECKING:

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 from ..protocol.errors import DSecError
 from ..protocol.models import ExecResult, FileEntry, ProcessInfo, StepDiff
 from ..protocol.ops import BY_STEP
-from . import ops
 from ..protocol.outcome import decode
+from . import ops
 
 if TYPE_CHECKING:
     from ..edge.edge import Edge

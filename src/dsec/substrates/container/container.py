@@ -24,14 +24,14 @@ from typing import Any, Callable
 
 from ...agent.client import AgentClient
 from ...agent.tools import sandbox_tree
-from ...protocol.errors import NotSupported, SandboxError
-from ...protocol.models import DEFAULT_DISK_MB, CreateRequest
 from ...images.mount import LayerMounter, overlay_mount, unmount
 from ...network.policy import Egress
 from ...network.wired import WiredSandboxes
 from ...network.wiring import Slot
-from ..host import cgroups, spawn
+from ...protocol.errors import NotSupported, SandboxError
+from ...protocol.models import DEFAULT_DISK_MB, CreateRequest
 from ..base import StartPlan, Substrate
+from ..host import cgroups, spawn
 from ..host.disk import DiskPool, release
 from ..host.oci_spec import container_config
 from ..host.pidwatch import PidWatch

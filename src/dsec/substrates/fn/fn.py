@@ -39,6 +39,9 @@ import cloudpickle
 from ...agent.build import agent_binary
 from ...agent.client import AgentClient
 from ...agent.tools import install_tools
+from ...config import current
+from ...images.mount import LayerMounter
+from ...images.store import Image
 from ...protocol.errors import (
     CommandTimeout,
     NotSupported,
@@ -47,14 +50,11 @@ from ...protocol.errors import (
     SandboxError,
 )
 from ...protocol.models import CreateRequest
-from ...config import current
-from ...images.mount import LayerMounter
-from ...images.store import Image
-from ..host import cgroups, spawn
 from ..base import StartPlan, Substrate
-from .fn_pool import START_TIMEOUT_S, Death, Template, Worker, WorkerGone
+from ..host import cgroups, spawn
 from ..host.oci_spec import AGENT_SOCKET, MASKED_PATHS, READONLY_PATHS
 from ..host.seccomp import fn_filter_bpf
+from .fn_pool import START_TIMEOUT_S, Death, Template, Worker, WorkerGone
 
 log = logging.getLogger("dsec.fn")
 LANGUAGES = {"python": "python3", "bash": "bash", "c": "gcc", "cpp": "g++"}

@@ -39,8 +39,8 @@ from pathlib import Path
 
 from ...agent.build import agent_binary
 from ...agent.tools import HOST_SHELL, install_tools
-from ...protocol.errors import NotSupported
 from ...config import current
+from ...protocol.errors import NotSupported
 from .vmnet import AGENT_MAC, POLICY_MAC
 
 AGENT_PORT = 7000  # inside the guest

@@ -39,17 +39,17 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ...agent.client import AgentClient
-from ...protocol.errors import InvalidRequest, NotSupported, SandboxError
-from ...protocol.models import CreateRequest
 from ...network.policy import Egress
 from ...network.wired import WiredSandboxes
 from ...network.wiring import Slot
-from ..host import cgroups, spawn
-from . import vmnet, vmsnapshot
+from ...protocol.errors import InvalidRequest, NotSupported, SandboxError
+from ...protocol.models import CreateRequest
 from ..base import StartPlan, Substrate
-from .guest import AGENT_PORT, BOOT_PORT, GuestBoot, guest_boot, host_tsc_khz
+from ..host import cgroups, spawn
 from ..host.pidwatch import PidWatch
 from ..host.spawn import Spawned
+from . import vmnet, vmsnapshot
+from .guest import AGENT_PORT, BOOT_PORT, GuestBoot, guest_boot, host_tsc_khz
 
 ACCELS = ("kvm", "tcg")
 log = logging.getLogger("dsec.qemu")

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from ...agent.client import AgentClient, AgentError, AgentUnavailable
 from ...agent.tools import BUSYBOX
-from ...protocol.errors import SandboxError
 from ...network.wiring import Slot
+from ...protocol.errors import SandboxError
 from .vmsnapshot import QMP
 
 AGENT_MAC = "52:54:00:12:34:56"

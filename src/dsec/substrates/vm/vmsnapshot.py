@@ -25,8 +25,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ...protocol.errors import SandboxError
 from ...config import current
+from ...protocol.errors import SandboxError
 from ..host import spawn
 
 SAVE_TIMEOUT_S = 120.0

@@ -1,6 +1,8 @@
-"""Running a dsec server: its control plane composed from the settings (``control.compose``:
-an embedded edge, or the edges of a Ray cluster), the HTTP app over it, served by uvicorn on
-a Unix socket or TCP."""
+"""Running a dsec server: its control plane composed from the settings by one of the two
+composition roots (``control.compose.embedded``: an edge in this process;
+``cluster.compose.cluster``: the edges of a Ray cluster), the HTTP app over it, served by
+uvicorn on a Unix socket or TCP. Above every layer but the command line: it is where they
+are put together."""
 
 from __future__ import annotations
 
@@ -11,12 +13,13 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from ..compat import mount_compat
-from ..config import Settings, install
-from ..control.compose import compose
-from ..store.sqlite import StateStore
-from .app import create_app
-from .logs import configure as configure_logging
+from .api.app import create_app
+from .api.logs import configure as configure_logging
+from .compat import mount_compat
+from .config import Settings, install
+from .control.compose import embedded
+from .control.plane import ControlPlane
+from .store.sqlite import StateStore
 
 
 def local_key(settings: Settings, store: StateStore) -> str:
@@ -32,6 +35,14 @@ def local_key(settings: Settings, store: StateStore) -> str:
     with os.fdopen(fd, "w") as f:
         f.write(secret + "\n")
     return secret
+
+
+def compose(settings: Settings) -> ControlPlane:
+    """The control plane: over a Ray cluster's edges with ``ray_address``, else embedded."""
+    if settings.ray_address is None:
+        return embedded(settings)
+    from .cluster.compose import cluster  # Ray is imported only in cluster mode
+    return cluster(settings)
 
 
 def build_app(settings: Settings) -> FastAPI:
