@@ -256,8 +256,10 @@ def host_traces(server: Server, edge: str, sandbox_ids: set[str]) -> dict[str, l
     (in its cgroups, or holding its state dir), OCI runtime state, sandbox dirs, and network
     namespaces named after one of its sandboxes or its edge."""
     state = str(server.state_dir)
+    layers = str(server.state_dir / "layers") + "/"  # the node's image layers: a cache its
+    # sandboxes share, kept mounted across restarts (stop_server unmounts them)
     mounts = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()
-              if line.split()[4].startswith(state + "/")]
+              if line.split()[4].startswith(state + "/") and not line.split()[4].startswith(layers)]
     cgroups = [str(p) for p in Path("/sys/fs/cgroup").glob(f"*/dsec-{edge}/*") if p.is_dir()]
     cgroups += [str(p) for p in Path("/sys/fs/cgroup").glob(f"dsec-{edge}/*") if p.is_dir()]
     procs = []
