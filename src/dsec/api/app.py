@@ -39,6 +39,8 @@ from ..protocol.models import (
     ProcessInfo,
     SandboxInfo,
     SignalRequest,
+    Snapshot,
+    SnapshotRequest,
     TtlRequest,
     b64,
 )
@@ -149,6 +151,20 @@ def create_app(control: ControlPlane) -> FastAPI:
     @app.delete("/v1/sandboxes/{sandbox_id}", dependencies=auth, status_code=204)
     async def stop(sandbox_id: str) -> Response:
         await router.owner(sandbox_id).stop(sandbox_id)
+        return Response(status_code=204)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/snapshots", dependencies=auth, status_code=201)
+    async def snapshot(sandbox_id: str, req: SnapshotRequest) -> Snapshot:
+        """A copy of the sandbox's file system to start sandboxes from (see docs/API.md)."""
+        return await router.owner(sandbox_id).snapshot(sandbox_id, req.mode)
+
+    @app.get("/v1/snapshots", dependencies=auth)
+    async def list_snapshots() -> list[Snapshot]:
+        return router.snapshots()
+
+    @app.delete("/v1/snapshots/{snapshot_id}", dependencies=auth, status_code=204)
+    async def delete_snapshot(snapshot_id: str) -> Response:
+        await router.delete_snapshot(snapshot_id)
         return Response(status_code=204)
 
     @app.put("/v1/sandboxes/{sandbox_id}/ttl", dependencies=auth)

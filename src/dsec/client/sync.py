@@ -34,6 +34,7 @@ from ..protocol.models import (
     FileEntry,
     ProcessInfo,
     SandboxInfo,
+    Snapshot,
     StepDiff,
     StepRecord,
     TrajectoryInfo,
@@ -265,6 +266,20 @@ class Sandbox:
         self._loop.call(self._async.download(remote_dir, local_dir, max_bytes=max_bytes,
                                              max_members=max_members))
 
+    # state
+    def snapshot(self, mode: str = "filesystem") -> Snapshot:
+        """A copy of the sandbox's file system, kept until ``delete_snapshot``:
+        ``create(snapshot=snap.id)`` starts sandboxes from it (see ``AsyncSandbox.snapshot``)."""
+        return self._loop.call(self._async.snapshot(mode))
+
+    def fork(self, n: int, *, concurrency: int = 32, keep_snapshot: bool = False,
+             **options: Unpack[CreateOptions]) -> builtins.list[Sandbox | DSecError]:
+        """``n`` new sandboxes starting from this one's file system now: one entry per child
+        in order, the Sandbox or the typed error that stopped it (see ``AsyncSandbox.fork``)."""
+        made = self._loop.call(self._async.fork(n, concurrency=concurrency,
+                                                keep_snapshot=keep_snapshot, **options))
+        return [Sandbox(self._loop, s) if isinstance(s, aio.Sandbox) else s for s in made]
+
     # lifecycle
     def refresh(self) -> SandboxInfo:
         """The sandbox's record, read again."""
@@ -336,15 +351,16 @@ class Client:
                env: dict[str, str] | None = None, runtime: str | None = None,
                labels: dict[str, str] | None = None, trajectory: str | None = None,
                on_divergence: OnDivergence = "raise",
-               idempotency_key: str | None = None) -> Sandbox:
+               idempotency_key: str | None = None, snapshot: str | None = None) -> Sandbox:
         """Start a sandbox of ``image`` on ``substrate``; options left None take the server's
         defaults (see ``AsyncClient.create``). With ``trajectory``, every call is logged under
-        that new trajectory id. Retried under one ``Idempotency-Key`` while the server cannot
-        be reached: never a second sandbox."""
+        that new trajectory id. With ``snapshot``, it starts from that file system. Retried
+        under one ``Idempotency-Key`` while the server cannot be reached: never a second sandbox."""
         return self._sandbox(self._loop.call(self._async.create(
             substrate, image, cpu=cpu, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb,
             ttl_s=ttl_s, network=network, env=env, runtime=runtime, labels=labels,
-            trajectory=trajectory, on_divergence=on_divergence, idempotency_key=idempotency_key)))
+            trajectory=trajectory, on_divergence=on_divergence, idempotency_key=idempotency_key,
+            snapshot=snapshot)))
 
     def create_many(self, n: int, *, concurrency: int = 32,
                     idempotency_key: str | None = None,
@@ -354,6 +370,14 @@ class Client:
         made = self._loop.call(self._async.create_many(
             n, concurrency=concurrency, idempotency_key=idempotency_key, **options))
         return [self._sandbox(s) if isinstance(s, aio.Sandbox) else s for s in made]
+
+    def snapshots(self) -> builtins.list[Snapshot]:
+        """The snapshots your key may see (those of your project's sandboxes)."""
+        return self._loop.call(self._async.snapshots())
+
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        """Delete a snapshot and its files (sandboxes started from it keep running)."""
+        self._loop.call(self._async.delete_snapshot(snapshot_id))
 
     def resume(self, trajectory: str, *, on_divergence: OnDivergence = "raise",
                prefetch: bool = True) -> Sandbox:

@@ -170,6 +170,9 @@ class RemoteEdge:
     async def run_code(self, req: RunCodeRequest) -> CodeResult:
         return await self._guarded("(fn call)", self._await("run_code", req))
 
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        return await self._guarded("(snapshot)", self._await("delete_snapshot", snapshot_id))
+
 
 async def _get(ref: Any) -> Any:
     return await ref

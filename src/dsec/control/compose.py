@@ -36,5 +36,5 @@ def plane(settings: Settings, store: StateStore, registry: CollectorRegistry,
     projects = Projects(store, registry)
     trajectories = TrajectoryLog(store.url, BlobStore(settings.state_dir / "blobs"),
                                  owner=secrets.token_hex(8))
-    router = Router(directory, projects, trajectories, IdempotencyStore(store.url))
+    router = Router(directory, projects, trajectories, IdempotencyStore(store.url), store)
     return ControlPlane(settings, store, registry, projects, router)

@@ -14,11 +14,12 @@ import builtins
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from ..edge.edge import Edge
-from ..protocol.errors import NotSupported
+from ..edge.edge import Edge, snapshot_info
+from ..protocol.errors import NotSupported, SnapshotNotFound
 from ..protocol.fn import CodeResult, RunCodeRequest
-from ..protocol.models import CreateRequest, SandboxInfo
+from ..protocol.models import CreateRequest, SandboxInfo, Snapshot
 from ..store.idempotency import IdempotencyStore
+from ..store.sqlite import SnapshotRow, StateStore
 from ..trajectory.log import TrajectoryLog
 from ..trajectory.recorder import Call, RecordedEdge, Recorder
 from .directory import EdgeDirectory, edge_of
@@ -33,12 +34,15 @@ __all__ = ["Router", "edge_of"]
 class Router:
     def __init__(self, directory: EdgeDirectory, access: Projects | None = None,
                  trajectories: TrajectoryLog | None = None,
-                 idempotency: IdempotencyStore | None = None) -> None:
+                 idempotency: IdempotencyStore | None = None,
+                 store: StateStore | None = None) -> None:
         """``access``: who sees and creates which sandboxes (quotas), None admits all;
         ``trajectories``: the log of trajectories; ``idempotency``: the keys of creates made
-        once (``create_once``). Without them, those features answer NotSupported."""
+        once (``create_once``); ``store``: the state store (snapshots' records). Without
+        them, those features answer NotSupported."""
         self.directory = directory
         self.access = access
+        self.store = store
         self.recorder = Recorder(trajectories, self) if trajectories is not None else None
         self.idempotency = Idempotency(idempotency, self) if idempotency is not None else None
         if access is not None:
@@ -94,6 +98,9 @@ class Router:
         return await self._place(req)
 
     async def _place(self, req: CreateRequest) -> SandboxInfo:
+        if req.snapshot is not None:  # its files are on its parent's edge (node): start there
+            parent = self.snapshot(req.snapshot).sandbox_id
+            return await self.directory.owner(parent).create(req)
         return await self.directory.place(req.substrate, req.image, lambda edge: edge.create(req))
 
     async def call_fn(self, image: str, payload: bytes, timeout_s: float) -> bytes:
@@ -111,6 +118,28 @@ class Router:
         if self.access is not None:
             return await self.access.admit_call(placed)
         return await placed()
+
+    # snapshots: a snapshot is its parent sandbox's project's, on its parent's edge
+    def _snapshots(self) -> StateStore:
+        if self.store is None:
+            raise NotSupported("this server keeps no snapshots")
+        return self.store
+
+    def snapshot(self, snapshot_id: str) -> SnapshotRow:
+        """The record of a snapshot the caller may see; SnapshotNotFound for any other."""
+        row = self._snapshots().get_snapshot(snapshot_id)
+        if row is None or (self.access is not None and not self.access.sees(row.sandbox_id)):
+            raise SnapshotNotFound(f"no snapshot {snapshot_id!r}", snapshot=snapshot_id)
+        return row
+
+    def snapshots(self) -> builtins.list[Snapshot]:
+        """The snapshots the caller's key may see."""
+        return [snapshot_info(row) for row in self._snapshots().snapshots()
+                if self.access is None or self.access.sees(row.sandbox_id)]
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        parent = self.snapshot(snapshot_id).sandbox_id
+        await self.directory.owner(parent).delete_snapshot(snapshot_id)
 
     def list(self) -> list[SandboxInfo]:
         return self.directory.sandboxes()

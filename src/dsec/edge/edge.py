@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import builtins
+import dataclasses
 import hashlib
 import logging
 import secrets
@@ -25,7 +26,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from ..agent.client import AgentClient, AgentError, AgentUnavailable, Exit, Output
 from ..agent.tools import TAR
-from ..images.store import Image, ImageStore
+from ..images.store import ImageStore
 from ..network.hosts import pin_in_sandbox
 from ..network.policy import Egress, ServiceTable, resolve
 from ..protocol.errors import (
@@ -38,6 +39,7 @@ from ..protocol.errors import (
     SandboxDied,
     SandboxError,
     SandboxNotFound,
+    SnapshotNotFound,
 )
 from ..protocol.fn import CodeResult, RunCodeRequest
 from ..protocol.models import (
@@ -48,11 +50,14 @@ from ..protocol.models import (
     Network,
     ProcessInfo,
     SandboxInfo,
+    Snapshot,
     b64,
 )
-from ..store.sqlite import SandboxRow, StateStore
+from ..store.sqlite import SandboxRow, SnapshotRow, StateStore
 from ..substrates.base import StartPlan, Substrate
 from ..substrates.fn.fn import FnSubstrate
+from ..substrates.host.image_copy import allocated_bytes
+from ..substrates.host.tree import remove_tree
 from .commands import check_env, exec_argv, sandbox_path
 from .metrics import EdgeMetrics
 from .pool import Pooled, WarmPool
@@ -63,6 +68,7 @@ T = TypeVar("T")
 BASE_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
             "HOME": "/root", "LANG": "C.UTF-8"}
 ARCHIVE_LIMIT = 1 << 30
+SNAPSHOT_DISK = "disk.img"  # a filesystem snapshot's one file, in <state>/snapshots/<id>/
 AGENT_DEATH_GRACE_S = 5.0  # how long a dying sandbox may take to be seen dead (see _still_alive)
 
 
@@ -193,6 +199,12 @@ class Edge:
 
     async def _create(self, req: CreateRequest) -> tuple[SandboxInfo, bool]:
         """The sandbox, and whether it came from the warm pool."""
+        snap, disk_from = None, None
+        if req.snapshot is not None:  # its image, substrate and disk size are the snapshot's
+            snap = self._snapshot_row(req.snapshot)
+            req = req.model_copy(update={"image": snap.image, "substrate": snap.substrate,
+                                         "disk_mb": snap.disk_mb})
+            disk_from = self._snapshot_dir(snap.id) / SNAPSHOT_DISK
         substrate = self.substrates.get(req.substrate)
         if substrate is None:
             raise NotSupported(f"substrate {req.substrate!r} is not served by edge {self.id}",
@@ -203,12 +215,19 @@ class Edge:
         self._starting += 1
         try:
             image = self.images.get(req.image)
+            if snap is not None and image.digest != snap.image_digest:
+                raise NotSupported(f"snapshot {snap.id} was taken on image {snap.image} "
+                                   f"{snap.image_digest[:19]}, which has been rebuilt since: its "
+                                   "writable layer does not fit the new layers",
+                                   snapshot=snap.id)
             image_env = dict(kv.partition("=")[::2] for kv in image.config.env)
             req = req.model_copy(update={"env": {**BASE_ENV, **image_env, **req.env}})
             pool = self.pools.get(req.substrate)
-            pooled = pool.take(image) if pool and pool.fits(req) else None
+            pooled = (pool.take(image) if pool and pool.fits(req) and disk_from is None
+                      else None)
+            plan = StartPlan("", req, image, disk_from=disk_from)  # the id is _start's
             row = await (self._claim(substrate, req, pooled, egress) if pooled
-                         else self._start(substrate, req, image, egress))
+                         else self._start(substrate, plan, egress))
             self._adopt(row, substrate)
             if pool:
                 pool.refill(image)
@@ -223,13 +242,15 @@ class Edge:
                           image_digest=image_digest, state=state, request=req.model_dump(),
                           created_at=now, expires_at=now + req.ttl_s)
 
-    async def _start(self, substrate: Substrate, req: CreateRequest, image: Image,
+    async def _start(self, substrate: Substrate, plan: StartPlan,
                      egress: Egress | None) -> SandboxRow:
-        """Record the sandbox as starting first, so a crash mid-start leaves a trace to clean."""
-        row = self._row(f"sb-{self.id}-{secrets.token_hex(6)}", req, image.digest, "starting")
+        """Start ``plan`` under a new id. Record the sandbox as starting first, so a crash
+        mid-start leaves a trace to clean."""
+        req = plan.request
+        row = self._row(f"sb-{self.id}-{secrets.token_hex(6)}", req, plan.image.digest, "starting")
         self.store.insert_sandbox(row)
         try:
-            row.runtime = await substrate.start(StartPlan(row.id, req, image))
+            row.runtime = await substrate.start(dataclasses.replace(plan, sandbox_id=row.id))
             if egress is not None:
                 await self._apply_network(substrate, row.id, row.runtime, egress, fresh=True)
         except BaseException as exc:
@@ -281,6 +302,49 @@ class Edge:
         live.row.expires_at = time.time() + ttl_s
         self.store.set_expiry(sandbox_id, live.row.expires_at)
         return self.info(live.row)
+
+    # snapshots: files in <state>/snapshots/<id>/, a row each in the state store
+    def _snapshot_dir(self, snapshot_id: str) -> Path:
+        return self.config.state_dir / "snapshots" / snapshot_id
+
+    def _snapshot_row(self, snapshot_id: str) -> SnapshotRow:
+        row = self.store.get_snapshot(snapshot_id)
+        if row is None or row.edge != self.id:
+            raise SnapshotNotFound(f"no snapshot {snapshot_id!r}", snapshot=snapshot_id)
+        return row
+
+    async def snapshot(self, sandbox_id: str, mode: str = "filesystem") -> Snapshot:
+        """A copy of the sandbox's writable layer, kept until deleted (it outlives the
+        sandbox and restarts); ``create(snapshot=...)`` starts sandboxes from it."""
+        live = self._get(sandbox_id)
+        if mode != "filesystem":
+            raise NotSupported("'full' snapshots (memory and processes too) are not supported "
+                               "yet; take mode='filesystem'", mode=mode)
+        snap_id = f"sn-{self.id}-{secrets.token_hex(6)}"
+        d = self._snapshot_dir(snap_id)
+        d.mkdir(parents=True)
+        try:
+            try:
+                await live.substrate.snapshot_disk(sandbox_id, live.row.runtime, d / SNAPSHOT_DISK)
+            except OSError as exc:
+                raise SandboxError(f"could not snapshot sandbox {sandbox_id}: {exc}",
+                                   sandbox_id=sandbox_id) from exc
+            row = SnapshotRow(snap_id, self.id, sandbox_id, live.row.substrate, live.row.image,
+                              live.row.image_digest, mode, live.row.request["disk_mb"],
+                              allocated_bytes(d / SNAPSHOT_DISK), time.time())
+            self.store.insert_snapshot(row)
+        except BaseException:
+            await asyncio.to_thread(remove_tree, d)
+            raise
+        self.store.event("snapshot", sandbox_id, snapshot=snap_id, size_bytes=row.size_bytes)
+        return snapshot_info(row)
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        """Forget the snapshot, then remove its files (a create copying it already holds
+        its image open and finishes)."""
+        self._snapshot_row(snapshot_id)
+        if self.store.delete_snapshot(snapshot_id):
+            await asyncio.to_thread(remove_tree, self._snapshot_dir(snapshot_id))
 
     # network
     async def _egress(self, substrate: Substrate, network: Network) -> Egress | None:
@@ -549,6 +613,11 @@ def sandbox_info(row: SandboxRow) -> SandboxInfo:
                        memory_mb=req["memory_mb"], labels=req.get("labels", {}),
                        reason=row.reason, trajectory=req.get("trajectory"),
                        network=req.get("network", "none"))
+
+
+def snapshot_info(row: SnapshotRow) -> Snapshot:
+    return Snapshot(id=row.id, mode=row.mode, size_bytes=row.size_bytes,
+                    sandbox_id=row.sandbox_id, image=row.image, created_at=row.created_at)
 
 
 def _result(event: Exit, stdout: bytes, stderr: bytes, oom: bool = False) -> ExecResult:

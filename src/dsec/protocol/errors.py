@@ -11,7 +11,7 @@ The tree (catch ``DSecError`` for all of them)::
     ├── InvalidRequest (400)            bad arguments; the server or the SDK refused them
     ├── Unauthorized (401), Forbidden (403)
     ├── not found (404): SandboxNotFound, ImageNotFound, ProcessNotFound, RouteNotFound,
-    │                    TrajectoryNotFound, ProjectNotFound,
+    │                    TrajectoryNotFound, ProjectNotFound, SnapshotNotFound,
     │                    FileNotFound (also a builtin FileNotFoundError)
     ├── CommandTimeout (408)            also a builtin TimeoutError
     ├── conflicts (409): TrajectoryExists, TrajectoryDiverged > StepInterrupted,
@@ -54,6 +54,13 @@ class Unauthorized(DSecError):
 
 class SandboxNotFound(DSecError):
     code, status = "sandbox_not_found", 404
+
+
+class SnapshotNotFound(DSecError):
+    """No such snapshot, or none the key may see (a snapshot is its parent sandbox's
+    project's)."""
+
+    code, status = "snapshot_not_found", 404
 
 
 class ImageNotFound(DSecError):
@@ -225,6 +232,7 @@ ERRORS: dict[str, type[DSecError]] = {
         InvalidRequest,
         Unauthorized,
         SandboxNotFound,
+        SnapshotNotFound,
         ImageNotFound,
         ImageBuildError,
         FileNotFound,

@@ -128,6 +128,9 @@ class CreateRequest(_Request):
     trajectory: str | None = Field(None, max_length=256, pattern=TRAJECTORY_ID,
                                    description="log every call of the sandbox under this new "
                                                "trajectory id (see Trajectories)")
+    snapshot: str | None = Field(None, max_length=64, pattern=r"^sn-[A-Za-z0-9-]+$",
+                                 description="start from this snapshot's file system (its "
+                                             "image and disk size are the snapshot's)")
 
 
 class SandboxInfo(_Model):
@@ -145,6 +148,27 @@ class SandboxInfo(_Model):
     reason: str | None = Field(None, description="why the sandbox is no longer running")
     trajectory: str | None = None
     network: Network = "none"
+
+
+SnapshotMode = Literal["filesystem", "full"]
+
+
+class SnapshotRequest(_Request):
+    mode: SnapshotMode = Field("filesystem", description="'filesystem': the writable layer "
+                               "(processes start fresh from it); 'full' (with memory): not yet")
+
+
+class RollbackRequest(_Request):
+    snapshot: str = Field(max_length=64, description="a snapshot of this same sandbox")
+
+
+class Snapshot(_Model):
+    id: str
+    mode: SnapshotMode
+    size_bytes: int = Field(description="bytes the snapshot holds on the host")
+    sandbox_id: str = Field(description="the sandbox it was taken of (its parent)")
+    image: str
+    created_at: float
 
 
 class TtlRequest(_Request):

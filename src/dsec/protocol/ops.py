@@ -46,6 +46,7 @@ from .models import (
     Network,
     ProcessInfo,
     SandboxInfo,
+    Snapshot,
 )
 
 C = TypeVar("C", bound=type)
@@ -115,6 +116,10 @@ OPERATIONS: tuple[Operation, ...] = (
     _op("set_ttl", (Param("ttl_s", int),), SandboxInfo, f"PUT {SANDBOX}/ttl", sdk="Sandbox.set_ttl"),
     _op("set_network", (Param("network", Network),), SandboxInfo, f"PUT {SANDBOX}/network",
         sdk="Sandbox.set_network"),
+    _op("snapshot", (Param("mode", str, "filesystem"),), Snapshot, f"POST {SANDBOX}/snapshots",
+        sdk="Sandbox.snapshot"),
+    _op("delete_snapshot", (Param("snapshot_id", str),), None, "DELETE /v1/snapshots/{snapshot_id}",
+        sdk="Client.delete_snapshot", on_sandbox=False),
     # commands
     _op("run", (EXEC,), ExecResult, f"POST {SANDBOX}/exec", step="exec", sdk="Sandbox.run"),
     _op("stream", (EXEC,), ExecResult, f"POST {SANDBOX}/exec/stream", step="exec",

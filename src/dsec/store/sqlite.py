@@ -1,4 +1,4 @@
-"""The state store: sandboxes, API keys and events, in one SQLite file (embedded) or in
+"""The state store: sandboxes, their snapshots, API keys and events, in one SQLite file (embedded) or in
 PostgreSQL (scaled out) through ``store.db``.
 
 Writes are tiny and run on the event loop thread; WAL mode keeps readers (``dsec ls`` from
@@ -34,6 +34,18 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     reason TEXT
 );
 CREATE INDEX IF NOT EXISTS sandboxes_live ON sandboxes(edge, state);
+CREATE TABLE IF NOT EXISTS snapshots (
+    id TEXT PRIMARY KEY,
+    edge TEXT NOT NULL,
+    sandbox_id TEXT NOT NULL,
+    substrate TEXT NOT NULL,
+    image TEXT NOT NULL,
+    image_digest TEXT NOT NULL,
+    mode TEXT NOT NULL,
+    disk_mb INTEGER NOT NULL,
+    size_bytes INTEGER NOT NULL,
+    created_at REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS api_keys (
     id TEXT PRIMARY KEY,
     name TEXT NOT NULL,
@@ -66,6 +78,22 @@ class SandboxRow:
     expires_at: float = 0.0
     ended_at: float | None = None
     reason: str | None = None
+
+
+@dataclass
+class SnapshotRow:
+    """A snapshot's record; its files are on its edge (``<state>/snapshots/<id>/``)."""
+
+    id: str
+    edge: str
+    sandbox_id: str  # the parent
+    substrate: str
+    image: str
+    image_digest: str
+    mode: str
+    disk_mb: int
+    size_bytes: int
+    created_at: float
 
 
 def _row(r: Row) -> SandboxRow:
@@ -149,6 +177,25 @@ class StateStore:
                                 "edge=? AND state IN (?,?) GROUP BY substrate, state",
                                 (edge, *LIVE_STATES))
         return {(r["substrate"], r["state"]): r["n"] for r in rows}
+
+    # snapshots
+    def insert_snapshot(self, row: SnapshotRow) -> None:
+        self._db.execute("INSERT INTO snapshots VALUES (?,?,?,?,?,?,?,?,?,?)",
+                         (row.id, row.edge, row.sandbox_id, row.substrate, row.image,
+                          row.image_digest, row.mode,
+                          row.disk_mb, row.size_bytes, row.created_at))
+
+    def get_snapshot(self, snapshot_id: str) -> SnapshotRow | None:
+        r = self._db.execute("SELECT * FROM snapshots WHERE id=?", (snapshot_id,)).fetchone()
+        return SnapshotRow(**r) if r else None
+
+    def snapshots(self) -> list[SnapshotRow]:
+        return [SnapshotRow(**r) for r in
+                self._db.execute("SELECT * FROM snapshots ORDER BY created_at")]
+
+    def delete_snapshot(self, snapshot_id: str) -> bool:
+        """Whether there was such a snapshot (a concurrent delete finds none)."""
+        return self._db.execute("DELETE FROM snapshots WHERE id=?", (snapshot_id,)).rowcount > 0
 
     # keys
     def create_key(self, name: str) -> tuple[str, str, float]:

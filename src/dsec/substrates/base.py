@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from ..agent.client import AgentClient
@@ -25,6 +26,7 @@ class StartPlan:
     request: CreateRequest
     image: Image
     warm: bool = False  # for the warm pool: start at idle priority, to be claimed later
+    disk_from: Path | None = None  # a snapshot's disk image to start from (a copy of it)
 
 
 class Substrate(ABC):
@@ -75,6 +77,12 @@ class Substrate(ABC):
         None takes it back to no network (loopback only). ``destroy`` removes the wiring."""
         raise NotSupported(f"the {self.name} substrate cannot enforce network policies yet; "
                            "use network='none'")
+
+    async def snapshot_disk(self, sandbox_id: str, runtime: dict[str, Any], dest: Path) -> None:
+        """Write a consistent copy of the running sandbox's writable layer to ``dest`` (a
+        new file), from which ``start`` can begin another (``StartPlan.disk_from``)."""
+        raise NotSupported(f"filesystem snapshots of {self.name} sandboxes are not supported "
+                           "yet: their writable layer is not a disk image dsec can copy")
 
     @abstractmethod
     async def destroy(self, sandbox_id: str) -> None:

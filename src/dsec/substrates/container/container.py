@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -32,7 +33,8 @@ from ...protocol.errors import NotSupported, SandboxError
 from ...protocol.models import DEFAULT_DISK_MB, CreateRequest
 from ..base import StartPlan, Substrate
 from ..host import cgroups, spawn
-from ..host.disk import DiskPool, release
+from ..host.disk import DiskPool, loop_mount, release
+from ..host.image_copy import copy_image
 from ..host.oci_spec import container_config
 from ..host.pidwatch import PidWatch
 from ..host.spawn import Spawned
@@ -40,6 +42,7 @@ from ..host.tree import remove_tree
 
 log = logging.getLogger("dsec.container")
 RUNTIMES = ("crun", "runc", "runsc")
+FIFREEZE, FITHAW = 0xC0045877, 0xC0045878  # linux/fs.h: _IOWR('X', 119|120, int)
 START_TIMEOUT_S = 30.0
 
 
@@ -173,18 +176,47 @@ class ContainerSubstrate(Substrate):
         disk = d / "disk"
         upper, work, run, rootfs = disk / "upper", disk / "work", disk / "run", d / "rootfs"
         d.mkdir()
-        self.disks.attach(d / "disk.img", disk, plan.request.disk_mb)
-        for p in (work, run, rootfs):
-            p.mkdir()
-        # Mount points and the default cwd exist in the writable layer before it is mounted.
-        (upper / ".dsec").mkdir(parents=True)
-        (upper / "work").mkdir()
+        if plan.disk_from is None:
+            self.disks.attach(d / "disk.img", disk, plan.request.disk_mb)
+        else:
+            method = copy_image(plan.disk_from, d / "disk.img")
+            log.info("sandbox %s: disk copied from %s (%s)", plan.sandbox_id, plan.disk_from, method)
+            disk.mkdir()
+            loop_mount(d / "disk.img", disk)
+            remove_tree(run)  # the parent's agent socket and sessions: processes start fresh
+        for p in (work, run):
+            p.mkdir(exist_ok=True)
+        rootfs.mkdir()
+        # Mount points and the default cwd exist in the writable layer before it is mounted
+        # (a snapshot's layer has them already, or whatever its sandbox left of them).
+        (upper / ".dsec").mkdir(parents=True, exist_ok=True)
+        (upper / "work").mkdir(exist_ok=True)
         lowers = self.mounter.lowerdirs(plan.image)  # mounts a layer the first time (ms, once)
         overlay_mount(lowers, upper, work, rootfs)
         assert self._tree is not None, "prepare() runs before start()"
         config = container_config(plan.sandbox_id, plan.request, str(rootfs), str(self._tree),
                                   str(run), self.cgroup_parent)
         (d / "config.json").write_text(json.dumps(config))
+
+    async def snapshot_disk(self, sandbox_id: str, runtime: dict[str, Any], dest: Path) -> None:
+        """The disk image copied while its file system is frozen (FIFREEZE: dirty data
+        written out, writers blocked until the thaw), so the copy is a consistent file system;
+        the sandbox's processes keep running and only wait on writes for the copy's time."""
+        await asyncio.get_running_loop().run_in_executor(
+            self._io, self._copy_frozen, self._dir(sandbox_id), dest)
+
+    @staticmethod
+    def _copy_frozen(d: Path, dest: Path) -> None:
+        mount = os.open(d / "disk", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.ioctl(mount, FIFREEZE, 0)
+            try:
+                method = copy_image(d / "disk.img", dest)
+            finally:
+                fcntl.ioctl(mount, FITHAW, 0)
+        finally:
+            os.close(mount)
+        log.info("snapshot of %s to %s (%s copy)", d.name, dest, method)
 
     def agent(self, sandbox_id: str, runtime: dict[str, Any]) -> AgentClient:
         # gVisor's sentry, not the agent, holds the host end of the socket: no pid to check.

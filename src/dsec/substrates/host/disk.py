@@ -60,7 +60,7 @@ class DiskPool:
         if not self._take(size_mb, image):
             _format(image, size_mb)
         target.mkdir()
-        _loop_mount(image, target)
+        loop_mount(image, target)
         self._refill(size_mb)
 
     def _take(self, size_mb: int, image: Path) -> bool:
@@ -115,7 +115,7 @@ def _format(image: Path, size_mb: int) -> None:
         raise
 
 
-def _loop_mount(image: Path, target: Path) -> None:
+def loop_mount(image: Path, target: Path) -> None:
     """Attach ``image`` to a free loop device with autoclear and mount it at ``target``, with
     ioctls and mount(2) rather than mount(8): a fork and exec less on the create path. The
     loop device is held open until the mount holds it, or autoclear would detach it at once."""
