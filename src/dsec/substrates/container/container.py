@@ -108,7 +108,13 @@ class ContainerSubstrate(Substrate):
 
     async def _start(self, plan: StartPlan, runtime: str, base: list[str], d: Path) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._io, self._bundle, plan, d)
+        try:
+            await loop.run_in_executor(self._io, self._bundle, plan, d)
+        except OSError as exc:
+            if plan.disk_from is None or exc.errno != errno.ENOSPC:
+                raise
+            raise SandboxError("the snapshot's disk is full (its inodes, most likely): no room "
+                               "for the new sandbox's overlay work dir") from exc
         crun = Spawned([*base, "run", "--detach", "--bundle", str(d), "--pid-file", str(d / "pid"),
                         plan.sandbox_id], capture_stdout=True, stderr=d / "runtime.log",
                        idle_priority=plan.warm)

@@ -1,0 +1,214 @@
+"""Sandbox state: filesystem snapshots of container sandboxes, sandboxes created from them,
+fork(n), and their trust boundary (projects, hostile trees, leaks), on a real server."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+import dsec
+from conftest import Server, make_server, stop_server
+from test_hostile import assert_no_trace
+from test_projects import key_client, raw, unique
+
+
+@pytest.fixture(scope="module")
+def srv(images) -> Iterator[Server]:  # type: ignore[no-untyped-def]
+    server = make_server("--capacity", "64", "--warm-pool", "0").start()
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture
+async def client(srv: Server) -> AsyncIterator[dsec.DSecClient]:
+    async with srv.client() as c:
+        yield c
+
+
+def snapshot_dirs(srv: Server) -> set[str]:
+    return {p.name for p in (srv.state_dir / "snapshots").glob("*")}
+
+
+def snapshot_loops(srv: Server) -> list[str]:
+    """Loop devices backed by a snapshot's file (a snapshot is never mounted)."""
+    root = str(srv.state_dir / "snapshots") + "/"
+    return [b.read_text().strip() for b in Path("/sys/block").glob("loop*/loop/backing_file")
+            if b.read_text().startswith(root)]
+
+
+async def test_group_rollout_forks_see_the_parent_and_never_each_other(
+        client: dsec.DSecClient, srv: Server) -> None:
+    parent = await client.create(ttl_s=300)
+    try:
+        await parent.write_file("/work/prompt.txt", b"solve it")
+        await parent.run("mkdir -p /opt/env && echo ready > /opt/env/state && rm /etc/hostname")
+        background = await parent.start("sleep 1000")
+        children = await parent.fork(8, ttl_s=300)
+        assert all(isinstance(c, dsec.AsyncSandbox) for c in children), children
+        kids = [c for c in children if isinstance(c, dsec.AsyncSandbox)]
+        assert len({k.id for k in kids} | {parent.id}) == 9
+        for i, kid in enumerate(kids):
+            await kid.write_file(f"/work/rollout-{i}", str(i).encode())
+        for i, kid in enumerate(kids):
+            seen = (await kid.run("cat /work/prompt.txt /opt/env/state; ls /work; "
+                                  "test -e /etc/hostname || echo no-hostname")).stdout
+            assert seen == f"solve itready\nprompt.txt\nrollout-{i}\nno-hostname\n"
+            assert await kid.processes() == []  # processes start fresh
+        assert (await parent.run("ls /work")).stdout == "prompt.txt\n"
+        assert [p.id for p in await parent.processes()] == [background.id]
+        assert await client.snapshots() == []  # the fork's snapshot is gone
+        assert snapshot_dirs(srv) == set()
+        for kid in kids:
+            await kid.stop()
+            await assert_no_trace(srv, kid.id)
+    finally:
+        await parent.stop()
+    await assert_no_trace(srv, parent.id)
+    assert snapshot_loops(srv) == []
+
+
+async def test_a_snapshot_outlives_its_sandbox_and_a_server_restart(
+        client: dsec.DSecClient, srv: Server) -> None:
+    source = await client.create(ttl_s=300, disk_mb=256)
+    await source.write_file("/work/checkpoint", b"step 41")
+    snap = await source.snapshot()
+    assert (snap.mode, snap.sandbox_id, snap.image) == ("filesystem", source.id, "debian-minbase")
+    assert 0 < snap.size_bytes < 256 << 20  # the blocks used, not the disk's size
+    await source.stop()
+    srv.kill(signal.SIGKILL)
+    srv.start()
+    async with srv.client() as fresh:
+        assert [s.id for s in await fresh.snapshots()] == [snap.id]
+        child = await fresh.create(snapshot=snap.id, ttl_s=300, memory_mb=256)
+        try:
+            assert (await child.read_file("/work/checkpoint")) == b"step 41"
+            assert child.info.memory_mb == 256  # limits are the request's
+            assert (await child.run("df -m --output=size /work | tail -1")).stdout.strip() in \
+                {str(n) for n in range(230, 257)}  # the snapshot's disk size
+        finally:
+            await child.stop()
+        await fresh.delete_snapshot(snap.id)
+    assert snapshot_dirs(srv) == set()
+
+
+async def test_a_deleted_snapshot_is_not_found(client: dsec.DSecClient, srv: Server) -> None:
+    source = await client.create(ttl_s=120)
+    try:
+        snap = await source.snapshot()
+    finally:
+        await source.stop()
+    await client.delete_snapshot(snap.id)
+    with pytest.raises(dsec.SnapshotNotFound):
+        await client.create(snapshot=snap.id)
+    with pytest.raises(dsec.SnapshotNotFound):
+        await client.delete_snapshot(snap.id)
+    with pytest.raises(dsec.SnapshotNotFound):
+        await client.create(snapshot="sn-nope-000000000000")
+    assert snapshot_dirs(srv) == set()
+    assert await client.list() == []  # no half-made sandbox
+
+
+async def test_full_snapshots_are_typed_not_supported(client: dsec.DSecClient, srv: Server) -> None:
+    sb = await client.create(ttl_s=120)
+    try:
+        with pytest.raises(dsec.NotSupported, match="full"):
+            await sb.snapshot(mode="full")
+    finally:
+        await sb.stop()
+    assert snapshot_dirs(srv) == set()
+
+
+async def test_another_projects_snapshots_are_invisible(client: dsec.DSecClient,
+                                                        srv: Server) -> None:
+    mine, theirs = unique("mine"), unique("theirs")
+    for name in (mine, theirs):
+        await client.projects().create(name, sandboxes=4, cpu=4, memory_mb=2048)
+    my_key = (await client.projects().create_key(mine, "a")).key
+    async with key_client(srv, my_key) as me, \
+            key_client(srv, (await client.projects().create_key(theirs, "b")).key) as them:
+        victim = await them.create(memory_mb=256, ttl_s=120)
+        try:
+            await victim.write_file("/work/secret", b"their reward model")
+            snap = await victim.snapshot()
+            assert await me.snapshots() == []
+            with pytest.raises(dsec.SnapshotNotFound):
+                await me.create(snapshot=snap.id, memory_mb=256)
+            with pytest.raises(dsec.SnapshotNotFound):
+                await me.delete_snapshot(snap.id)
+            with raw(srv, my_key) as http:  # nor snapshot their sandbox
+                answer = http.post(f"/v1/sandboxes/{victim.id}/snapshots", json={})
+                assert answer.json()["error"]["code"] == "sandbox_not_found"
+            assert [s.id for s in await them.snapshots()] == [snap.id]
+            assert await me.list() == []
+        finally:
+            await victim.stop()
+        await them.delete_snapshot(snap.id)
+    assert snapshot_dirs(srv) == set()
+
+
+async def test_a_hostile_tree_snapshots_within_its_disk_and_time(client: dsec.DSecClient,
+                                                                 srv: Server) -> None:
+    """A 1,000-deep chain, a 10 GB sparse file and a disk filled to the last block: the
+    snapshot costs at most the sandbox's disk_mb, completes, and a sandbox starts from it with
+    the same tree. Then every inode used up (100k files): that snapshot's children cannot
+    start (no inode for their overlay's work dir), a typed error that leaves nothing."""
+    sb = await client.create(ttl_s=600, disk_mb=256)
+    snaps = []
+    try:
+        await sb.run("cd /work && for i in $(seq 1000); do mkdir d && cd d; done", timeout_s=300)
+        await sb.run("dd if=/dev/zero of=/work/sparse bs=1M count=1 seek=10000", timeout_s=60)
+        filled = await sb.run("dd if=/dev/urandom of=/work/fill bs=1M", timeout_s=300)
+        assert "No space left" in filled.stderr
+        started = time.monotonic()
+        snaps.append(await sb.snapshot())
+        assert time.monotonic() - started < 60
+        assert 200 << 20 < snaps[0].size_bytes <= 256 << 20
+        await sb.run("rm /work/fill")
+        inodes = await sb.run("mkdir /work/many && cd /work/many && seq 200000 | xargs touch",
+                              timeout_s=300)
+        assert "No space left" in inodes.stderr
+        snaps.append(await sb.snapshot())
+        assert snaps[1].size_bytes <= 256 << 20
+    finally:
+        await sb.stop()
+    child = await client.create(snapshot=snaps[0].id, ttl_s=120)
+    try:
+        tree = await child.run("ls -ls /work/sparse | cut -d' ' -f6; stat -c %s /work/fill; "
+                               "find /work/d | wc -l", timeout_s=120)
+        size, fill, depth = tree.stdout.split()
+        assert (int(size), int(depth)) == ((10000 + 1) << 20, 1000)
+        assert 200 << 20 < int(fill) <= 256 << 20
+    finally:
+        await child.stop()
+    with pytest.raises(dsec.SandboxError, match="full"):
+        await client.create(snapshot=snaps[1].id, ttl_s=120)
+    for snap in snaps:
+        await client.delete_snapshot(snap.id)
+    await assert_no_trace(srv, child.id)
+    assert await client.list() == []
+    assert not list((srv.state_dir / "sandboxes").iterdir())  # nor the child that failed
+    assert snapshot_dirs(srv) == set() and snapshot_loops(srv) == []
+
+
+async def test_concurrent_forks_and_deletes_leave_nothing(client: dsec.DSecClient,
+                                                          srv: Server) -> None:
+    parent = await client.create(ttl_s=300)
+    try:
+        snap = await parent.snapshot()
+        racing = [client.create(snapshot=snap.id, ttl_s=60) for _ in range(4)]
+        made = await asyncio.gather(*racing, client.delete_snapshot(snap.id),
+                                    return_exceptions=True)
+        kids = [m for m in made if isinstance(m, dsec.AsyncSandbox)]
+        assert all(isinstance(m, (dsec.AsyncSandbox, dsec.SnapshotNotFound)) or m is None
+                   for m in made), made
+        for kid in kids:
+            await kid.stop()
+            await assert_no_trace(srv, kid.id)
+    finally:
+        await parent.stop()
+    assert snapshot_dirs(srv) == set() and snapshot_loops(srv) == []
