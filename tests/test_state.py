@@ -96,6 +96,46 @@ async def test_a_snapshot_outlives_its_sandbox_and_a_server_restart(
     assert snapshot_dirs(srv) == set()
 
 
+async def test_rollback_restores_the_files_under_the_same_id(client: dsec.DSecClient,
+                                                             srv: Server) -> None:
+    sb = await client.create(ttl_s=300, memory_mb=256)
+    other = await client.create(ttl_s=300)
+    try:
+        await sb.write_file("/work/answer", b"v1")
+        snap = await sb.snapshot()
+        theirs = await other.snapshot()
+        await sb.write_file("/work/answer", b"v2 (reward hacked)")
+        await sb.run("rm -rf /etc/apt && touch /work/stray")
+        await sb.start("sleep 1000")
+        info = await sb.rollback(snap)
+        assert (info.id, info.state, info.memory_mb) == (sb.id, "running", 256)
+        assert await sb.read_file("/work/answer") == b"v1"
+        assert (await sb.run("ls /work; test -d /etc/apt && echo apt")).stdout == "answer\napt\n"
+        assert await sb.processes() == []
+        with pytest.raises(dsec.InvalidRequest, match="another sandbox"):
+            await sb.rollback(theirs)
+        await sb.write_file("/work/answer", b"v3")
+        await sb.rollback(snap.id)  # again, from the same snapshot
+        assert await sb.read_file("/work/answer") == b"v1"
+        srv.kill(signal.SIGKILL)  # the restarted sandbox is adopted after a restart
+        srv.start()
+        async with srv.client() as fresh:
+            again = await fresh.get(sb.id)
+            assert (await again.run("cat /work/answer")).stdout == "v1"
+            await fresh.delete_snapshot(snap.id)
+            await fresh.delete_snapshot(theirs.id)
+            await again.stop()
+    finally:
+        async with srv.client() as fresh:  # the handles' client may predate the restart
+            for box in (sb, other):
+                try:
+                    await (await fresh.get(box.id)).stop()
+                except dsec.DSecError:  # stopped already
+                    pass
+    await assert_no_trace(srv, sb.id)
+    assert snapshot_dirs(srv) == set() and snapshot_loops(srv) == []
+
+
 async def test_a_deleted_snapshot_is_not_found(client: dsec.DSecClient, srv: Server) -> None:
     source = await client.create(ttl_s=120)
     try:
@@ -140,11 +180,21 @@ async def test_another_projects_snapshots_are_invisible(client: dsec.DSecClient,
                 await me.create(snapshot=snap.id, memory_mb=256)
             with pytest.raises(dsec.SnapshotNotFound):
                 await me.delete_snapshot(snap.id)
-            with raw(srv, my_key) as http:  # nor snapshot their sandbox
+            with raw(srv, my_key) as http:  # nor snapshot nor roll back their sandbox
                 answer = http.post(f"/v1/sandboxes/{victim.id}/snapshots", json={})
                 assert answer.json()["error"]["code"] == "sandbox_not_found"
+                answer = http.post(f"/v1/sandboxes/{victim.id}/rollback",
+                                   json={"snapshot": snap.id})
+                assert answer.json()["error"]["code"] == "sandbox_not_found"
+            own = await me.create(memory_mb=256, ttl_s=60)
+            try:  # nor roll their snapshot into a sandbox of mine
+                with pytest.raises(dsec.SnapshotNotFound):
+                    await own.rollback(snap.id)
+                with pytest.raises(dsec.FileNotFound):
+                    await own.read_file("/work/secret")
+            finally:
+                await own.stop()
             assert [s.id for s in await them.snapshots()] == [snap.id]
-            assert await me.list() == []
         finally:
             await victim.stop()
         await them.delete_snapshot(snap.id)

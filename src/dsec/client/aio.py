@@ -472,6 +472,15 @@ class Sandbox:
         return Snapshot.model_validate(
             await self._t.json(*self._route("snapshot", {}), json=req.model_dump()))
 
+    async def rollback(self, snapshot: Snapshot | str) -> SandboxInfo:
+        """This sandbox back at one of its own snapshots: its processes are killed, its file
+        system becomes the snapshot's, its init starts again (same id); ``InvalidRequest``
+        for another sandbox's snapshot."""
+        snapshot_id = snapshot if isinstance(snapshot, str) else snapshot.id
+        self.info = SandboxInfo.model_validate(await self._t.json(
+            *self._route("rollback", {}), json={"snapshot": snapshot_id}))
+        return self.info
+
     async def fork(self, n: int, *, concurrency: int = 32, keep_snapshot: bool = False,
                    **options: Unpack[CreateOptions]) -> builtins.list[Sandbox | DSecError]:
         """``n`` new sandboxes starting from this one's file system now (one snapshot, then

@@ -272,6 +272,10 @@ class Sandbox:
         ``create(snapshot=snap.id)`` starts sandboxes from it (see ``AsyncSandbox.snapshot``)."""
         return self._loop.call(self._async.snapshot(mode))
 
+    def rollback(self, snapshot: Snapshot | str) -> SandboxInfo:
+        """This sandbox back at one of its own snapshots (see ``AsyncSandbox.rollback``)."""
+        return self._loop.call(self._async.rollback(snapshot))
+
     def fork(self, n: int, *, concurrency: int = 32, keep_snapshot: bool = False,
              **options: Unpack[CreateOptions]) -> builtins.list[Sandbox | DSecError]:
         """``n`` new sandboxes starting from this one's file system now: one entry per child

@@ -339,6 +339,36 @@ class Edge:
         self.store.event("snapshot", sandbox_id, snapshot=snap_id, size_bytes=row.size_bytes)
         return snapshot_info(row)
 
+    async def rollback(self, sandbox_id: str, snapshot: str) -> SandboxInfo:
+        """The sandbox back at one of its own snapshots: same id, processes fresh. A failed
+        rollback leaves no half-restored sandbox: it is stopped (died, with the cause)."""
+        live = self._get(sandbox_id)
+        snap = self._snapshot_row(snapshot)
+        if snap.sandbox_id != sandbox_id:
+            raise InvalidRequest(f"snapshot {snapshot} is of another sandbox; a rollback takes "
+                                 "the sandbox's own (create(snapshot=...) starts a new one)",
+                                 snapshot=snapshot, sandbox_id=sandbox_id)
+        if live.row.request.get("network", "none") != "none":
+            raise NotSupported("rollback of a sandbox with a network policy is not supported "
+                               "yet (its wiring is its init's network namespace)")
+        plan = StartPlan(sandbox_id, CreateRequest.model_validate(live.row.request),
+                         self.images.get(live.row.image),
+                         disk_from=self._snapshot_dir(snapshot) / SNAPSHOT_DISK)
+        if plan.image.digest != live.row.image_digest:
+            raise NotSupported(f"image {live.row.image} has been rebuilt since the sandbox "
+                               "started: its layers are gone from under the snapshot")
+        try:
+            runtime = await live.substrate.rollback(plan, live.row.runtime)
+        except BaseException as exc:
+            await self.stop(sandbox_id, "died", f"rollback to {snapshot} failed: {exc}")
+            raise
+        live.row.runtime = runtime
+        live.agent = live.substrate.agent(sandbox_id, runtime)
+        self.store.mark_running(sandbox_id, runtime, live.row.expires_at)
+        live.substrate.watch(sandbox_id, runtime, lambda: self._exited(sandbox_id))
+        self.store.event("rollback", sandbox_id, snapshot=snapshot)
+        return self.info(live.row)
+
     async def delete_snapshot(self, snapshot_id: str) -> None:
         """Forget the snapshot, then remove its files (a create copying it already holds
         its image open and finishes)."""

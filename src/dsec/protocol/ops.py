@@ -118,6 +118,8 @@ OPERATIONS: tuple[Operation, ...] = (
         sdk="Sandbox.set_network"),
     _op("snapshot", (Param("mode", str, "filesystem"),), Snapshot, f"POST {SANDBOX}/snapshots",
         sdk="Sandbox.snapshot"),
+    _op("rollback", (Param("snapshot", str),), SandboxInfo, f"POST {SANDBOX}/rollback",
+        sdk="Sandbox.rollback"),
     _op("delete_snapshot", (Param("snapshot_id", str),), None, "DELETE /v1/snapshots/{snapshot_id}",
         sdk="Client.delete_snapshot", on_sandbox=False),
     # commands

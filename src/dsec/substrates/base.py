@@ -84,6 +84,11 @@ class Substrate(ABC):
         raise NotSupported(f"filesystem snapshots of {self.name} sandboxes are not supported "
                            "yet: their writable layer is not a disk image dsec can copy")
 
+    async def rollback(self, plan: StartPlan, runtime: dict[str, Any]) -> dict[str, Any]:
+        """Restart the running sandbox ``plan.sandbox_id`` from ``plan.disk_from`` (its own
+        snapshot): processes fresh, the same id and agent token; its new runtime dict."""
+        raise NotSupported(f"rollback of {self.name} sandboxes is not supported yet")
+
     @abstractmethod
     async def destroy(self, sandbox_id: str) -> None:
         """Remove every trace of the sandbox; idempotent, works from the id alone."""

@@ -115,9 +115,14 @@ class ContainerSubstrate(Substrate):
                 raise
             raise SandboxError("the snapshot's disk is full (its inodes, most likely): no room "
                                "for the new sandbox's overlay work dir") from exc
+        return await self._run(plan.sandbox_id, runtime, base, d, secrets.token_hex(32), plan.warm)
+
+    async def _run(self, sandbox_id: str, runtime: str, base: list[str], d: Path, token: str,
+                   warm: bool = False) -> dict[str, Any]:
+        """Run the bundle at ``d`` and claim its agent with ``token``: the runtime facts."""
         crun = Spawned([*base, "run", "--detach", "--bundle", str(d), "--pid-file", str(d / "pid"),
-                        plan.sandbox_id], capture_stdout=True, stderr=d / "runtime.log",
-                       idle_priority=plan.warm)
+                        sandbox_id], capture_stdout=True, stderr=d / "runtime.log",
+                       idle_priority=warm)
         try:
             ready = await asyncio.wait_for(crun.first_byte(), START_TIMEOUT_S)
             code = await asyncio.wait_for(crun.wait(), START_TIMEOUT_S)
@@ -132,11 +137,31 @@ class ContainerSubstrate(Substrate):
             raise SandboxError(f"{runtime} failed to start the sandbox (exit {code}): "
                                f"{log_text[-2000:] or 'no output'}")
         pid = int((d / "pid").read_text())
-        self._pids.adopt(plan.sandbox_id, pid)  # it is ours: it just said R
-        facts = {"runtime": runtime, "pid": pid, "token": secrets.token_hex(32)}
-        # Claimed before start() returns: no user command can have run yet to claim it first.
-        await self.agent(plan.sandbox_id, facts).claim()
+        self._pids.adopt(sandbox_id, pid)  # it is ours: it just said R
+        facts = {"runtime": runtime, "pid": pid, "token": token}
+        # Claimed before this returns: no user command can have run yet to claim it first.
+        await self.agent(sandbox_id, facts).claim()
         return facts
+
+    async def rollback(self, plan: StartPlan, runtime: dict[str, Any]) -> dict[str, Any]:
+        """Its processes killed, its disk's content replaced by a copy of ``plan.disk_from``,
+        its init started again under the same id and agent token, with the request's limits.
+        Its network namespace was its init's: the edge refuses a sandbox with a policy."""
+        name = runtime["runtime"]
+        base = self._runtime_cmd(name)
+        d = self._dir(plan.sandbox_id)
+        self._pids.forget(plan.sandbox_id)
+        await spawn.run([*base, "delete", "--force", plan.sandbox_id])
+        await asyncio.get_running_loop().run_in_executor(self._io, self._swap_disk, plan, d)
+        return await self._run(plan.sandbox_id, name, base, d, runtime["token"])
+
+    def _swap_disk(self, plan: StartPlan, d: Path) -> None:
+        assert plan.disk_from is not None, "a rollback starts from a snapshot"
+        for mount in _mounts_under(d):  # the overlay, then the disk
+            unmount(mount)
+        release(d / "disk.img")
+        self._disk_from(plan.disk_from, d)
+        self._layers(plan, d)
 
     async def claim(self, sandbox_id: str, runtime: dict[str, Any], request: CreateRequest) -> None:
         cgroups.set_limits(self.cgroup_parent, sandbox_id, request.cpu, request.memory_mb << 20,
@@ -178,21 +203,34 @@ class ContainerSubstrate(Substrate):
 
 
     def _bundle(self, plan: StartPlan, d: Path) -> None:
-        """The OCI bundle: the overlay rootfs and config.json (in a worker thread)."""
-        disk = d / "disk"
-        upper, work, run, rootfs = disk / "upper", disk / "work", disk / "run", d / "rootfs"
+        """The OCI bundle: the disk, the overlay rootfs and config.json (in a worker thread)."""
         d.mkdir()
         if plan.disk_from is None:
-            self.disks.attach(d / "disk.img", disk, plan.request.disk_mb)
+            self.disks.attach(d / "disk.img", d / "disk", plan.request.disk_mb)
         else:
-            method = copy_image(plan.disk_from, d / "disk.img")
-            log.info("sandbox %s: disk copied from %s (%s)", plan.sandbox_id, plan.disk_from, method)
-            disk.mkdir()
-            loop_mount(d / "disk.img", disk)
-            remove_tree(run)  # the parent's agent socket and sessions: processes start fresh
+            self._disk_from(plan.disk_from, d)
+        (d / "rootfs").mkdir()
+        self._layers(plan, d)
+
+    @staticmethod
+    def _disk_from(image: Path, d: Path) -> None:
+        """A copy of a snapshot's disk image as the sandbox's disk, mounted; what the
+        snapshot's agent left in its run dir (socket, sessions) goes: processes start fresh."""
+        fresh = d / "disk.img.new"
+        fresh.unlink(missing_ok=True)
+        method = copy_image(image, fresh)
+        os.rename(fresh, d / "disk.img")
+        log.info("sandbox %s: disk copied from %s (%s)", d.name, image, method)
+        (d / "disk").mkdir(exist_ok=True)
+        loop_mount(d / "disk.img", d / "disk")
+        remove_tree(d / "disk" / "run")
+
+    def _layers(self, plan: StartPlan, d: Path) -> None:
+        """The overlay of the image's layers under the disk's upper dir, and config.json."""
+        disk = d / "disk"
+        upper, work, run, rootfs = disk / "upper", disk / "work", disk / "run", d / "rootfs"
         for p in (work, run):
             p.mkdir(exist_ok=True)
-        rootfs.mkdir()
         # Mount points and the default cwd exist in the writable layer before it is mounted
         # (a snapshot's layer has them already, or whatever its sandbox left of them).
         (upper / ".dsec").mkdir(parents=True, exist_ok=True)
