@@ -13,6 +13,7 @@ import pytest
 
 import dsec
 from conftest import Server, make_server, stop_server
+from test_cli import dsec_cli
 from test_hostile import assert_no_trace
 from test_projects import key_client, raw, unique
 
@@ -81,7 +82,11 @@ async def test_a_snapshot_outlives_its_sandbox_and_a_server_restart(
     assert 0 < snap.size_bytes < 256 << 20  # the blocks used, not the disk's size
     await source.stop()
     srv.kill(signal.SIGKILL)
+    half_made = srv.state_dir / "snapshots" / "sn-crashed-000000000000"  # a crash mid-snapshot
+    half_made.mkdir()
+    (half_made / "disk.img").write_bytes(b"half")
     srv.start()
+    assert not half_made.exists()
     async with srv.client() as fresh:
         assert [s.id for s in await fresh.snapshots()] == [snap.id]
         child = await fresh.create(snapshot=snap.id, ttl_s=300, memory_mb=256)
@@ -262,3 +267,18 @@ async def test_concurrent_forks_and_deletes_leave_nothing(client: dsec.DSecClien
     finally:
         await parent.stop()
     assert snapshot_dirs(srv) == set() and snapshot_loops(srv) == []
+
+
+def test_snapshot_ls_and_rm_on_the_command_line(srv: Server) -> None:
+    with dsec.Client(srv.url, srv.key, autostart=False) as client:
+        sb = client.create(ttl_s=120)
+        try:
+            snap = sb.snapshot()
+        finally:
+            sb.stop()
+        assert snap.id in dsec_cli(srv, "snapshot", "ls").stdout
+        assert dsec_cli(srv, "snapshot", "rm", snap.id).stdout == f"{snap.id}\n"
+        assert client.snapshots() == []
+        gone = dsec_cli(srv, "snapshot", "rm", snap.id, check=False)
+        assert gone.returncode == 1 and "snapshot_not_found" in gone.stderr
+    assert snapshot_dirs(srv) == set()

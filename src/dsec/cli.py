@@ -152,6 +152,34 @@ def stop(sandbox_ids: tuple[str, ...]) -> None:
 
 
 @main.group()
+def snapshot() -> None:
+    """List and delete filesystem snapshots (taken with ``Sandbox.snapshot``)."""
+
+
+@snapshot.command("ls")
+def snapshot_ls() -> None:
+    async def go() -> None:
+        async with DSecClient() as client:
+            table = Table("id", "of sandbox", "size", "age")
+            for s in await client.snapshots():
+                table.add_row(s.id, s.sandbox_id, f"{s.size_bytes / (1 << 20):.1f} MB",
+                              f"{time.time() - s.created_at:.0f}s")
+            Console().print(table)
+    _run(go())
+
+
+@snapshot.command("rm")
+@click.argument("snapshot_ids", nargs=-1, required=True)
+def snapshot_rm(snapshot_ids: tuple[str, ...]) -> None:
+    async def go() -> None:
+        async with DSecClient() as client:
+            for snapshot_id in snapshot_ids:
+                await client.delete_snapshot(snapshot_id)
+                click.echo(snapshot_id)
+    _run(go())
+
+
+@main.group()
 def trajectory() -> None:
     """Show, export and replay trajectory logs."""
 

@@ -159,6 +159,10 @@ class Edge:
                     self.store.event("cleanup_failed", sandbox_id, reason=repr(exc)[:500])
                     continue
                 self.store.event("cleanup", sandbox_id, reason="leftover after restart")
+        for d in self._snapshot_dir("-").parent.glob("sn-*"):
+            if self.store.get_snapshot(d.name) is None:  # a crash before its row was written
+                log.info("removing unrecorded snapshot files %s", d)
+                await asyncio.to_thread(remove_tree, d)
 
     def _adopt(self, row: SandboxRow, substrate: Substrate) -> None:
         self._live[row.id] = Live(row, substrate, substrate.agent(row.id, row.runtime),
