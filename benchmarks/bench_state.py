@@ -1,0 +1,96 @@
+"""``dsec bench --only state``: what filesystem snapshots cost, on a private server with no
+warm pool (so a cold create is the baseline of a create from a snapshot).
+
+- snapshot of a sandbox with a small diff (a few files written), and with 200 MB written
+  (on ext4 the copy reads the blocks written; on xfs/btrfs it is a clone, O(1));
+- create-to-first-output from a snapshot against a cold create, alternating batches;
+- fork(10): one snapshot and ten creates from it, per child;
+- rollback of a sandbox to its own snapshot (processes killed, disk copied, init restarted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import shutil
+import time
+
+from rich.console import Console
+
+from dsec.client.aio import DSecClient
+from dsec.client.aio import Sandbox as AsyncSandbox
+from dsec.images.store import ImageStore
+
+from .bench import BENCH_ROOT, IMAGE, Sample, bench_server, compare, phase
+
+
+async def _timed_snapshot(client: DSecClient, sb: AsyncSandbox) -> float:
+    """ms to snapshot ``sb`` (the snapshot is deleted after, untimed)."""
+    t0 = time.perf_counter()
+    snap = await sb.snapshot()
+    elapsed = (time.perf_counter() - t0) * 1000
+    await client.delete_snapshot(snap.id)
+    return elapsed
+
+
+async def run_state(console: Console, quick: bool = False) -> list[Sample]:
+    snaps, creates, forks = (10, 10, 2) if quick else (50, 50, 5)
+    ImageStore().ensure(IMAGE, console=console)
+    root = BENCH_ROOT / secrets.token_hex(3)
+    samples: list[Sample] = []
+    try:
+        async with bench_server(root / "state", "--warm-pool", "0") as created:
+            client = created.client
+            parent = await client.create(image=IMAGE, ttl_s=1800)
+            try:
+                await parent.run("mkdir -p /work/repo && seq 1000 > /work/repo/data && "
+                                 "echo 'print(1)' > /work/repo/main.py")
+                with phase(console, f"snapshot, small diff, {snaps} times"):
+                    small = Sample("snapshot, small diff", [])
+                    for _ in range(snaps):
+                        small.values_ms.append(await _timed_snapshot(client, parent))
+                    samples.append(small)
+                big = await client.create(image=IMAGE, ttl_s=600)
+                try:
+                    await big.run("head -c 200000000 /dev/urandom > /work/blob", timeout_s=300)
+                    with phase(console, "snapshot, 200 MB written"):
+                        written = Sample("snapshot, 200 MB written", [])
+                        for _ in range(max(3, snaps // 10)):
+                            written.values_ms.append(await _timed_snapshot(client, big))
+                        samples.append(written)
+                finally:
+                    await big.stop()
+                snap = await parent.snapshot()
+                await created.first_output()  # warm-up: layer mounts, agent binary, caches
+                await created.first_output(snapshot=snap.id)
+                await created.stop_all()
+                with phase(console, f"create-to-first-output, {creates} each"):
+                    samples += await compare(
+                        Sample("cold create: first output", []), created.first_output,
+                        Sample("create from a snapshot: first output", []),
+                        lambda: created.first_output(snapshot=snap.id), 5, creates // 5,
+                        between=created.stop_all)
+                with phase(console, f"fork(10), {forks} times"):
+                    per_child = Sample("fork(10), per child", [])
+                    for _ in range(forks):
+                        t0 = time.perf_counter()
+                        children = await parent.fork(10, ttl_s=120)
+                        per_child.values_ms.append((time.perf_counter() - t0) * 1000 / 10)
+                        kids = [c for c in children if isinstance(c, AsyncSandbox)]
+                        per_child.failures += len(children) - len(kids)
+                        await asyncio.gather(*(k.stop() for k in kids))
+                    samples.append(per_child)
+                with phase(console, f"rollback, {forks * 4} times"):
+                    back = Sample("rollback to its own snapshot", [])
+                    for _ in range(forks * 4):
+                        await parent.write_file("/work/repo/main.py", b"print(2)")
+                        t0 = time.perf_counter()
+                        await parent.rollback(snap)
+                        back.values_ms.append((time.perf_counter() - t0) * 1000)
+                    samples.append(back)
+                await client.delete_snapshot(snap.id)
+            finally:
+                await parent.stop()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return samples
