@@ -120,7 +120,11 @@ async def test_rollback_restores_the_files_under_the_same_id(client: dsec.DSecCl
         with pytest.raises(dsec.InvalidRequest, match="another sandbox"):
             await sb.rollback(theirs)
         await sb.write_file("/work/answer", b"v3")
+        busy = asyncio.ensure_future(sb.run("sleep 30"))  # a call cut by the rollback
+        await asyncio.sleep(0.5)
         await sb.rollback(snap.id)  # again, from the same snapshot
+        with pytest.raises(dsec.SandboxError, match="rolled back"):  # not SandboxDied
+            await busy
         assert await sb.read_file("/work/answer") == b"v1"
         srv.kill(signal.SIGKILL)  # the restarted sandbox is adopted after a restart
         srv.start()

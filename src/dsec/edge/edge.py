@@ -98,6 +98,7 @@ class Live:
     substrate: Substrate
     agent: AgentClient
     env: dict[str, str]  # the base environment of every command: image, then request
+    rolling_back: bool = False  # its init is being restarted: a failed call is not its death
 
 
 class Edge:
@@ -361,11 +362,14 @@ class Edge:
         if plan.image.digest != live.row.image_digest:
             raise NotSupported(f"image {live.row.image} has been rebuilt since the sandbox "
                                "started: its layers are gone from under the snapshot")
+        live.rolling_back = True
         try:
             runtime = await live.substrate.rollback(plan, live.row.runtime)
         except BaseException as exc:
             await self.stop(sandbox_id, "died", f"rollback to {snapshot} failed: {exc}")
             raise
+        finally:
+            live.rolling_back = False
         live.row.runtime = runtime
         live.agent = live.substrate.agent(sandbox_id, runtime)
         self.store.mark_running(sandbox_id, runtime, live.row.expires_at)
@@ -478,6 +482,9 @@ class Edge:
     async def _agent_failed(self, live: Live, exc: AgentUnavailable) -> DSecError:
         """The agent did not answer: either the sandbox died (report why) or the agent is
         wedged while the sandbox lives (a sandbox error)."""
+        if live.rolling_back:
+            return SandboxError(f"sandbox {live.row.id} was rolled back during the call: its "
+                                "processes were killed", sandbox_id=live.row.id)
         if await self._still_alive(live):
             return SandboxError(f"sandbox {live.row.id} is running but its agent does not "
                                 f"answer: {exc}", sandbox_id=live.row.id)
