@@ -254,6 +254,26 @@ async def test_a_hostile_tree_snapshots_within_its_disk_and_time(client: dsec.DS
     assert snapshot_dirs(srv) == set() and snapshot_loops(srv) == []
 
 
+async def test_a_snapshot_with_its_work_dir_made_a_symlink_starts_and_touches_no_host_path(
+        client: dsec.DSecClient, srv: Server) -> None:
+    """The host makes /work in a new sandbox's layer: in a snapshot, /work is the sandbox's
+    to shape (a symlink to a host path, a dangling one); the host never follows it."""
+    for target in ("/nonexistent-on-the-host", "/etc/dsec-statefs-probe"):
+        sb = await client.create(ttl_s=120)
+        try:
+            await sb.run(f"cd / && mv work work.real && ln -s {target} work", cwd="/")
+            snap = await sb.snapshot()
+        finally:
+            await sb.stop()
+        child = await client.create(snapshot=snap.id, ttl_s=120)
+        try:
+            assert (await child.run("readlink /work", cwd="/")).stdout == f"{target}\n"
+        finally:
+            await child.stop()
+            await client.delete_snapshot(snap.id)
+        assert not Path(target).exists()
+
+
 async def test_concurrent_forks_and_deletes_leave_nothing(client: dsec.DSecClient,
                                                           srv: Server) -> None:
     parent = await client.create(ttl_s=300)

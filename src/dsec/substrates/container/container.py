@@ -231,10 +231,12 @@ class ContainerSubstrate(Substrate):
         upper, work, run, rootfs = disk / "upper", disk / "work", disk / "run", d / "rootfs"
         for p in (work, run):
             p.mkdir(exist_ok=True)
-        # Mount points and the default cwd exist in the writable layer before it is mounted
-        # (a snapshot's layer has them already, or whatever its sandbox left of them).
-        (upper / ".dsec").mkdir(parents=True, exist_ok=True)
-        (upper / "work").mkdir(exist_ok=True)
+        # Mount points and the default cwd exist in the writable layer before it is mounted. A
+        # snapshot's layer has them, or whatever its sandbox made of them (a symlink, maybe
+        # dangling, a whiteout): that is left as it is, never followed.
+        for p in (upper / ".dsec", upper / "work"):
+            if not os.path.lexists(p):
+                p.mkdir(parents=True)
         lowers = self.mounter.lowerdirs(plan.image)  # mounts a layer the first time (ms, once)
         overlay_mount(lowers, upper, work, rootfs)
         assert self._tree is not None, "prepare() runs before start()"
