@@ -231,8 +231,14 @@ class Edge:
             pooled = (pool.take(image) if pool and pool.fits(req) and disk_from is None
                       else None)
             plan = StartPlan("", req, image, disk_from=disk_from)  # the id is _start's
-            row = await (self._claim(substrate, req, pooled, egress) if pooled
-                         else self._start(substrate, plan, egress))
+            try:
+                row = await (self._claim(substrate, req, pooled, egress) if pooled
+                             else self._start(substrate, plan, egress))
+            except FileNotFoundError:
+                if snap is None or self.store.get_snapshot(snap.id) is not None:
+                    raise
+                raise SnapshotNotFound(f"snapshot {snap.id} was deleted while a sandbox was "
+                                       "being made from it", snapshot=snap.id) from None
             self._adopt(row, substrate)
             if pool:
                 pool.refill(image)
