@@ -139,16 +139,35 @@ def exec_(sandbox_id: str, command: str, timeout_s: float) -> None:
     sys.exit(_run(go()))
 
 
+def _on_each(sandbox_ids: tuple[str, ...], action: str) -> None:
+    """Call the SDK's ``action`` (stop, pause, resume) on each sandbox, echoing its id."""
+    async def go() -> None:
+        async with DSecClient() as client:
+            for sandbox_id in sandbox_ids:
+                await getattr(await client.get(sandbox_id), action)()
+                click.echo(sandbox_id)
+    _run(go())
+
+
 @main.command()
 @click.argument("sandbox_ids", nargs=-1, required=True)
 def stop(sandbox_ids: tuple[str, ...]) -> None:
     """Stop sandboxes."""
-    async def go() -> None:
-        async with DSecClient() as client:
-            for sandbox_id in sandbox_ids:
-                await (await client.get(sandbox_id)).stop()
-                click.echo(sandbox_id)
-    _run(go())
+    _on_each(sandbox_ids, "stop")
+
+
+@main.command()
+@click.argument("sandbox_ids", nargs=-1, required=True)
+def pause(sandbox_ids: tuple[str, ...]) -> None:
+    """Freeze sandboxes (no CPU); any later call on one resumes it."""
+    _on_each(sandbox_ids, "pause")
+
+
+@main.command()
+@click.argument("sandbox_ids", nargs=-1, required=True)
+def resume(sandbox_ids: tuple[str, ...]) -> None:
+    """Let paused sandboxes run again."""
+    _on_each(sandbox_ids, "resume")
 
 
 @main.group()

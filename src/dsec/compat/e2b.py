@@ -97,7 +97,7 @@ def create_e2b_app(router: Router, keys: Keys, templates: dict[str, str]) -> Fas
             info = edge.info(edge.get_row(sandbox_id))
         except SandboxNotFound:
             info = None
-        if info is None or info.state != "running":
+        if info is None or info.state not in ("running", "paused"):  # a call resumes a paused one
             raise PlainHttpError(404, {"code": 404, "message": f"sandbox \"{sandbox_id}\" doesn't "
                                        "exist or you don't have access to it"})
         return info
@@ -117,7 +117,7 @@ def create_e2b_app(router: Router, keys: Keys, templates: dict[str, str]) -> Fas
         return {"templateID": template, "alias": template, "sandboxID": info.id, "clientID": "dsec",
                 "startedAt": _rfc3339(info.created_at), "endAt": _rfc3339(info.expires_at),
                 "cpuCount": max(1, math.ceil(info.cpu)), "memoryMB": info.memory_mb,
-                "diskSizeMB": disk_mb, "metadata": _metadata(info), "state": "running",
+                "diskSizeMB": disk_mb, "metadata": _metadata(info), "state": info.state,
                 "envdVersion": ENVD_VERSION}
 
     # control plane
@@ -177,8 +177,8 @@ def create_e2b_app(router: Router, keys: Keys, templates: dict[str, str]) -> Fas
         params = request.query_params
         infos = _filtered(router.list_visible(), params)
         states = {s for value in params.getlist("state") for s in value.split(",") if s}
-        if states and "running" not in states:
-            infos = []
+        if states:
+            infos = [i for i in infos if i.state in states]
         infos.sort(key=lambda i: i.created_at, reverse=params.get("order", "desc") != "asc")
         start = _int(params.get("nextToken") or 0, "nextToken")
         limit = _int(params.get("limit") or 0, "limit") or len(infos)
