@@ -5,6 +5,7 @@ and stop, the reaper and a hostile workload cannot get around the freeze."""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 from collections.abc import AsyncIterator
@@ -13,7 +14,15 @@ from pathlib import Path
 import pytest
 
 import dsec
-from conftest import Server, _sandbox, make_server, stop_server
+from conftest import (
+    VM_SUBSTRATES,
+    Server,
+    SharedVMs,
+    _any_sandbox,
+    _sandbox,
+    make_server,
+    stop_server,
+)
 from dsec.substrates.host import cgroups
 from test_hostile import assert_no_trace
 from test_recovery import first_edge_id
@@ -106,12 +115,23 @@ async def test_pause_and_resume_are_idempotent_and_typed(client: dsec.DSecClient
         await sandbox.resume()
 
 
-async def test_fn_sandbox_pause_is_not_supported(client: dsec.DSecClient) -> None:
-    async for sb in _sandbox(client, "python-3.11", 256, "fn"):
-        with pytest.raises(dsec.NotSupported):
+async def test_pause_on_each_substrate(client: dsec.DSecClient, server: Server, substrate: str,
+                                       shared_vms: SharedVMs) -> None:
+    """Containers and VMs (QEMU whole) freeze: no CPU used while paused; fn sandboxes say why
+    they cannot."""
+    async for sb in _any_sandbox(client, substrate, shared_vms, "debian-minbase", 256):
+        if substrate == "fn":
+            with pytest.raises(dsec.NotSupported, match="freezer"):
+                await sb.pause()
+        else:
             await sb.pause()
+            parent = f"/dsec-{first_edge_id(server)}" + (f"-{substrate}" if substrate in VM_SUBSTRATES else "")
+            assert cgroups.is_frozen(parent, sb.id)
+            usage = _cpu_usage(parent, sb.id)
+            await asyncio.sleep(1.0)
+            assert _cpu_usage(parent, sb.id) - usage < 0.005
+        assert (await sb.run("echo still", timeout_s=60)).stdout == "still\n"
         assert (await client.get(sb.id)).info.state == "running"
-        assert (await sb.run("echo still")).stdout == "still\n"
 
 
 async def test_paused_sandbox_survives_a_server_crash(fresh_server: Server) -> None:
@@ -189,17 +209,27 @@ async def test_forking_storm_is_fully_frozen(server: Server, sandbox: dsec.Async
     await asyncio.sleep(1.0)
     await sandbox.pause()
     before = sorted(_procs(server, sandbox.id))
-    usage = _cpu_usage(server, sandbox.id)
+    parent = f"/dsec-{first_edge_id(server)}"
+    usage = _cpu_usage(parent, sandbox.id)
     await asyncio.sleep(1.0)
     assert sorted(_procs(server, sandbox.id)) == before
-    assert _cpu_usage(server, sandbox.id) - usage < 0.005  # seconds of CPU while paused
+    assert _cpu_usage(parent, sandbox.id) - usage < 0.005  # seconds of CPU while paused
     assert (await sandbox.run("echo alive", timeout_s=60)).stdout == "alive\n"
 
 
-def _cpu_usage(server: Server, sandbox_id: str) -> float:
-    """CPU seconds the sandbox's cgroup has used."""
-    rel = f"dsec-{first_edge_id(server)}/{sandbox_id}"
+def _cpu_usage(parent: str, sandbox_id: str) -> float:
+    """CPU seconds the sandbox's cgroup has used (for a VM's cgroup, which has no cpuacct on
+    cgroup v1: its QEMU's own count, in clock ticks)."""
+    rel = f"{parent.strip('/')}/{sandbox_id}"
     if cgroups.is_cgroup2_only():
         stat = (cgroups.CGROUP_ROOT / rel / "cpu.stat").read_text().split()
         return int(stat[stat.index("usage_usec") + 1]) / 1e6
-    return int((cgroups.CGROUP_ROOT / "cpuacct" / rel / "cpuacct.usage").read_text()) / 1e9
+    acct = cgroups.CGROUP_ROOT / "cpuacct" / rel / "cpuacct.usage"
+    if acct.exists():
+        return int(acct.read_text()) / 1e9
+    procs = (cgroups.freezer_file(parent, sandbox_id).parent / "cgroup.procs").read_text().split()
+    ticks = 0
+    for pid in procs:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")

@@ -216,8 +216,8 @@ class ContainerSubstrate(Substrate):
     async def destroy(self, sandbox_id: str) -> None:
         d = self._dir(sandbox_id)
         self._pids.forget(sandbox_id)
-        if cgroups.is_frozen(self.cgroup_parent, sandbox_id):  # v1: a frozen task ignores SIGKILL
-            await self.set_paused(sandbox_id, {}, False)
+        await asyncio.get_running_loop().run_in_executor(
+            self._io, cgroups.thaw_if_frozen, self.cgroup_parent, sandbox_id)
         for runtime in RUNTIMES:
             if sandbox_id in _state_ids(self.runtime_root / runtime):
                 await spawn.run([*self._runtime_cmd(runtime), "delete", "--force", sandbox_id])

@@ -143,7 +143,7 @@ def set_limits(parent: str, sandbox_id: str, cpu: float, memory_bytes: int, pids
 
 
 def create_for_process(parent: str, sandbox_id: str, pid: int) -> None:
-    """Create the sandbox's cgroups (cpu, memory, pids) and move ``pid`` into them: for
+    """Create the sandbox's cgroups (cpu, memory, pids, freezer) and move ``pid`` into them: for
     substrates whose process no OCI runtime places (a VM's QEMU)."""
     if is_cgroup2_only():
         for d in (CGROUP_ROOT, CGROUP_ROOT / parent.strip("/")):
@@ -151,7 +151,8 @@ def create_for_process(parent: str, sandbox_id: str, pid: int) -> None:
             (d / "cgroup.subtree_control").write_text("+cpu +memory +pids")
         dirs = [CGROUP_ROOT / parent.strip("/") / sandbox_id]
     else:
-        dirs = [CGROUP_ROOT / c / parent.strip("/") / sandbox_id for c in ("cpu", "memory", "pids")]
+        dirs = [CGROUP_ROOT / c / parent.strip("/") / sandbox_id
+                for c in ("cpu", "memory", "pids", "freezer")]
     for d in dirs:
         d.mkdir(parents=True, exist_ok=True)
         (d / "cgroup.procs").write_text(str(pid))
@@ -207,3 +208,10 @@ def is_frozen(parent: str, sandbox_id: str) -> bool:
     except OSError:
         return False
     return text == "1" if path.name == "cgroup.freeze" else text != "THAWED"
+
+
+def thaw_if_frozen(parent: str, sandbox_id: str) -> None:
+    """Before killing a sandbox: on cgroup v1 a frozen task does not die of SIGKILL until
+    it is thawed (and ``crun delete --force`` would wait on it)."""
+    if is_frozen(parent, sandbox_id):
+        set_frozen(parent, sandbox_id, False)
