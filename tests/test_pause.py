@@ -26,6 +26,7 @@ from conftest import (
 from dsec.substrates.host import cgroups
 from test_hostile import assert_no_trace
 from test_recovery import first_edge_id
+from test_vm import _traces as vm_traces
 
 COUNTER = "while :; do printf . >> /work/n; done"  # progress: the file's size
 
@@ -190,6 +191,17 @@ async def test_stop_and_reaper_of_a_paused_sandbox_leak_nothing(client: dsec.DSe
     with pytest.raises(dsec.SandboxDied):
         await expiring.run("true")
     await assert_no_trace(server, expiring.id)
+
+
+async def test_stop_of_a_paused_vm_leaks_nothing(client: dsec.DSecClient, server: Server) -> None:
+    """A frozen QEMU is thawed, then killed: nothing of it stays (cgroups, dir, process)."""
+    sb = await client.create(substrate="microvm", memory_mb=256, ttl_s=120)
+    await sb.pause()
+    await sb.stop()
+    deadline = time.monotonic() + 30
+    while vm_traces(server, sb.id):
+        assert time.monotonic() < deadline, vm_traces(server, sb.id)
+        await asyncio.sleep(0.1)
 
 
 # hostile: the sandbox's own processes against the freezer
