@@ -209,9 +209,11 @@ async def test_sandbox_cannot_write_its_freezer(sandbox: dsec.AsyncSandbox) -> N
     attempt = await sandbox.run(
         "for f in $(find /sys/fs/cgroup -name freezer.state -o -name cgroup.freeze 2>/dev/null); "
         "do (echo THAWED > $f || echo 0 > $f) 2>/dev/null && echo WROTE $f; done; "
-        "mount -o remount,rw /sys/fs/cgroup 2>/dev/null && echo REMOUNTED; echo done")
-    assert attempt.stdout.endswith("done\n") and "WROTE" not in attempt.stdout
-    assert "REMOUNTED" not in attempt.stdout
+        "mount -o remount,rw /sys/fs/cgroup 2>/dev/null && echo REMOUNTED; "
+        "mkdir -p /tmp/cg; mount -t cgroup -o freezer cgroup /tmp/cg 2>/dev/null && echo MOUNTED; "
+        "mount -t cgroup2 none /tmp/cg 2>/dev/null && echo MOUNTED; "
+        "touch /sys/fs/cgroup/x 2>/dev/null && echo TOUCHED; echo done")
+    assert attempt.stdout == "done\n"  # no freezer file written, no cgroup tree of its own
 
 
 async def test_forking_storm_is_fully_frozen(server: Server, sandbox: dsec.AsyncSandbox) -> None:
