@@ -447,11 +447,12 @@ def project_quota(name: str, sandboxes: int | None, cpu: float | None,
 @click.option("--only-trajectory", is_flag=True,
               help="only the trajectory series (log overhead, fast-forward)")
 @click.option("--only", type=click.Choice(["fn", "microvm", "vm", "cluster", "projects",
-                                           "network"]), default=None,
+                                           "network", "pause"]), default=None,
               help="run one series alone: fn (call latency and throughput), microvm or vm "
                    "(against containers), cluster (a local Ray cluster against one node), "
                    "projects (nested-project key against the admin key), network (policy cost "
-                   "on create, set_network)")
+                   "on create, set_network), pause (pause, resume, a call on a paused "
+                   "sandbox)")
 @click.option("--sizes", default="100", help="cluster series: burst sizes, comma-separated")
 def bench(quick: bool, json_out: Path | None, only_trajectory: bool, only: str | None,
           sizes: str) -> None:
