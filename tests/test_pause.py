@@ -135,6 +135,26 @@ async def test_pause_on_each_substrate(client: dsec.DSecClient, server: Server, 
         assert (await client.get(sb.id)).info.state == "running"
 
 
+@pytest.mark.parametrize("runtime", ["runc", "runsc"])
+async def test_pause_under_other_runtimes(client: dsec.DSecClient, server: Server,
+                                          runtime: str) -> None:
+    """crun is the default (above); runc's and gVisor's sandboxes freeze the same way (for
+    runsc, its sentry and gofer with the sandbox)."""
+    sb = await client.create(runtime=runtime, ttl_s=120)
+    try:
+        await sb.start(["sh", "-c", COUNTER])
+        await _advancing(server, sb.id)
+        await sb.pause()
+        parent = f"/dsec-{first_edge_id(server)}"
+        usage = _cpu_usage(parent, sb.id)
+        await asyncio.sleep(1.0)
+        assert _cpu_usage(parent, sb.id) - usage < 0.005
+        assert (await sb.run("echo awake")).stdout == "awake\n"
+    finally:
+        await sb.stop()
+    await assert_no_trace(server, sb.id)
+
+
 async def test_paused_sandbox_survives_a_server_crash(fresh_server: Server) -> None:
     async with fresh_server.client() as client:
         sb = await client.create(ttl_s=300)
