@@ -135,6 +135,21 @@ async def test_pause_on_each_substrate(client: dsec.DSecClient, server: Server, 
         assert (await client.get(sb.id)).info.state == "running"
 
 
+async def test_a_call_in_flight_waits_and_its_timeout_is_wall_clock(
+        sandbox: dsec.AsyncSandbox) -> None:
+    """A command running when its sandbox is paused answers once it resumes; its timeout
+    counted the paused time."""
+    call = asyncio.ensure_future(sandbox.run("sleep 5; echo finished", timeout_s=2))
+    await asyncio.sleep(0.5)
+    await sandbox.pause()
+    await asyncio.sleep(2.5)
+    assert not call.done()  # frozen: the command's timeout has passed, but nothing ran
+    await sandbox.resume()
+    with pytest.raises(dsec.CommandTimeout) as timed_out:
+        await asyncio.wait_for(call, 10)
+    assert "finished" not in timed_out.value.result.stdout  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("runtime", ["runc", "runsc"])
 async def test_pause_under_other_runtimes(client: dsec.DSecClient, server: Server,
                                           runtime: str) -> None:
