@@ -19,7 +19,7 @@ def dsec_cli(server: Server, *args: str, check: bool = True) -> subprocess.Compl
                           text=True, timeout=120, check=check)
 
 
-def test_run_ls_exec_stop(server: Server) -> None:
+def test_run_ls_exec_pause_stop(server: Server) -> None:
     done = dsec_cli(server, "run", "echo one-shot; echo err >&2; exit 3", check=False)
     assert done.returncode == 3
     assert done.stdout == "one-shot\n" and "err\n" in done.stderr
@@ -32,6 +32,10 @@ def test_run_ls_exec_stop(server: Server) -> None:
         sb = client.create(ttl_s=120)
         assert sb.id in dsec_cli(server, "ls").stdout
         assert dsec_cli(server, "exec", sb.id, "echo in $PWD").stdout == "in /work\n"
+        assert dsec_cli(server, "pause", sb.id).stdout == f"{sb.id}\n"
+        assert sb.refresh().state == "paused" and "paused" in dsec_cli(server, "ls").stdout
+        dsec_cli(server, "resume", sb.id)
+        assert sb.refresh().state == "running"
         dsec_cli(server, "stop", sb.id)
         with pytest.raises(dsec.SandboxNotFound):
             sb.run("true")

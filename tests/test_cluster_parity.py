@@ -184,6 +184,20 @@ async def test_set_network_under_ray(replica: Server, dest: Destination) -> None
             await sb.stop()
 
 
+async def test_pause_and_resume_under_ray(replica: Server) -> None:
+    async with replica.client() as client:
+        sb = await client.create(ttl_s=300)
+        try:
+            assert (await sb.pause()).state == "paused"
+            assert (await client.get(sb.id)).info.state == "paused"
+            assert (await sb.run("echo awake")).stdout == "awake\n"  # resumed by the call
+            assert (await client.get(sb.id)).info.state == "running"
+            await sb.pause()
+            assert (await sb.resume()).state == "running"
+        finally:
+            await sb.stop()
+
+
 async def test_fn_call_map_and_run_code_under_ray(replica: Server) -> None:
     async with replica.client() as client:
         assert await client.call(lambda: 1) == 1

@@ -229,8 +229,17 @@ def test_connect_wire_and_gateway(e2b_server: Server) -> None:
         assert envelopes(pty.content)[-1][1]["error"]["code"] == "unimplemented"
         watch = http.post("/filesystem.Filesystem/WatchDir", content=b"{}", headers=unary)
         assert watch.status_code == 501 and watch.json()["code"] == "unimplemented"
-        assert http.post(f"/sandboxes/{sb['sandboxID']}/pause", json={},
-                         headers={"X-API-Key": e2b_server.key}).status_code == 501
+        key = {"X-API-Key": e2b_server.key}
+        assert http.post(f"/sandboxes/{sb['sandboxID']}/pause", json={}, headers=key).status_code == 204
+        assert http.get(f"/sandboxes/{sb['sandboxID']}", headers=key).json()["state"] == "paused"
+        resumed = http.post(f"/sandboxes/{sb['sandboxID']}/connect", json={"timeout": 60}, headers=key)
+        assert resumed.status_code == 200
+        assert http.get(f"/sandboxes/{sb['sandboxID']}", headers=key).json()["state"] == "running"
+        http.post(f"/sandboxes/{sb['sandboxID']}/pause", json={}, headers=key)
+        assert http.post("/process.Process/List", content=b"{}", headers=unary).json() == {}  # resumed
+        assert http.get(f"/sandboxes/{sb['sandboxID']}", headers=key).json()["state"] == "running"
+        assert http.post(f"/sandboxes/{sb['sandboxID']}/snapshots", json={},
+                         headers=key).status_code == 501
 
         assert http.delete(f"/sandboxes/{sb['sandboxID']}", headers={"X-API-Key": e2b_server.key}).status_code == 204
         dead = http.post("/process.Process/Start", content=envelope(start), headers=headers)

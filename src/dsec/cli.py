@@ -139,16 +139,35 @@ def exec_(sandbox_id: str, command: str, timeout_s: float) -> None:
     sys.exit(_run(go()))
 
 
+def _on_each(sandbox_ids: tuple[str, ...], action: str) -> None:
+    """Call the SDK's ``action`` (stop, pause, resume) on each sandbox, echoing its id."""
+    async def go() -> None:
+        async with DSecClient() as client:
+            for sandbox_id in sandbox_ids:
+                await getattr(await client.get(sandbox_id), action)()
+                click.echo(sandbox_id)
+    _run(go())
+
+
 @main.command()
 @click.argument("sandbox_ids", nargs=-1, required=True)
 def stop(sandbox_ids: tuple[str, ...]) -> None:
     """Stop sandboxes."""
-    async def go() -> None:
-        async with DSecClient() as client:
-            for sandbox_id in sandbox_ids:
-                await (await client.get(sandbox_id)).stop()
-                click.echo(sandbox_id)
-    _run(go())
+    _on_each(sandbox_ids, "stop")
+
+
+@main.command()
+@click.argument("sandbox_ids", nargs=-1, required=True)
+def pause(sandbox_ids: tuple[str, ...]) -> None:
+    """Freeze sandboxes (no CPU); any later call on one resumes it."""
+    _on_each(sandbox_ids, "pause")
+
+
+@main.command()
+@click.argument("sandbox_ids", nargs=-1, required=True)
+def resume(sandbox_ids: tuple[str, ...]) -> None:
+    """Let paused sandboxes run again."""
+    _on_each(sandbox_ids, "resume")
 
 
 @main.group()
@@ -456,11 +475,12 @@ def project_quota(name: str, sandboxes: int | None, cpu: float | None,
 @click.option("--only-trajectory", is_flag=True,
               help="only the trajectory series (log overhead, fast-forward)")
 @click.option("--only", type=click.Choice(["fn", "microvm", "vm", "cluster", "projects",
-                                           "network", "state"]), default=None,
+                                           "network", "state", "pause"]), default=None,
               help="run one series alone: fn (call latency and throughput), microvm or vm "
                    "(against containers), cluster (a local Ray cluster against one node), "
                    "projects (nested-project key against the admin key), network (policy cost "
-                   "on create, set_network), state (snapshot, create from one, fork, rollback)")
+                   "on create, set_network), state (snapshot, create from one, fork, rollback), "
+                   "pause (pause, resume, a call on a paused sandbox)")
 @click.option("--sizes", default="100", help="cluster series: burst sizes, comma-separated")
 def bench(quick: bool, json_out: Path | None, only_trajectory: bool, only: str | None,
           sizes: str) -> None:

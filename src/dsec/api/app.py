@@ -179,6 +179,16 @@ def create_app(control: ControlPlane) -> FastAPI:
     async def set_ttl(sandbox_id: str, req: TtlRequest) -> SandboxInfo:
         return await router.owner(sandbox_id).set_ttl(sandbox_id, req.ttl_s)
 
+    @app.post("/v1/sandboxes/{sandbox_id}/pause", dependencies=auth)
+    async def pause(sandbox_id: str) -> SandboxInfo:
+        """Freeze the sandbox (no CPU) until resumed; any later call resumes it first."""
+        return await router.owner(sandbox_id).pause(sandbox_id)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/resume", dependencies=auth)
+    async def resume(sandbox_id: str) -> SandboxInfo:
+        """Let a paused sandbox run again (a no-op if it runs)."""
+        return await router.owner(sandbox_id).resume(sandbox_id)
+
     @app.put("/v1/sandboxes/{sandbox_id}/network", dependencies=auth)
     async def set_network(sandbox_id: str, req: NetworkRequest) -> SandboxInfo:
         """Replace the sandbox's egress policy while it runs (see docs/NETWORK.md)."""

@@ -517,6 +517,17 @@ class Sandbox:
             await self._t.json(*self._route("set_ttl", {}), json={"ttl_s": ttl_s}))
         return self.info
 
+    async def pause(self) -> SandboxInfo:
+        """Freeze every process of the sandbox: it uses no CPU until resumed. Any later call
+        on it (run, files, processes...) resumes it first; the TTL keeps running."""
+        self.info = SandboxInfo.model_validate(await self._t.json(*self._route("pause", {})))
+        return self.info
+
+    async def resume(self) -> SandboxInfo:
+        """Let a paused sandbox run again (a no-op if it runs)."""
+        self.info = SandboxInfo.model_validate(await self._t.json(*self._route("resume", {})))
+        return self.info
+
     async def set_network(self, network: Any) -> SandboxInfo:
         """Replace the sandbox's egress policy while it runs: ``"none"`` or a policy such as
         ``{"pypi": True, "allow": ["10.1.2.3:443"]}`` (see ``NetworkPolicy``). Atomic: on

@@ -293,6 +293,15 @@ class Sandbox:
         """Stop the sandbox ``ttl_s`` seconds from now (instead of when it was due)."""
         return self._loop.call(self._async.set_ttl(ttl_s))
 
+    def pause(self) -> SandboxInfo:
+        """Freeze every process of the sandbox: it uses no CPU until resumed. Any later call
+        on it resumes it first; the TTL keeps running."""
+        return self._loop.call(self._async.pause())
+
+    def resume(self) -> SandboxInfo:
+        """Let a paused sandbox run again (a no-op if it runs)."""
+        return self._loop.call(self._async.resume())
+
     def set_network(self, network: Any) -> SandboxInfo:
         """Replace the sandbox's egress policy while it runs: ``"none"`` or a policy such as
         ``{"pypi": True, "allow": ["10.1.2.3:443"]}``. Atomic: on error the previous stays."""

@@ -11,9 +11,10 @@ key sees and creates only its project's sandboxes, see docs/PROJECTS.md):
   the SDK's ``Idempotency-Key`` makes its retries return the same sandbox (control/idempotency.py)
 - ``GET /sandboxes``, ``GET /v2/sandboxes`` (metadata/state/template filters, pagination)
 - ``GET /sandboxes/{id}``, ``DELETE /sandboxes/{id}``, ``POST /sandboxes/{id}/timeout``
-- ``POST /sandboxes/{id}/connect``, ``POST /v2/sandboxes/{id}/connect``
+- ``POST /sandboxes/{id}/connect``, ``POST /v2/sandboxes/{id}/connect`` (resumes a paused one)
+- ``POST /sandboxes/{id}/pause`` (dsec's freeze: docs/API.md), ``POST /sandboxes/{id}/resume``
 
-Everything else E2B's API has (pause/resume, snapshots, templates, metrics, logs, volumes,
+Everything else E2B's API has (snapshots, auto-pause, templates, metrics, logs, volumes,
 secrets, network updates) answers 501. A request carrying ``E2b-Sandbox-Id`` (or an envd
 ``X-Access-Token``) is for the data plane (both planes have a ``/health``).
 """
@@ -97,7 +98,7 @@ def create_e2b_app(router: Router, keys: Keys, templates: dict[str, str]) -> Fas
             info = edge.info(edge.get_row(sandbox_id))
         except SandboxNotFound:
             info = None
-        if info is None or info.state != "running":
+        if info is None or info.state not in ("running", "paused"):  # a call resumes a paused one
             raise PlainHttpError(404, {"code": 404, "message": f"sandbox \"{sandbox_id}\" doesn't "
                                        "exist or you don't have access to it"})
         return info
@@ -117,7 +118,7 @@ def create_e2b_app(router: Router, keys: Keys, templates: dict[str, str]) -> Fas
         return {"templateID": template, "alias": template, "sandboxID": info.id, "clientID": "dsec",
                 "startedAt": _rfc3339(info.created_at), "endAt": _rfc3339(info.expires_at),
                 "cpuCount": max(1, math.ceil(info.cpu)), "memoryMB": info.memory_mb,
-                "diskSizeMB": disk_mb, "metadata": _metadata(info), "state": "running",
+                "diskSizeMB": disk_mb, "metadata": _metadata(info), "state": info.state,
                 "envdVersion": ENVD_VERSION}
 
     # control plane
@@ -177,8 +178,8 @@ def create_e2b_app(router: Router, keys: Keys, templates: dict[str, str]) -> Fas
         params = request.query_params
         infos = _filtered(router.list_visible(), params)
         states = {s for value in params.getlist("state") for s in value.split(",") if s}
-        if states and "running" not in states:
-            infos = []
+        if states:
+            infos = [i for i in infos if i.state in states]
         infos.sort(key=lambda i: i.created_at, reverse=params.get("order", "desc") != "asc")
         start = _int(params.get("nextToken") or 0, "nextToken")
         limit = _int(params.get("limit") or 0, "limit") or len(infos)
@@ -219,11 +220,27 @@ def create_e2b_app(router: Router, keys: Keys, templates: dict[str, str]) -> Fas
             return _error(404, f"sandbox \"{sandbox_id}\" not found")
         return Response(status_code=204)
 
+    @app.post("/sandboxes/{sandbox_id}/pause")
+    async def pause(sandbox_id: str, request: Request) -> Response:
+        """Freeze the sandbox (a no-op if paused: dsec's pause is idempotent)."""
+        authenticate(request)
+        running(sandbox_id)
+        try:
+            await router.edge_for(sandbox_id).pause(sandbox_id)
+        except (SandboxNotFound, SandboxDied):
+            return _error(404, f"sandbox \"{sandbox_id}\" not found")
+        return Response(status_code=204)
+
     async def connect(sandbox_id: str, request: Request) -> JSONResponse:
-        """Connect to a running sandbox; its timeout is only ever extended."""
+        """Connect to a sandbox, resuming it if paused; its timeout is only ever extended."""
         authenticate(request)
         timeout = _int((await _json(request)).get("timeout", 0), "timeout")
         info = running(sandbox_id)
+        if info.state == "paused":
+            try:
+                info = await router.edge_for(sandbox_id).resume(sandbox_id)
+            except (SandboxNotFound, SandboxDied):
+                return _error(404, f"sandbox \"{sandbox_id}\" not found")
         remaining = math.ceil(info.expires_at - time.time())
         if timeout > remaining:
             try:
@@ -234,6 +251,7 @@ def create_e2b_app(router: Router, keys: Keys, templates: dict[str, str]) -> Fas
 
     app.add_api_route("/sandboxes/{sandbox_id}/connect", connect, methods=["POST"])
     app.add_api_route("/v2/sandboxes/{sandbox_id}/connect", connect, methods=["POST"])
+    app.add_api_route("/sandboxes/{sandbox_id}/resume", connect, methods=["POST"])  # E2B's older name
 
     @app.get("/health")
     async def health(request: Request) -> Response:
@@ -267,7 +285,8 @@ def _not_supported(request: Request) -> JSONResponse:
 def _unsupported_options(body: dict[str, Any]) -> str | None:
     """Options dsec cannot honour are refused rather than silently dropped."""
     if body.get("autoPause") or body.get("autoResume"):
-        return "autoPause/autoResume are not supported by dsec (sandboxes cannot pause yet)"
+        return ("autoPause/autoResume are not supported by dsec (pause explicitly; a paused "
+                "sandbox is still killed when its timeout ends)")
     if body.get("volumeMounts"):
         return "volumeMounts are not supported by dsec"
     if body.get("mcp"):

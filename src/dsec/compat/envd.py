@@ -241,7 +241,7 @@ class Envd:
             row = edge.get_row(sandbox_id)
         except SandboxNotFound:
             raise gone(sandbox_id) from None
-        if row.state != "running":
+        if row.state not in ("running", "paused"):  # its next call resumes a paused one
             raise gone(sandbox_id)
 
     async def _prepare(self, call: Call) -> None:

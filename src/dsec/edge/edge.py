@@ -20,7 +20,7 @@ import logging
 import secrets
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
@@ -99,6 +99,7 @@ class Live:
     agent: AgentClient
     env: dict[str, str]  # the base environment of every command: image, then request
     rolling_back: bool = False  # its init is being restarted: a failed call is not its death
+    pausing: asyncio.Lock = field(default_factory=asyncio.Lock)  # one pause or resume at a time
 
 
 class Edge:
@@ -143,7 +144,8 @@ class Edge:
         adopted = set()
         for row in self.store.sandboxes(edge=self.id, live_only=True):
             substrate = self.substrates.get(row.substrate)
-            if substrate and row.state == "running" and substrate.alive(row.id, row.runtime):
+            # a paused (frozen) sandbox is alive: adopted paused, resumed by its next call
+            if substrate and row.state in ("running", "paused") and substrate.alive(row.id, row.runtime):
                 self._adopt(row, substrate)
                 adopted.add(row.id)
             else:
@@ -183,8 +185,10 @@ class Edge:
 
     # create / stop
     def load(self) -> int:
-        """Sandboxes live or starting, and fn calls in flight: each holds a slot."""
-        return len(self._live) + self._starting + self._calling
+        """Sandboxes running or starting, and fn calls in flight: each holds a slot. A paused
+        sandbox uses no CPU and holds none (its resume is never refused: it may overcommit)."""
+        paused = sum(1 for live in self._live.values() if live.row.state == "paused")
+        return len(self._live) - paused + self._starting + self._calling
 
     def _admit(self) -> None:
         if self.load() >= self.config.capacity:
@@ -326,8 +330,9 @@ class Edge:
 
     async def snapshot(self, sandbox_id: str, mode: str = "filesystem") -> Snapshot:
         """A copy of the sandbox's writable layer, kept until deleted (it outlives the
-        sandbox and restarts); ``create(snapshot=...)`` starts sandboxes from it."""
-        live = self._get(sandbox_id)
+        sandbox and restarts); ``create(snapshot=...)`` starts sandboxes from it. A paused
+        sandbox is resumed first (its file system cannot be frozen under frozen writers)."""
+        live = await self._awake(sandbox_id)
         if mode != "filesystem":
             raise NotSupported("'full' snapshots (memory and processes too) are not supported "
                                "yet; take mode='filesystem'", mode=mode)
@@ -353,7 +358,7 @@ class Edge:
     async def rollback(self, sandbox_id: str, snapshot: str) -> SandboxInfo:
         """The sandbox back at one of its own snapshots: same id, processes fresh. A failed
         rollback leaves no half-restored sandbox: it is stopped (died, with the cause)."""
-        live = self._get(sandbox_id)
+        live = await self._awake(sandbox_id)
         snap = self._snapshot_row(snapshot)
         if snap.sandbox_id != sandbox_id:
             raise InvalidRequest(f"snapshot {snapshot} is of another sandbox; a rollback takes "
@@ -390,6 +395,53 @@ class Edge:
         if self.store.delete_snapshot(snapshot_id):
             await asyncio.to_thread(remove_tree, self._snapshot_dir(snapshot_id))
 
+    # pause / resume
+    async def pause(self, sandbox_id: str) -> SandboxInfo:
+        """Freeze every process of the sandbox; a no-op if it is paused. Recorded paused
+        before the freeze and running after the thaw, so a crash in between never leaves a
+        frozen sandbox recorded running (whose calls would hang)."""
+        live = self._get(sandbox_id)
+        async with live.pausing:
+            if live.row.state != "paused":
+                self._set_state(live, "paused")
+                try:
+                    await self._freeze(live, True)
+                except BaseException:
+                    self._set_state(live, "running")
+                    raise
+                self.store.event("paused", sandbox_id)
+        return self.info(live.row)
+
+    async def resume(self, sandbox_id: str) -> SandboxInfo:
+        """Let a paused sandbox run again; a no-op if it runs."""
+        return self.info((await self._awake(sandbox_id)).row)
+
+    async def _awake(self, sandbox_id: str) -> Live:
+        """The live sandbox, resumed first if it is paused: every call that reaches the
+        sandbox's agent goes through here, so a paused sandbox answers as if it never was."""
+        live = self._get(sandbox_id)
+        if live.row.state == "paused":
+            async with live.pausing:
+                if live.row.state == "paused":
+                    await self._freeze(live, False)
+                    self._set_state(live, "running")
+                    self.store.event("resumed", sandbox_id)
+        return live
+
+    async def _freeze(self, live: Live, frozen: bool) -> None:
+        try:
+            await live.substrate.set_paused(live.row.id, live.row.runtime, frozen)
+        except FileNotFoundError as exc:  # its cgroup is gone: the sandbox died meanwhile
+            raise await self._agent_failed(live, exc) from None
+        except TimeoutError as exc:
+            raise SandboxError(f"sandbox {live.row.id} could not be "
+                               f"{'paused' if frozen else 'resumed'}: {exc}",
+                               sandbox_id=live.row.id) from None
+
+    def _set_state(self, live: Live, state: str) -> None:
+        live.row.state = state
+        self.store.set_state(live.row.id, state)
+
     # network
     async def _egress(self, substrate: Substrate, network: Network) -> Egress | None:
         """The policy resolved to concrete rules, refused if the substrate cannot enforce it."""
@@ -412,7 +464,7 @@ class Edge:
     async def set_network(self, sandbox_id: str, network: Network) -> SandboxInfo:
         """Replace a running sandbox's policy. Rules that cannot be applied leave the previous
         ones in force (one atomic nft batch); the record changes once the new ones are."""
-        live = self._get(sandbox_id)
+        live = await self._awake(sandbox_id)
         egress = await self._egress(live.substrate, network)
         await self._apply_network(live.substrate, sandbox_id, live.row.runtime, egress)
         live.row.request["network"] = network if network == "none" else network.model_dump()
@@ -485,7 +537,7 @@ class Edge:
         raise SandboxNotFound(f"sandbox {sandbox_id} was {row.state}", sandbox_id=sandbox_id,
                               state=row.state)
 
-    async def _agent_failed(self, live: Live, exc: AgentUnavailable) -> DSecError:
+    async def _agent_failed(self, live: Live, exc: Exception) -> DSecError:
         """The agent did not answer: either the sandbox died (report why) or the agent is
         wedged while the sandbox lives (a sandbox error)."""
         if live.rolling_back:
@@ -534,7 +586,7 @@ class Edge:
 
     async def stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[Output | ExecResult]:
         """Output chunks as they come, then one ExecResult (with empty stdout/stderr)."""
-        live = self._get(sandbox_id)
+        live = await self._awake(sandbox_id)
         args = self._exec_args(live, req)
         self.metrics.execs.labels(live.row.substrate).inc()
         oom_before = live.substrate.oom_kills(sandbox_id, live.row.runtime)
@@ -552,7 +604,7 @@ class Edge:
 
     async def _call(self, sandbox_id: str, call: Callable[[AgentClient], Awaitable[T]],
                     on_error: Callable[[AgentError], DSecError]) -> T:
-        live = self._get(sandbox_id)
+        live = await self._awake(sandbox_id)
         try:
             return await call(live.agent)
         except AgentUnavailable as exc:
@@ -575,7 +627,7 @@ class Edge:
                 for p in procs]
 
     async def attach(self, sandbox_id: str, process: str) -> AsyncIterator[Output | ExecResult]:
-        live = self._get(sandbox_id)
+        live = await self._awake(sandbox_id)
         try:
             async for event in live.agent.attach(process):
                 yield _result(event, b"", b"") if isinstance(event, Exit) else event

@@ -60,7 +60,7 @@ class EdgeCollector(Collector):
         capacity = GaugeMetricFamily("dsec_capacity", "Sandboxes the edge admits", labels=["edge"])
         capacity.add_metric([self.edge.id], self.edge.config.capacity)
         states = GaugeMetricFamily("dsec_sandboxes_by_state", "Live sandboxes by substrate and "
-                                   "state, as recorded (starting: being created)",
+                                   "state, as recorded (starting: being created; paused: frozen)",
                                    labels=["edge", "substrate", "state"])
         recorded = self.edge.store.live_counts(self.edge.id)
         for substrate in self.edge.substrates:

@@ -22,7 +22,7 @@ from .rules import parse_rule
 
 Substrate = Literal["container", "fn", "microvm", "vm"]
 Runtime = Literal["crun", "runc", "runsc"]
-SandboxState = Literal["starting", "running", "stopped", "expired", "died"]
+SandboxState = Literal["starting", "running", "paused", "stopped", "expired", "died"]
 
 DEFAULT_MAX_OUTPUT = 16 << 20
 DEFAULT_DISK_MB = 1024  # the size warm-pool sandboxes and spare disk files have

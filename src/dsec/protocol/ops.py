@@ -15,7 +15,7 @@ operation is one frozen ``Operation``:
 - ``result``: the type of the value (for a stream, of its last event: output chunks come
   before it). The trajectory's outcome codec is chosen by this type.
 - ``step``: the operation's name in a trajectory log (``exec``, ``read``, ...), or None for a
-  lifecycle operation that is not a step (create, stop, ttl, network). Two operations may
+  lifecycle operation that is not a step (create, stop, ttl, network, pause). Two operations may
   share a step (``run`` and ``stream`` are one ``exec``: one result, two ways to receive it).
 - ``http``: the route's method and path; ``sdk``: the SDK method that issues it
   (``Sandbox.run``, ``Process.signal``: the async class names, the sync facade has the same).
@@ -122,6 +122,8 @@ OPERATIONS: tuple[Operation, ...] = (
         sdk="Sandbox.rollback"),
     _op("delete_snapshot", (Param("snapshot_id", str),), None, "DELETE /v1/snapshots/{snapshot_id}",
         sdk="Client.delete_snapshot", on_sandbox=False),
+    _op("pause", (), SandboxInfo, f"POST {SANDBOX}/pause", sdk="Sandbox.pause"),
+    _op("resume", (), SandboxInfo, f"POST {SANDBOX}/resume", sdk="Sandbox.resume"),
     # commands
     _op("run", (EXEC,), ExecResult, f"POST {SANDBOX}/exec", step="exec", sdk="Sandbox.run"),
     _op("stream", (EXEC,), ExecResult, f"POST {SANDBOX}/exec/stream", step="exec",

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .db import IntegrityError, Row, open_database
-from .sqlite import LIVE_STATES
+from .sqlite import LIVE_IN, LIVE_STATES
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS projects (
@@ -215,6 +215,6 @@ class ProjectStore:
         rows = self._db.execute(
             "SELECT r.id FROM sandbox_projects r LEFT JOIN sandboxes s ON s.id = r.sandbox_id "
             "WHERE r.released_at IS NULL AND ((r.sandbox_id IS NULL AND r.created_at < ?) OR "
-            "(r.sandbox_id IS NOT NULL AND (s.id IS NULL OR s.state NOT IN (?,?))))",
+            "(r.sandbox_id IS NOT NULL AND (s.id IS NULL OR s.state NOT IN " + LIVE_IN + ")))",
             (started_before, *LIVE_STATES))
         return [r["id"] for r in rows]

@@ -61,7 +61,8 @@ CREATE TABLE IF NOT EXISTS events (
 );
 """
 
-LIVE_STATES = ("starting", "running")
+LIVE_STATES = ("starting", "running", "paused")
+LIVE_IN = f"({','.join('?' * len(LIVE_STATES))})"  # SQL placeholders for LIVE_STATES
 
 
 @dataclass
@@ -142,9 +143,14 @@ class StateStore:
     def mark_ended(self, sandbox_id: str, state: str, reason: str) -> None:
         """Record the end of a sandbox once; the first recorded reason wins."""
         self._db.execute(
-            "UPDATE sandboxes SET state=?, reason=?, ended_at=? WHERE id=? AND state IN (?,?)",
+            "UPDATE sandboxes SET state=?, reason=?, ended_at=? WHERE id=? AND state IN " + LIVE_IN,
             (state, reason, time.time(), sandbox_id, *LIVE_STATES),
         )
+
+    def set_state(self, sandbox_id: str, state: str) -> None:
+        """A live sandbox's move between running and paused (an ended one stays ended)."""
+        self._db.execute("UPDATE sandboxes SET state=? WHERE id=? AND state IN " + LIVE_IN,
+                         (state, sandbox_id, *LIVE_STATES))
 
     def delete_sandbox(self, sandbox_id: str) -> None:
         self._db.execute("DELETE FROM sandboxes WHERE id=?", (sandbox_id,))
@@ -167,14 +173,14 @@ class StateStore:
             sql += " AND edge=?"
             args.append(edge)
         if live_only:
-            sql += " AND state IN (?,?)"
+            sql += " AND state IN " + LIVE_IN
             args.extend(LIVE_STATES)
         return [_row(r) for r in self._db.execute(sql + " ORDER BY created_at", args)]
 
     def live_counts(self, edge: str) -> dict[tuple[str, str], int]:
         """Live sandboxes of an edge by (substrate, state)."""
         rows = self._db.execute("SELECT substrate, state, COUNT(*) AS n FROM sandboxes WHERE "
-                                "edge=? AND state IN (?,?) GROUP BY substrate, state",
+                                f"edge=? AND state IN {LIVE_IN} GROUP BY substrate, state",
                                 (edge, *LIVE_STATES))
         return {(r["substrate"], r["state"]): r["n"] for r in rows}
 

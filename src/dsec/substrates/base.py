@@ -89,6 +89,11 @@ class Substrate(ABC):
         snapshot): processes fresh, the same id and agent token; its new runtime dict."""
         raise NotSupported(f"rollback of {self.name} sandboxes is not supported yet")
 
+    async def set_paused(self, sandbox_id: str, runtime: dict[str, Any], paused: bool) -> None:
+        """Freeze the whole sandbox so it uses no CPU (``paused``), or let it run again; both
+        idempotent, and a paused sandbox is still ``alive``. ``destroy`` works on a paused one."""
+        raise NotSupported(f"the {self.name} substrate cannot pause a sandbox yet")
+
     @abstractmethod
     async def destroy(self, sandbox_id: str) -> None:
         """Remove every trace of the sandbox; idempotent, works from the id alone."""

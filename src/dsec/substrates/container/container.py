@@ -285,9 +285,17 @@ class ContainerSubstrate(Substrate):
     def oom_kills(self, sandbox_id: str, runtime: dict[str, Any]) -> int:
         return cgroups.oom_kills(self.cgroup_parent, sandbox_id)
 
+    async def set_paused(self, sandbox_id: str, runtime: dict[str, Any], paused: bool) -> None:
+        """The cgroup freezer, written directly (``crun pause`` does the same write, plus a
+        fork and its state files). Under gVisor it freezes the sentry with the sandbox."""
+        await asyncio.get_running_loop().run_in_executor(
+            self._io, cgroups.set_frozen, self.cgroup_parent, sandbox_id, paused)
+
     async def destroy(self, sandbox_id: str) -> None:
         d = self._dir(sandbox_id)
         self._pids.forget(sandbox_id)
+        await asyncio.get_running_loop().run_in_executor(
+            self._io, cgroups.thaw_if_frozen, self.cgroup_parent, sandbox_id)
         for runtime in RUNTIMES:
             if sandbox_id in _state_ids(self.runtime_root / runtime):
                 await spawn.run([*self._runtime_cmd(runtime), "delete", "--force", sandbox_id])

@@ -296,6 +296,10 @@ class FnSubstrate(Substrate):
     def oom_kills(self, sandbox_id: str, runtime: dict[str, Any]) -> int:
         return cgroups.oom_kills(self._cgroup_of(runtime["template"]), runtime["worker"])
 
+    async def set_paused(self, sandbox_id: str, runtime: dict[str, Any], paused: bool) -> None:
+        raise NotSupported("an fn sandbox cannot pause: its worker's cgroups (cpu, memory, pids) "
+                           "have no freezer yet")
+
     async def destroy(self, sandbox_id: str) -> None:
         worker = self._sandboxes.pop(sandbox_id, None)
         if worker is None:

@@ -143,7 +143,7 @@ def set_limits(parent: str, sandbox_id: str, cpu: float, memory_bytes: int, pids
 
 
 def create_for_process(parent: str, sandbox_id: str, pid: int) -> None:
-    """Create the sandbox's cgroups (cpu, memory, pids) and move ``pid`` into them: for
+    """Create the sandbox's cgroups (cpu, memory, pids, freezer) and move ``pid`` into them: for
     substrates whose process no OCI runtime places (a VM's QEMU)."""
     if is_cgroup2_only():
         for d in (CGROUP_ROOT, CGROUP_ROOT / parent.strip("/")):
@@ -151,7 +151,67 @@ def create_for_process(parent: str, sandbox_id: str, pid: int) -> None:
             (d / "cgroup.subtree_control").write_text("+cpu +memory +pids")
         dirs = [CGROUP_ROOT / parent.strip("/") / sandbox_id]
     else:
-        dirs = [CGROUP_ROOT / c / parent.strip("/") / sandbox_id for c in ("cpu", "memory", "pids")]
+        dirs = [CGROUP_ROOT / c / parent.strip("/") / sandbox_id
+                for c in ("cpu", "memory", "pids", "freezer")]
     for d in dirs:
         d.mkdir(parents=True, exist_ok=True)
         (d / "cgroup.procs").write_text(str(pid))
+
+
+FREEZE_TIMEOUT_S = 10.0
+
+
+def freezer_file(parent: str, sandbox_id: str) -> Path:
+    """The file that freezes a sandbox's cgroup: ``cgroup.freeze`` on cgroup v2, the v1
+    freezer hierarchy's ``freezer.state`` on a hybrid host (its v2 tree holds no sandbox)."""
+    rel = f"{parent.strip('/')}/{sandbox_id}"
+    if is_cgroup2_only():
+        return CGROUP_ROOT / rel / "cgroup.freeze"
+    return CGROUP_ROOT / "freezer" / rel / "freezer.state"
+
+
+def set_frozen(parent: str, sandbox_id: str, frozen: bool) -> None:
+    """Freeze (or thaw) every process of the sandbox's cgroup and wait until the kernel says
+    it is done: a frozen task runs no instruction, so a fork racing the freeze lands in the
+    same cgroup and is frozen too. Idempotent. NotSupported when the sandbox has no freezer
+    cgroup (``FileNotFoundError`` is left to the caller for a sandbox whose cgroup is gone)."""
+    path = freezer_file(parent, sandbox_id)
+    if not path.parent.is_dir():
+        raise FileNotFoundError(path.parent)
+    if not path.exists():
+        raise NotSupported(f"sandbox {sandbox_id} has no freezer cgroup ({path} is missing)")
+    v2 = path.name == "cgroup.freeze"
+    path.write_text(("1" if frozen else "0") if v2 else ("FROZEN" if frozen else "THAWED"))
+    deadline = time.monotonic() + FREEZE_TIMEOUT_S
+    while not _settled(path, frozen):
+        if time.monotonic() > deadline:
+            if frozen:  # never leave it half frozen
+                path.write_text("0" if v2 else "THAWED")
+            raise TimeoutError(f"{path} did not settle {'frozen' if frozen else 'thawed'} "
+                               f"within {FREEZE_TIMEOUT_S:.0f}s")
+        time.sleep(0.001)
+
+
+def _settled(path: Path, frozen: bool) -> bool:
+    if path.name == "cgroup.freeze":  # v2: cgroup.events says when every task is frozen
+        events = dict(line.partition(" ")[::2] for line in
+                      (path.parent / "cgroup.events").read_text().splitlines())
+        return events.get("frozen") == ("1" if frozen else "0")
+    return path.read_text().strip() == ("FROZEN" if frozen else "THAWED")  # v1: FREEZING between
+
+
+def is_frozen(parent: str, sandbox_id: str) -> bool:
+    """Whether the sandbox's cgroup is frozen or freezing (False when it has no freezer)."""
+    path = freezer_file(parent, sandbox_id)
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return False
+    return text == "1" if path.name == "cgroup.freeze" else text != "THAWED"
+
+
+def thaw_if_frozen(parent: str, sandbox_id: str) -> None:
+    """Before killing a sandbox: on cgroup v1 a frozen task does not die of SIGKILL until
+    it is thawed (and ``crun delete --force`` would wait on it)."""
+    if is_frozen(parent, sandbox_id):
+        set_frozen(parent, sandbox_id, False)

@@ -339,6 +339,11 @@ class QemuSubstrate(Substrate):
 
         await self.network.set(sandbox_id, egress, wire, unwire)
 
+    async def set_paused(self, sandbox_id: str, runtime: dict[str, Any], paused: bool) -> None:
+        """QEMU frozen whole by its cgroup's freezer: no CPU, its memory kept (saving the VM
+        to disk and letting QEMU exit, as vmsnapshot.py does for templates, is not done yet)."""
+        await asyncio.to_thread(cgroups.set_frozen, self.cgroup_parent, sandbox_id, paused)
+
     # teardown
     async def destroy(self, sandbox_id: str) -> None:
         self._pids.forget(sandbox_id)
@@ -350,6 +355,7 @@ class QemuSubstrate(Substrate):
         """Kill QEMU (through its cgroup, or its pid file if it never got one; also a
         snapshot template's QEMU that this sandbox's start was booting), then remove its
         cgroups and directory."""
+        cgroups.thaw_if_frozen(self.cgroup_parent, sandbox_id)
         for pid_file in ("qemu.pid", "template.pid"):
             try:
                 pid = int((d / pid_file).read_text())
