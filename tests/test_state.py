@@ -306,3 +306,26 @@ def test_snapshot_ls_and_rm_on_the_command_line(srv: Server) -> None:
         gone = dsec_cli(srv, "snapshot", "rm", snap.id, check=False)
         assert gone.returncode == 1 and "snapshot_not_found" in gone.stderr
     assert snapshot_dirs(srv) == set()
+
+
+async def test_a_paused_sandbox_is_resumed_to_be_snapshotted_and_rolled_back(
+        client: dsec.DSecClient, srv: Server) -> None:
+    sb = await client.create(ttl_s=300)
+    try:
+        await sb.write_file("/work/kept", b"before")
+        await sb.pause()
+        snap = await sb.snapshot()
+        assert (await client.get(sb.id)).info.state == "running"
+        await sb.write_file("/work/kept", b"after")
+        await sb.pause()
+        await sb.rollback(snap)
+        assert (await sb.read_file("/work/kept")) == b"before"
+        kid = await client.create(snapshot=snap.id, ttl_s=60)
+        assert (await kid.read_file("/work/kept")) == b"before"
+        await kid.stop()
+        await assert_no_trace(srv, kid.id)
+        await client.delete_snapshot(snap.id)
+    finally:
+        await sb.stop()
+    await assert_no_trace(srv, sb.id)
+    assert snapshot_dirs(srv) == set() and snapshot_loops(srv) == []
