@@ -2,7 +2,8 @@
 
 Each section times one design's create, snapshot, fork and rollback steps and checks that its
 disk quota refuses a write past the limit: (ext4) today's ext4 image per sandbox on the host fs;
-(xfs) the same images on one reflink XFS volume, copied by FICLONE; (btrfs) a subvolume per
+(xfs) the same images on one reflink XFS volume, copied by FICLONE; (frozen) the
+freeze-free snapshot: cgroup freezer + syncfs + FICLONE under a busy writer; (btrfs) a subvolume per
 sandbox with a simple-quota (squota) limit; (prj) whether project quotas (a directory per sandbox on one
 volume) work at all; (erofs) packing an upper dir into an EROFS layer; (loops, subvols) N loop mounts or N
 subvolumes at once, with host memory per sandbox. Root only; everything lives under
@@ -403,6 +404,70 @@ def section_prj() -> None:
             (ROOT / f"prj-{fstype}.vol").unlink(missing_ok=True)
 
 
+def wait_frozen(cgroup: Path, state: str) -> None:
+    while f"frozen {state}" not in (cgroup / "cgroup.events").read_text():
+        time.sleep(0.0002)
+
+
+def section_frozen(rounds: int) -> None:
+    for pause, label in (("0.001", "4 KiB/ms writer"), ("0", "writer flat out")):
+        frozen_snapshots(rounds, pause, label)
+
+
+def frozen_snapshots(rounds: int, pause: str, label: str) -> None:
+    """The freeze-free snapshot end to end: a writer keeps appending 4 KiB records to a file
+    in a sandbox's ext4 image (on reflink XFS), sleeping ``pause`` s between them;
+    cgroup-freeze it, syncfs, FICLONE, thaw; then check each snapshot image mounts and holds
+    whole records only."""
+    cgroup = Path("/sys/fs/cgroup/unified/dsec-design-bench")
+    cgroup.mkdir()
+    writer = None
+    try:
+        with volume("fxfs", "xfs", 8 * GIB, ["mkfs.xfs", "-q", "-f", "-m", "reflink=1"]) as vol:
+            image, mnt = vol / "sb.img", vol / "sb"
+            with open(image, "wb") as f:
+                f.truncate(GIB)
+            sh(*MKFS_EXT4, image)
+            loop_mount(image, mnt)
+            writer = subprocess.Popen(
+                ["sh", "-c", f"echo $$ > {cgroup}/cgroup.procs; exec python3 -c \""
+                 f"import os\nf = open('{mnt}/log', 'ab', buffering=0)\n"
+                 f"import time\n"
+                 f"while True: f.write(b'x' * 4095 + bytes([10])); time.sleep({pause})\""])
+            time.sleep(0.5)
+            freeze, snap = [], []
+            for i in range(rounds):
+                start = time.perf_counter()
+                (cgroup / "cgroup.freeze").write_text("1")
+                wait_frozen(cgroup, "1")
+                frozen = time.perf_counter()
+                syncfs(mnt)
+                reflink(image, vol / f"snap{i}.img")
+                (cgroup / "cgroup.freeze").write_text("0")
+                wait_frozen(cgroup, "0")
+                freeze.append((frozen - start) * 1000)
+                snap.append((time.perf_counter() - start) * 1000)
+                time.sleep(0.05)
+            writer.kill()
+            writer.wait()
+            show(f"[frozen, {label}] cgroup freeze (until frozen)", freeze)
+            show(f"[frozen, {label}] snapshot: freeze + syncfs + FICLONE + thaw", snap)
+            torn = 0
+            for i in range(rounds):
+                loop_mount(vol / f"snap{i}.img", vol / f"check{i}")
+                torn += (vol / f"check{i}" / "log").stat().st_size % 4096 != 0
+                umount(vol / f"check{i}")
+            print(f"  [frozen, {label}] {rounds} snapshot images mounted;"
+                  f" with a torn last record: {torn}")
+            umount(mnt)
+            detached([image] + [vol / f"snap{i}.img" for i in range(rounds)])
+    finally:
+        if writer and writer.poll() is None:
+            writer.kill()
+            writer.wait()
+        cgroup.rmdir()
+
+
 def section_erofs(rounds: int) -> None:
     upper = ROOT / "erofs-upper"
     write_files(upper / "etc", 5, 4096)
@@ -522,7 +587,7 @@ def btrfs_density(count: int, quota: str) -> None:
               for i in range(0, count, max(1, count // 20))])
 
 
-SECTIONS = ("ext4", "xfs", "btrfs", "prj", "erofs", "loops", "subvols")
+SECTIONS = ("ext4", "xfs", "frozen", "btrfs", "prj", "erofs", "loops", "subvols")
 
 
 def main() -> None:
