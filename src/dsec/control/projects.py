@@ -160,10 +160,9 @@ class Projects:
         """Run an fn call (or run_code) holding what it costs of the caller's project: one
         sandbox with an fn worker's CPU and memory limits, for as long as it runs."""
         project, reservation = self._reserve(FN_CALL_CPU, FN_CALL_MEMORY_MB)
-        try:
-            return await self._holding(project, reservation, call)
-        finally:
-            self.store.release(reservation)
+        result = await self._holding(project, reservation, call)  # gives it back if it fails
+        self.store.release(reservation)
+        return result
 
     def _reserve(self, cpu: float, memory_mb: int) -> tuple[str, str]:
         """(the caller's project, a reservation of one sandbox, ``cpu`` and ``memory_mb`` of

@@ -22,13 +22,11 @@ from ..store.idempotency import IdempotencyStore
 from ..store.sqlite import SnapshotRow, StateStore
 from ..trajectory.log import TrajectoryLog
 from ..trajectory.recorder import Call, RecordedEdge, Recorder
-from .directory import EdgeDirectory, edge_of
+from .directory import EdgeDirectory
 from .idempotency import Idempotency
 
 if TYPE_CHECKING:
     from .projects import Projects
-
-__all__ = ["Router", "edge_of"]
 
 
 class Router:
