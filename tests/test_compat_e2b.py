@@ -58,7 +58,10 @@ def e2b_env(server: Server) -> dict[str, str]:
     """What a user sets to point the SDK at dsec (docs/COMPAT.md)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
     return {**env, "E2B_API_URL": f"{server.url}/e2b", "E2B_SANDBOX_URL": f"{server.url}/e2b",
-            "E2B_API_KEY": server.key, "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
+            "E2B_API_KEY": server.key, "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost",
+            # a driver that dies of a signal (a SIGABRT was seen once, with nothing on stderr)
+            # leaves its Python stacks on stderr, which the assertion shows
+            "PYTHONFAULTHANDLER": "1", "RUST_BACKTRACE": "1"}
 
 
 @pytest.fixture(scope="module")
