@@ -6,13 +6,22 @@ a file and read the clock show any step that runs twice."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import mmap
+import os
 import secrets
+import subprocess
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 
 import dsec
 from conftest import Server, make_server, stop_server
+from dsec.images.mount import unmount
+from dsec.substrates.container.container import FIFREEZE, FITHAW
+from dsec.substrates.host import disk_writes
+from dsec.substrates.host.disk import MKFS, loop_mount, release
 from test_projects import key_client, unique
 
 APPEND = "echo step >> /work/log; date +%s%N >> /work/clock"  # never the same twice
@@ -249,3 +258,76 @@ async def test_hostile_forks_into_another_trajectory_or_project_are_not_found(
         finally:
             await victim.stop()
             await own.stop()
+
+
+@pytest.fixture
+def disk(tmp_path: Path) -> Iterator[Path]:
+    """A sandbox disk as the container substrate makes one: ext4 in a sparse file,
+    loop-mounted nosuid,nodev (relatime, the kernel's default). Its inode tables are zeroed
+    by mkfs, not by the kernel's lazy init after the mount, whose writes would land in the
+    middle of the test (on a sandbox's disk they only cost an extra snapshot or two)."""
+    image, mount = tmp_path / "disk.img", tmp_path / "disk"
+    with open(image, "wb") as f:
+        f.truncate(64 << 20)
+    subprocess.run([*MKFS, "-E", "nodiscard,lazy_itable_init=0", str(image)], check=True)
+    mount.mkdir()
+    loop_mount(image, mount)
+    try:
+        yield mount
+    finally:
+        unmount(mount)
+        release(image)
+
+
+def test_the_write_count_sees_every_change_and_no_read(disk: Path) -> None:
+    """The soundness of "unchanged count => unchanged disk" on the real kernel: each kind of
+    change raises the synced count; reading does not (after the one atime update relatime
+    makes after a change); the count read while frozen, then after the thaw, is kept only
+    when the thaw wrote exactly its superblock."""
+    fd = os.open(disk, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        (disk / "f").write_bytes(b"x" * 10000)
+        (disk / "d").mkdir()
+
+        def mmap_write() -> None:
+            with open(disk / "f", "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+                m[0:1] = b"y"  # no msync: only syncfs writes it out
+
+        changes = {
+            "write": lambda: (disk / "g").write_bytes(b"1"),
+            "overwrite in place": lambda: (disk / "g").write_bytes(b"2"),
+            "mmap": mmap_write,
+            "chmod": lambda: os.chmod(disk / "f", 0o600),
+            "rename": lambda: os.rename(disk / "g", disk / "d" / "g"),
+            "truncate": lambda: os.truncate(disk / "f", 5000),
+            "xattr": lambda: os.setxattr(disk / "f", "user.k", b"v"),
+            "symlink": lambda: os.symlink("/etc/passwd", disk / "l"),
+            "unlink": lambda: os.unlink(disk / "d" / "g"),
+            "utime": lambda: os.utime(disk / "f", (1, 1)),
+        }
+        for name, change in changes.items():
+            before = disk_writes.synced_count(fd)
+            change()
+            assert disk_writes.synced_count(fd) > before, f"{name} was not counted"
+        (disk / "f").read_bytes()  # the atime update relatime makes after the changes
+        os.listdir(disk / "d")
+        settled = disk_writes.synced_count(fd)
+        for _ in range(3):
+            (disk / "f").read_bytes()
+            os.listdir(disk / "d")
+            os.stat(disk / "f")
+        assert disk_writes.synced_count(fd) == settled, "reads were counted as writes"
+
+        fcntl.ioctl(fd, FIFREEZE, 0)
+        frozen = disk_writes.sectors_written(fd)
+        fcntl.ioctl(fd, FITHAW, 0)
+        assert disk_writes.count_after_thaw(fd, frozen) == disk_writes.synced_count(fd) > frozen
+        fcntl.ioctl(fd, FIFREEZE, 0)
+        frozen = disk_writes.sectors_written(fd)
+        fcntl.ioctl(fd, FITHAW, 0)
+        (disk / "h").write_bytes(b"written right after the thaw")
+        disk_writes.sync(fd)
+        assert disk_writes.count_after_thaw(fd, frozen) == frozen, \
+            "a write after the thaw was taken for the thaw's own"
+    finally:
+        os.close(fd)
