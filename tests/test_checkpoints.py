@@ -22,6 +22,7 @@ from dsec.images.mount import unmount
 from dsec.substrates.container.container import FIFREEZE, FITHAW
 from dsec.substrates.host import disk_writes
 from dsec.substrates.host.disk import MKFS, loop_mount, release
+from test_cli import dsec_cli
 from test_projects import key_client, unique
 
 APPEND = "echo step >> /work/log; date +%s%N >> /work/clock"  # never the same twice
@@ -258,6 +259,37 @@ async def test_hostile_forks_into_another_trajectory_or_project_are_not_found(
         finally:
             await victim.stop()
             await own.stop()
+
+
+async def test_deleting_a_trajectory_deletes_the_checkpoints_no_fork_links(
+        client: dsec.DSecClient, srv: Server) -> None:
+    trajectory = new_id("rm")
+    sb = await client.create(trajectory=trajectory, checkpoint="every_step", ttl_s=300)
+    await sb.run(APPEND)
+    await sb.run(APPEND)
+    own = set(await checkpoints(client, trajectory))
+    done = dsec_cli(srv, "trajectory", "fork", trajectory, "--at-step", "1", "-n", "1")
+    fork_id, fork_sandbox = done.stdout.split()
+    fork = await client.get(fork_sandbox)
+    assert fork.info.trajectory == fork_id
+    await fork.run("echo fork >> /work/log")
+    linked = set((await checkpoints(client, fork_id))[:1])  # step 1's, the parent's snapshot
+    assert linked <= own
+
+    dsec_cli(srv, "trajectory", "rm", trajectory)
+    with pytest.raises(dsec.TrajectoryNotFound):
+        await client.trajectory(trajectory)
+    assert (await client.get(sb.id)).info.state == "stopped"
+    left = {s.id for s in await client.snapshots()}
+    assert own & left == linked, "the fork's linked checkpoint is kept, the others deleted"
+    (again,) = await client.fork_trajectory(fork_id, at_step=1)  # still restorable
+    assert (await again.read_file("/work/log")) == b"step\n"
+    await client.delete_trajectory(fork_id)
+    assert linked <= {s.id for s in await client.snapshots()}, "the fork's fork links it"
+    assert again.trajectory is not None
+    await client.delete_trajectory(again.trajectory)  # and stops its sandbox
+    assert (await client.get(again.id)).info.state == "stopped"
+    assert {s.id for s in await client.snapshots()}.isdisjoint(own)
 
 
 @pytest.fixture

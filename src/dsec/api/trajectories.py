@@ -11,7 +11,7 @@ import json
 from typing import AsyncIterator, Awaitable, Callable
 
 from fastapi import APIRouter, Depends, Path, Query
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from ..control.routing import Router
 from ..protocol.errors import InvalidRequest, TrajectoryNotFound
@@ -106,6 +106,13 @@ def trajectory_routes(router: Router, store: StateStore,
         """New trajectories from the checkpoint of one step (see ``fork_trajectory``)."""
         return await router.trajectories().fork_trajectory(
             visible(trajectory), req.at_step, req.n, caller)
+
+    @api.delete("/{trajectory:path}", status_code=204)
+    async def delete(trajectory: str = TrajectoryId) -> Response:
+        """The trajectory forgotten: its sandbox stopped, its log and its checkpoints'
+        snapshots (those no fork of it links) deleted."""
+        await router.trajectories().delete(visible(trajectory))
+        return Response(status_code=204)
 
     @api.get("/{trajectory:path}")
     async def get(trajectory: str = TrajectoryId) -> TrajectoryInfo:

@@ -703,6 +703,11 @@ class AsyncClient:
         return Replay(trajectory, report.generation, Sandbox(self._t, report.sandbox, attachment),
                       report.steps, report.attached_generation, report.restored_step)
 
+    async def delete_trajectory(self, trajectory: str) -> None:
+        """Forget a trajectory: its sandbox is stopped if it runs, its log deleted, and the
+        snapshots of its checkpoints too (those a fork of it still links are kept)."""
+        await self._t.request("DELETE", f"/v1/trajectories/{trajectory}")
+
     async def fork_trajectory(self, trajectory: str, at_step: int, n: int = 1, *,
                               on_divergence: OnDivergence = "raise") -> builtins.list[Sandbox]:
         """``n`` new sandboxes started from the checkpoint of step ``at_step`` of a

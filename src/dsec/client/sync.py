@@ -416,6 +416,11 @@ class Client:
         return Replay(done.trajectory, done.generation, self._sandbox(done.sandbox),
                       done.steps, done.attached_generation, done.restored_step)
 
+    def delete_trajectory(self, trajectory: str) -> None:
+        """Forget a trajectory, its sandbox and its checkpoints (see
+        ``AsyncClient.delete_trajectory``)."""
+        self._loop.call(self._async.delete_trajectory(trajectory))
+
     def fork_trajectory(self, trajectory: str, at_step: int, n: int = 1, *,
                         on_divergence: OnDivergence = "raise") -> builtins.list[Sandbox]:
         """``n`` new sandboxes from the checkpoint of step ``at_step``, each on a new

@@ -87,6 +87,7 @@ CREATE TABLE IF NOT EXISTS trajectory_checkpoints (
     snapshot TEXT NOT NULL,
     PRIMARY KEY (trajectory, generation, step)
 ) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS trajectory_checkpoints_snapshot ON trajectory_checkpoints (snapshot);
 """
 
 
@@ -195,6 +196,22 @@ class TrajectoryLog:
         d = dict(r)
         d["request"] = json.loads(d["request"])
         return TrajectoryRow(**d)
+
+    def delete(self, trajectory: str) -> builtins.list[str]:
+        """Forget the trajectory (its generations, steps and checkpoints); returns the
+        snapshots its checkpoints held that no other trajectory's (a fork's) still links."""
+        with self._db.transaction():
+            self.get(trajectory)  # TrajectoryNotFound
+            held = [r[0] for r in self._db.execute(
+                "SELECT DISTINCT snapshot FROM trajectory_checkpoints WHERE trajectory=?",
+                (trajectory,))]
+            for table, key in (("trajectory_checkpoints", "trajectory"),
+                               ("trajectory_steps", "trajectory"),
+                               ("trajectory_generations", "trajectory"), ("trajectories", "id")):
+                self._db.execute(f"DELETE FROM {table} WHERE {key}=?", (trajectory,))
+            return [snapshot for snapshot in held if self._db.execute(
+                "SELECT 1 FROM trajectory_checkpoints WHERE snapshot=? LIMIT 1",
+                (snapshot,)).fetchone() is None]
 
     def list(self, limit: int = 100) -> list[TrajectoryRow]:
         rows = self._db.execute("SELECT id FROM trajectories ORDER BY created_at DESC LIMIT ?",

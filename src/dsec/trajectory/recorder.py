@@ -251,6 +251,26 @@ class Recorder:
                                   "sandbox", **details)
         return info
 
+    async def delete(self, trajectory: str) -> None:
+        """Forget a trajectory: its sandbox is stopped if it still runs, its log removed, and
+        its checkpoints' snapshots deleted unless a fork of it still links them."""
+        row = self.log.get(trajectory)
+        state = self._states.get(trajectory)
+        if state is not None and (state.flights or state.fork_lock.locked()):
+            raise InvalidRequest(f"trajectory {trajectory} has calls under way; delete it "
+                                 "when they are done", trajectory=trajectory)
+        try:
+            await self.router.owner(row.sandbox_id).stop(
+                row.sandbox_id, reason=f"its trajectory {trajectory} was deleted")
+        except (SandboxDied, SandboxNotFound):
+            pass  # it had already ended
+        self._states.pop(trajectory, None)
+        for snapshot in self.log.delete(trajectory):
+            try:
+                await self.router.delete_snapshot(snapshot)
+            except SnapshotNotFound:
+                pass  # deleted by its owner already
+
     # replay
     async def replay(self, trajectory: str, req: ReplayRequest) -> ReplayReport:
         state = self.state(trajectory)
