@@ -292,6 +292,34 @@ async def test_deleting_a_trajectory_deletes_the_checkpoints_no_fork_links(
     assert {s.id for s in await client.snapshots()}.isdisjoint(own)
 
 
+async def test_a_fork_that_cannot_be_made_whole_leaves_nothing(client: dsec.DSecClient,
+                                                                srv: Server) -> None:
+    name = unique("cp-quota")
+    await client.projects().create(name, sandboxes=3, cpu=8, memory_mb=4096)
+    async with key_client(srv, (await client.projects().create_key(name, "a")).key) as me:
+        trajectory = f"test/{'x' * 230}-{secrets.token_hex(3)}"  # no room for a fork's suffix
+        sb = await me.create(trajectory=trajectory, checkpoint="every_step", memory_mb=256,
+                             ttl_s=120)
+        try:
+            await sb.run(APPEND)
+            with pytest.raises(dsec.InvalidRequest):
+                await me.fork_trajectory(trajectory, at_step=1)
+            trajectory = new_id("quota")
+            sb2 = await me.create(trajectory=trajectory, checkpoint="every_step", memory_mb=256,
+                                  ttl_s=120)
+            await sb2.run(APPEND)
+            before = {t.id for t in await me.trajectories()}
+            with pytest.raises(dsec.QuotaExceeded):  # 2 running + 4 > 3: one fork fits, not four
+                await me.fork_trajectory(trajectory, at_step=1, n=4)
+            assert {t.id for t in await me.trajectories()} == before
+            assert sorted(i.id for i in await me.list()) == sorted([sb.id, sb2.id])
+            (one,) = await me.fork_trajectory(trajectory, at_step=1)  # the quota is back
+            await one.stop()
+            await sb2.stop()
+        finally:
+            await sb.stop()
+
+
 @pytest.fixture
 def disk(tmp_path: Path) -> Iterator[Path]:
     """A sandbox disk as the container substrate makes one: ext4 in a sparse file,

@@ -43,6 +43,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Coroutine, Literal
 
+from pydantic import ValidationError
+
 from ..agent.client import Output
 from ..protocol.digest import STREAM_OPS, StepRequest, step_request
 from ..protocol.errors import (
@@ -81,6 +83,7 @@ log = logging.getLogger("dsec.trajectory")
 
 OFFLOAD_BYTES = 256 << 10  # outcomes larger than this are written to the blob area off-loop
 MAX_STATES = 10_000  # trajectories kept in memory (idle ones beyond this are reloaded on use)
+FORK_CONCURRENCY = 16  # sandboxes a fork_trajectory starts at a time
 
 
 @dataclass
@@ -326,40 +329,58 @@ class Recorder:
         """``n`` new trajectories, each in a new sandbox started from ``trajectory``'s
         checkpoint of step ``at_step``, holding its steps up to ``at_step`` (nothing is
         re-executed) and going on from the step after it. Their ids are
-        ``<trajectory>/fork-<at_step>-<hex>``."""
+        ``<trajectory>/fork-<at_step>-<hex>``. All or none: if one cannot be made, those
+        made are deleted and the error raised."""
         state = self.state(trajectory)
         generation = state.generation
         found = self.log.checkpoint(trajectory, generation, at_step)
-        if found is None or found[0] != at_step:
+        if found is None or found[0] != at_step:  # a row is written once its step is logged
             raise CheckpointNotFound(f"trajectory {trajectory} has no checkpoint at step "
                                      f"{at_step} (create it with checkpoint=...)",
                                      trajectory=trajectory, step=at_step)
-        step = self.log.step(trajectory, generation, at_step) if at_step else None
-        if step is not None and step.status not in ("ok", "error"):
-            raise InvalidRequest(f"step {at_step} of trajectory {trajectory} is {step.status}",
-                                 trajectory=trajectory, step=at_step)
         snapshot = found[1]
         self._checkpoint_snapshot(trajectory, at_step, snapshot)
-        request = state.request
-        forks: list[TrajectoryInfo] = []
+        requests = []
         for _ in range(n):
             fork_id = f"{trajectory}/fork-{at_step}-{secrets.token_hex(4)}"
-            req = CreateRequest(**{**request, "trajectory": fork_id, "snapshot": snapshot})
             try:
-                info = await self.router.place(req)
-            except SnapshotNotFound:  # deleted while the forks were being made
+                requests.append(CreateRequest(**{**state.request, "trajectory": fork_id,
+                                                 "snapshot": snapshot}))
+            except ValidationError as exc:
+                raise InvalidRequest(f"cannot fork trajectory {trajectory}: {fork_id!r} is not "
+                                     f"a trajectory id ({exc.errors()[0]['msg']})",
+                                     trajectory=trajectory) from None
+        slots = asyncio.Semaphore(FORK_CONCURRENCY)
+
+        async def one(req: CreateRequest) -> str:
+            assert req.trajectory is not None
+            logged = {**state.request, "trajectory": req.trajectory}  # replays start afresh
+            async with slots:
+                return await self._branch(trajectory, generation, at_step, req, logged, caller)
+        made = await asyncio.gather(*map(one, requests), return_exceptions=True)
+        failed = [m for m in made if isinstance(m, BaseException)]
+        if failed:
+            for fork_id in (m for m in made if isinstance(m, str)):
+                await self.delete(fork_id)
+            if isinstance(failed[0], SnapshotNotFound):  # deleted while forks were made
                 self._checkpoint_snapshot(trajectory, at_step, snapshot)
-                raise
-            try:
-                self.log.branch(trajectory, generation, at_step, fork_id, info.id,
-                                {**request, "trajectory": fork_id}, info.image,
-                                info.image_digest, caller)
-            except BaseException:
-                await self.router.owner(info.id).stop(
-                    info.id, reason=f"fork of trajectory {trajectory} failed")
-                raise
-            forks.append(self.info(fork_id))
-        return forks
+            raise failed[0]
+        return [self.info(fork_id) for fork_id in made if isinstance(fork_id, str)]
+
+    async def _branch(self, trajectory: str, generation: int, at_step: int,
+                      req: CreateRequest, logged: dict[str, Any], caller: str | None) -> str:
+        """One fork of ``fork_trajectory``: its sandbox (``req``), then its log, which
+        holds ``logged`` as its create request."""
+        assert req.trajectory is not None
+        info = await self.router.place(req)
+        try:
+            self.log.branch(trajectory, generation, at_step, req.trajectory, info.id, logged,
+                            info.image, info.image_digest, caller)
+        except BaseException:
+            await self.router.owner(info.id).stop(
+                info.id, reason=f"fork of trajectory {trajectory} failed")
+            raise
+        return req.trajectory
 
     # calls
     async def call(self, trajectory: str, call: Call, request: StepRequest) -> Any:
