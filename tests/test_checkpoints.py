@@ -196,6 +196,19 @@ async def test_a_trajectory_without_checkpoints_cannot_be_forked(client: dsec.DS
         await client.create(checkpoint="every_step")  # checkpoints are a trajectory's
 
 
+async def test_checkpoints_where_no_snapshot_can_be_taken_are_refused_at_create(
+        client: dsec.DSecClient) -> None:
+    """fn sandboxes have no disk image to snapshot: the create says so, typed, and leaves
+    neither a sandbox nor a trajectory behind."""
+    trajectory = new_id("fn")
+    with pytest.raises(dsec.NotSupported):
+        await client.create(substrate="fn", image="python-3.11", trajectory=trajectory,
+                            checkpoint="every_step")
+    with pytest.raises(dsec.TrajectoryNotFound):
+        await client.trajectory(trajectory)
+    assert [i for i in await client.list() if i.substrate == "fn"] == []
+
+
 async def test_hostile_a_writer_during_checkpoints(client: dsec.DSecClient) -> None:
     """A background process appends as fast as it can while steps are checkpointed: every
     checkpoint is a snapshot of its own, and a fork holds a consistent file between what
