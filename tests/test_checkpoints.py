@@ -152,6 +152,32 @@ async def test_resume_fork_and_replay_restore_the_checkpoint(client: dsec.DSecCl
     await resumed.stop()
 
 
+async def test_a_trajectory_started_from_a_snapshot_forks_and_replays_from_it(
+        client: dsec.DSecClient) -> None:
+    base = await client.create(ttl_s=120)
+    await base.write_file("/work/base", b"from the snapshot")
+    snap = await base.snapshot()
+    await base.stop()
+    trajectory = new_id("from-snap")
+    sb = await client.create(snapshot=snap.id, trajectory=trajectory, checkpoint="every_step",
+                             ttl_s=300)
+    try:
+        await sb.run(APPEND)
+        (zero,) = await client.fork_trajectory(trajectory, at_step=0)
+        replay = await client.replay(trajectory, restore=False)
+        try:
+            assert await zero.read_file("/work/base") == b"from the snapshot"
+            assert await zero.exists("/work/log") is False
+            assert await replay.sandbox.read_file("/work/base") == b"from the snapshot"
+            assert await replay.sandbox.read_file("/work/log") == b"step\n"
+        finally:
+            await zero.stop()
+            await replay.sandbox.stop()
+    finally:
+        await sb.stop()
+        await client.delete_snapshot(snap.id)
+
+
 async def test_a_deleted_checkpoint_is_a_typed_error_never_a_re_execution(
         client: dsec.DSecClient) -> None:
     trajectory = new_id("deleted")

@@ -146,9 +146,14 @@ class CreateRequest(_Request):
 
     def checkpointed(self, step: int) -> bool:
         """Whether step ``step`` (0: the fresh sandbox) is checkpointed."""
-        if self.checkpoint is None:
-            return False
-        return self.checkpoint == "every_step" or step % self.checkpoint == 0
+        return checkpointed(self.checkpoint, step)
+
+
+def checkpointed(checkpoint: Literal["every_step"] | int | None, step: int) -> bool:
+    """Whether a trajectory created with ``checkpoint`` checkpoints step ``step``."""
+    if checkpoint is None:
+        return False
+    return checkpoint == "every_step" or step % checkpoint == 0
 
 
 class SandboxInfo(_Model):

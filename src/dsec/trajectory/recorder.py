@@ -67,6 +67,7 @@ from ..protocol.models import (
     SandboxInfo,
     StepDiff,
     TrajectoryInfo,
+    checkpointed,
 )
 from ..protocol.ops import Operation, bind, derive_operations
 from ..protocol.outcome import Outcome, decode, encode, encode_error, output_chunks
@@ -292,8 +293,8 @@ class Recorder:
         restored = self._restorable(trajectory, generation, upto) if req.restore else None
         rows = self.log.steps(trajectory, generation, after=restored[0] if restored else 0,
                               upto=upto)
-        create = CreateRequest(**{**state.request, "trajectory": None, "checkpoint": None,
-                                  "snapshot": restored and restored[1]})
+        create = CreateRequest(**{**_start_from(state.request, restored), "trajectory": None,
+                                  "checkpoint": None})
         info = await self.router.place(create)
         edge = self.router.owner(info.id)
         try:
@@ -361,7 +362,10 @@ class Recorder:
         failed = [m for m in made if isinstance(m, BaseException)]
         if failed:
             for fork_id in (m for m in made if isinstance(m, str)):
-                await self.delete(fork_id)
+                try:
+                    await self.delete(fork_id)
+                except DSecError:
+                    log.exception("could not delete fork %s of a failed fork_trajectory", fork_id)
             if isinstance(failed[0], SnapshotNotFound):  # deleted while forks were made
                 self._checkpoint_snapshot(trajectory, at_step, snapshot)
             raise failed[0]
@@ -502,7 +506,7 @@ class Recorder:
             try:
                 if request.op in STREAM_OPS:
                     value, chunks = await ops.collect(ops.events(edge, sandbox_id, request),
-                                                      on_event=output_then(flight, last))
+                                                      on_event=_output_then(flight, last))
                     outcome = encode(request.op, value, chunks)
                 else:
                     value, _ = await ops.call(edge, sandbox_id, request)
@@ -515,7 +519,7 @@ class Recorder:
                 outcome = encode_error(error)
             stored = await self._stored(outcome)
             self.log.finish(state.id, generation, flight.step, stored)
-            if self._checkpointed(state, flight.step):
+            if checkpointed(state.request.get("checkpoint"), flight.step):
                 await self._checkpoint(state, generation, flight.step, edge, sandbox_id)
             if last:  # a stream's result goes out once its step is checkpointed
                 flight.push(last[0])
@@ -529,11 +533,6 @@ class Recorder:
             flight.end(value, error)
         finally:
             state.flights.pop((generation, flight.step), None)
-
-    @staticmethod
-    def _checkpointed(state: TrajectoryState, step: int) -> bool:
-        checkpoint = state.request.get("checkpoint")
-        return checkpoint is not None and (checkpoint == "every_step" or step % checkpoint == 0)
 
     async def _checkpoint(self, state: TrajectoryState, generation: int, step: int, edge: Edge,
                           sandbox_id: str) -> None:
@@ -570,8 +569,7 @@ class Recorder:
             restored = self._restorable(state.id, before, at_step - 1)
             rows = self.log.steps(state.id, before, after=restored[0] if restored else 0,
                                   upto=at_step - 1)
-            info = await self.router.place(CreateRequest(
-                **{**state.request, "snapshot": restored and restored[1]}))
+            info = await self.router.place(CreateRequest(**_start_from(state.request, restored)))
             new_edge = self.router.owner(info.id)
             try:
                 diffs = await replay_rows(self.log, new_edge, info.id, rows)
@@ -637,7 +635,7 @@ class RecordedEdge:
         return self._edge.get_row(sandbox_id)
 
 
-def output_then(flight: Flight, last: list[Output | ExecResult]) -> Callable[[Output | ExecResult], None]:
+def _output_then(flight: Flight, last: list[Output | ExecResult]) -> Callable[[Output | ExecResult], None]:
     """A stream's events to its flight as they come, but its result into ``last``."""
     def on_event(event: Output | ExecResult) -> None:
         if isinstance(event, Output):
@@ -645,6 +643,12 @@ def output_then(flight: Flight, last: list[Output | ExecResult]) -> Callable[[Ou
         else:
             last.append(event)
     return on_event
+
+
+def _start_from(request: dict[str, Any], checkpoint: tuple[int, str] | None) -> dict[str, Any]:
+    """A trajectory's create request, started from ``checkpoint``'s snapshot if there is one
+    (else from what the trajectory itself started from)."""
+    return request if checkpoint is None else {**request, "snapshot": checkpoint[1]}
 
 
 def _brief(request: dict[str, Any]) -> str:
