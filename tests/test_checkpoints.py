@@ -152,6 +152,23 @@ async def test_resume_fork_and_replay_restore_the_checkpoint(client: dsec.DSecCl
     await resumed.stop()
 
 
+def test_the_blocking_client_checkpoints_forks_and_deletes(srv: Server) -> None:
+    trajectory = new_id("sync")
+    with dsec.Client(srv.url, srv.key, autostart=False) as client:
+        sb = client.create(trajectory=trajectory, checkpoint=1, ttl_s=120)
+        sb.run(APPEND)
+        (fork,) = client.fork_trajectory(trajectory, at_step=1)
+        assert fork.read_file("/work/clock") == sb.read_file("/work/clock")
+        assert fork.trajectory is not None
+        replay = client.replay(trajectory, upto=1)
+        assert replay.restored_step == 1 and replay.steps == []
+        replay.sandbox.stop()
+        client.delete_trajectory(fork.trajectory)
+        client.delete_trajectory(trajectory)
+        with pytest.raises(dsec.TrajectoryNotFound):
+            client.trajectory(trajectory)
+
+
 async def test_a_trajectory_started_from_a_snapshot_forks_and_replays_from_it(
         client: dsec.DSecClient) -> None:
     base = await client.create(ttl_s=120)
