@@ -5,7 +5,11 @@ warm pool (so a cold create is the baseline of a create from a snapshot).
   (on ext4 the copy reads the blocks written; on xfs/btrfs it is a clone, O(1));
 - create-to-first-output from a snapshot against a cold create, alternating batches;
 - fork(10): one snapshot and ten creates from it, per child;
-- rollback of a sandbox to its own snapshot (processes killed, disk copied, init restarted).
+- rollback of a sandbox to its own snapshot (processes killed, disk copied, init restarted);
+- a trajectory's checkpoint per step: a step logged with ``checkpoint="every_step"`` against
+  the same step logged without, alternating batches, for a step that writes nothing
+  (``true``: the previous snapshot is kept, after a syncfs and a counter read) and one that
+  writes a small file (a snapshot is taken).
 """
 
 from __future__ import annotations
@@ -31,6 +35,36 @@ async def _timed_snapshot(client: DSecClient, sb: AsyncSandbox) -> float:
     elapsed = (time.perf_counter() - t0) * 1000
     await client.delete_snapshot(snap.id)
     return elapsed
+
+
+async def _timed_step(sb: AsyncSandbox, command: str) -> float:
+    t0 = time.perf_counter()
+    if (await sb.run(command)).exit_code != 0:
+        raise RuntimeError(f"{command!r} failed")
+    return (time.perf_counter() - t0) * 1000
+
+
+async def checkpoint_series(console: Console, client: DSecClient, steps: int) -> list[Sample]:
+    """Each step logged in a trajectory without checkpoints (the baseline) and with one
+    after every step (the checkpoints go with the private server's state dir)."""
+    plain = await client.create(image=IMAGE, ttl_s=900, trajectory=f"bench/{secrets.token_hex(4)}")
+    checkpointed = await client.create(image=IMAGE, ttl_s=900,
+                                       trajectory=f"bench/{secrets.token_hex(4)}",
+                                       checkpoint="every_step")
+    samples: list[Sample] = []
+    try:
+        for what, command in (("writes nothing (exec true)", "true"),
+                              ("writes a small file", "echo $$ > /work/step")):
+            with phase(console, f"checkpoint per step, a step that {what}, {steps} steps"):
+                samples += await compare(
+                    Sample(f"step that {what}, logged", []),
+                    lambda command=command: _timed_step(plain, command),  # type: ignore[misc]
+                    Sample(f"step that {what}, logged + checkpoint", []),
+                    lambda command=command: _timed_step(checkpointed, command),  # type: ignore[misc]
+                    20, steps // 20)
+    finally:
+        await asyncio.gather(plain.stop(), checkpointed.stop())
+    return samples
 
 
 async def run_state(console: Console, quick: bool = False) -> list[Sample]:
@@ -91,6 +125,7 @@ async def run_state(console: Console, quick: bool = False) -> list[Sample]:
                 await client.delete_snapshot(snap.id)
             finally:
                 await parent.stop()
+            samples += await checkpoint_series(console, client, 100 if quick else 400)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return samples

@@ -4,7 +4,8 @@ A real one-node Ray cluster, real PostgreSQL, a real API replica given every ``s
 option (and some settings by environment only): its edge actor reports the settings it got,
 field by field as serve was given them; ``set_network`` applies a policy on a cluster edge;
 fn calls, ``map`` and ``run_code`` run on the cluster's fn substrate, SandboxFusion's
-``run_code`` too; the dashboard lists the node; an fn call counts against the caller's
+``run_code`` too; a checkpointed trajectory forks from a step's checkpoint; the dashboard
+lists the node; an fn call counts against the caller's
 project quota (embedded and cluster alike); and what a dead edge's fn substrate left on the
 host (template cgroups, its directory) is removed when the node's new edge starts.
 
@@ -194,6 +195,27 @@ async def test_pause_and_resume_under_ray(replica: Server) -> None:
             assert (await client.get(sb.id)).info.state == "running"
             await sb.pause()
             assert (await sb.resume()).state == "running"
+        finally:
+            await sb.stop()
+
+
+async def test_fork_trajectory_under_ray(replica: Server) -> None:
+    """Checkpoints are taken on the Ray edge (the snapshot op through the actor) and logged
+    in PostgreSQL; a fork restores one without running a step again."""
+    trajectory = f"parity/fork-{secrets.token_hex(3)}"
+    async with replica.client() as client:
+        sb = await client.create(trajectory=trajectory, checkpoint="every_step", ttl_s=300)
+        try:
+            await sb.run("date +%s%N >> /work/clock")
+            await sb.run("true")
+            steps = await client.trajectory_steps(trajectory)
+            assert steps[0].checkpoint and steps[1].checkpoint == steps[0].checkpoint
+            (fork,) = await client.fork_trajectory(trajectory, at_step=2)
+            try:
+                assert await fork.read_file("/work/clock") == await sb.read_file("/work/clock")
+                assert fork.trajectory and fork.trajectory.startswith(f"{trajectory}/fork-2-")
+            finally:
+                await fork.stop()
         finally:
             await sb.stop()
 

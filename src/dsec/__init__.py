@@ -14,6 +14,7 @@ from .client.aio import Session as AsyncSession
 from .client.sync import Client, OutputStream, Process, Replay, Sandbox, Session
 from .protocol.errors import (
                               CapacityExhausted,
+                              CheckpointNotFound,
                               CommandTimeout,
                               DelegationExceeded,
                               DSecError,
@@ -64,7 +65,7 @@ __all__ = [
     "ImageBuildError", "ImageNotFound", "InvalidRequest", "NotSupported", "PayloadTooLarge",
     "ProcessNotFound",
     "SandboxDied", "SandboxError", "SandboxNotFound", "ServerUnavailable", "Unauthorized",
-    "Snapshot", "SnapshotNotFound",
+    "Snapshot", "SnapshotNotFound", "CheckpointNotFound",
     "TrajectoryDiverged", "StepInterrupted", "TrajectoryExists", "TrajectoryNotFound",
     "TrajectoryInfo", "StepRecord", "StepDiff", "Replay", "AsyncReplay",
     "QuotaExceeded", "DelegationExceeded", "ProjectNotFound", "ProjectExists", "Forbidden",

@@ -235,12 +235,12 @@ def trajectory_show(trajectory_id: str, generation: int | None) -> None:
             out.print(f"  generation {g.generation}: {g.sandbox_id} ({g.sandbox_state}"
                       f"{': ' + g.sandbox_reason if g.sandbox_reason else ''}) "
                       f"{g.image}@{g.image_digest[:19]}{fork}{differ}")
-        table = Table("step", "op", "request", "result", "ms", "at",
+        table = Table("step", "op", "request", "result", "ms", "at", "checkpoint",
                       title=f"generation {generation or info.generation}")
         for s in steps:
             took = f"{(s.ended_at - s.started_at) * 1000:.0f}" if s.ended_at else ""
             table.add_row(str(s.step), s.op, _request_text(s.request), _result_text(s),
-                          took, _when(s.started_at))
+                          took, _when(s.started_at), s.checkpoint or "")
         out.print(table)
     _run(go())
 
@@ -265,15 +265,44 @@ def trajectory_export(trajectory_id: str, fmt: str, output: Path | None) -> None
     _run(go())
 
 
+@trajectory.command("fork")
+@click.argument("trajectory_id")
+@click.option("--at-step", type=int, required=True, help="the checkpointed step to fork at")
+@click.option("-n", type=int, default=1, show_default=True, help="how many forks")
+def trajectory_fork(trajectory_id: str, at_step: int, n: int) -> None:
+    """New sandboxes from a step's checkpoint, each on a new trajectory holding the steps up
+    to it (nothing re-executed); prints each new trajectory id and its sandbox id."""
+    async def go() -> None:
+        async with DSecClient() as client:
+            for fork in await client.fork_trajectory(trajectory_id, at_step, n):
+                click.echo(f"{fork.trajectory} {fork.id}")
+    _run(go())
+
+
+@trajectory.command("rm")
+@click.argument("trajectory_ids", nargs=-1, required=True)
+def trajectory_rm(trajectory_ids: tuple[str, ...]) -> None:
+    """Delete trajectories: their sandboxes stopped, their logs and checkpoints deleted."""
+    async def go() -> None:
+        async with DSecClient() as client:
+            for trajectory_id in trajectory_ids:
+                await client.delete_trajectory(trajectory_id)
+                click.echo(trajectory_id)
+    _run(go())
+
+
 @trajectory.command("replay")
 @click.argument("trajectory_id")
 @click.option("--upto", type=int, default=None, help="last step to replay")
 @click.option("--keep", is_flag=True, help="keep the sandbox it replayed into")
-def trajectory_replay(trajectory_id: str, upto: int | None, keep: bool) -> None:
-    """Replay a trajectory into a new sandbox and show where results differ."""
+@click.option("--no-restore", is_flag=True,
+              help="re-execute every step, even where a checkpoint could be restored")
+def trajectory_replay(trajectory_id: str, upto: int | None, keep: bool, no_restore: bool) -> None:
+    """Replay a trajectory into a new sandbox and show where results differ (from its
+    newest checkpoint at or before --upto, if it has checkpoints)."""
     async def go() -> int:
         async with DSecClient() as client:
-            replay = await client.replay(trajectory_id, upto=upto)
+            replay = await client.replay(trajectory_id, upto=upto, restore=not no_restore)
             if not keep:
                 await replay.sandbox.stop()
         table = Table("step", "op", "differs in", "logged", "replayed",
@@ -281,7 +310,10 @@ def trajectory_replay(trajectory_id: str, upto: int | None, keep: bool) -> None:
         for d in replay.differences:
             table.add_row(str(d.step), d.op, ", ".join(d.fields), _brief(d.logged), _brief(d.replayed))
         Console().print(table)
-        console.print(f"{len(replay.steps)} steps replayed, {len(replay.differences)} differ"
+        restored = (f"restored the checkpoint of step {replay.restored_step}, "
+                    if replay.restored_step is not None else "")
+        console.print(f"{restored}{len(replay.steps)} steps replayed, "
+                      f"{len(replay.differences)} differ"
                       + (f"; sandbox {replay.sandbox.id} kept" if keep else ""))
         return 1 if replay.differences else 0
     sys.exit(_run(go()))

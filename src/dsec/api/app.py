@@ -157,7 +157,9 @@ def create_app(control: ControlPlane) -> FastAPI:
     @app.post("/v1/sandboxes/{sandbox_id}/snapshots", dependencies=auth, status_code=201)
     async def snapshot(sandbox_id: str, req: SnapshotRequest) -> Snapshot:
         """A copy of the sandbox's file system to start sandboxes from (see docs/API.md)."""
-        return await router.owner(sandbox_id).snapshot(sandbox_id, req.mode)
+        if req.previous is not None:
+            router.snapshot(req.previous)  # one the caller may see, else SnapshotNotFound
+        return await router.owner(sandbox_id).snapshot(sandbox_id, req.mode, req.previous)
 
     @app.post("/v1/sandboxes/{sandbox_id}/rollback", dependencies=auth)
     async def rollback(sandbox_id: str, req: RollbackRequest) -> SandboxInfo:
@@ -273,7 +275,7 @@ def create_app(control: ControlPlane) -> FastAPI:
         await router.edge_for(sandbox_id, call).upload_tar(sandbox_id, path, await request.body())
         return Response(status_code=204)
 
-    app.include_router(trajectory_routes(router, store), dependencies=auth)
+    app.include_router(trajectory_routes(router, store, authenticated), dependencies=auth)
     app.include_router(project_routes(projects), dependencies=auth)
     app.include_router(dashboard_routes(router, projects, registry, auth))
     app.include_router(fn_routes(router), dependencies=auth)

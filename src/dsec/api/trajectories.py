@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
-from fastapi import APIRouter, Path, Query
-from fastapi.responses import StreamingResponse
+from fastapi import APIRouter, Depends, Path, Query
+from fastapi.responses import Response, StreamingResponse
 
 from ..control.routing import Router
 from ..protocol.errors import InvalidRequest, TrajectoryNotFound
 from ..protocol.models import (
     STEP_MAX,
     TRAJECTORY_ID,
+    ForkTrajectoryRequest,
     ReplayReport,
     ReplayRequest,
     StepPage,
@@ -32,7 +33,9 @@ NDJSON = "application/x-ndjson"
 MAX_PAGE = 5000
 
 
-def trajectory_routes(router: Router, store: StateStore) -> APIRouter:
+def trajectory_routes(router: Router, store: StateStore,
+                      authenticated: Callable[..., Awaitable[str]]) -> APIRouter:
+    """The routes; ``authenticated`` is the dependency that names the caller's key."""
     api = APIRouter(prefix="/v1/trajectories")
     TrajectoryId = Path(pattern=TRAJECTORY_ID, max_length=256)
 
@@ -63,8 +66,10 @@ def trajectory_routes(router: Router, store: StateStore) -> APIRouter:
         rows = log.steps(trajectory, generation, after=after, limit=limit + 1)
         more = len(rows) > limit
         rows = rows[:limit]
+        checkpoints = log.checkpoints(trajectory, generation, after=after,
+                                      upto=rows[-1].step if rows else None)
         return StepPage(trajectory=trajectory, generation=generation,
-                        steps=[_record(r) for r in rows],
+                        steps=[_record(r, checkpoints.get(r.step)) for r in rows],
                         next_after=rows[-1].step if more else None)
 
     @api.get("/{trajectory:path}/-/export", response_class=StreamingResponse)
@@ -95,6 +100,20 @@ def trajectory_routes(router: Router, store: StateStore) -> APIRouter:
     async def replay(req: ReplayRequest, trajectory: str = TrajectoryId) -> ReplayReport:
         return await router.trajectories().replay(visible(trajectory), req)
 
+    @api.post("/{trajectory:path}/-/fork")
+    async def fork(req: ForkTrajectoryRequest, trajectory: str = TrajectoryId,
+                   caller: str = Depends(authenticated)) -> list[TrajectoryInfo]:
+        """New trajectories from the checkpoint of one step (see ``fork_trajectory``)."""
+        return await router.trajectories().fork_trajectory(
+            visible(trajectory), req.at_step, req.n, caller)
+
+    @api.delete("/{trajectory:path}", status_code=204)
+    async def delete(trajectory: str = TrajectoryId) -> Response:
+        """The trajectory forgotten: its sandbox stopped, its log and its checkpoints'
+        snapshots (those no fork of it links) deleted."""
+        await router.trajectories().delete(visible(trajectory))
+        return Response(status_code=204)
+
     @api.get("/{trajectory:path}")
     async def get(trajectory: str = TrajectoryId) -> TrajectoryInfo:
         return router.trajectories().info(visible(trajectory))
@@ -102,7 +121,7 @@ def trajectory_routes(router: Router, store: StateStore) -> APIRouter:
     return api
 
 
-def _record(row: StepRow) -> StepRecord:
+def _record(row: StepRow, checkpoint: str | None) -> StepRecord:
     fields = vars(row).copy()
     del fields["payload"]  # the request names it by size and SHA-256
-    return StepRecord(**fields)
+    return StepRecord(**fields, checkpoint=checkpoint)

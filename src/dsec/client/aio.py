@@ -46,6 +46,7 @@ from ..protocol.models import (
     ExecRequest,
     ExecResult,
     FileEntry,
+    ForkTrajectoryRequest,
     NetworkRequest,
     ProcessInfo,
     ReplayReport,
@@ -64,7 +65,7 @@ from ..protocol.outcome import decode, output_chunks
 from . import archive
 from . import fn as fn_calls
 from .projects import Projects
-from .trajectory import Attachment, OnDivergence, check_on_divergence
+from .trajectory import Attachment, Checkpoint, OnDivergence, check_on_divergence
 from .transport import Transport, retrying
 
 
@@ -119,6 +120,7 @@ class CreateOptions(TypedDict, total=False):
     runtime: str
     labels: dict[str, str]
     snapshot: str
+    checkpoint: Checkpoint
 
 
 @dataclass(frozen=True)
@@ -464,11 +466,15 @@ class Sandbox:
                                 max_members=max_members)
 
     # state
-    async def snapshot(self, mode: str = "filesystem") -> Snapshot:
+    async def snapshot(self, mode: str = "filesystem", previous: Snapshot | str | None = None,
+                       ) -> Snapshot:
         """A copy of the sandbox's file system, kept until ``delete_snapshot`` (it outlives
         the sandbox): ``create(snapshot=snap.id)`` starts sandboxes from it, processes fresh.
-        ``mode="full"`` (memory too) is ``NotSupported`` yet."""
-        req = _validated(SnapshotRequest, mode=mode)
+        ``mode="full"`` (memory too) is ``NotSupported`` yet. With ``previous`` (one of this
+        sandbox's snapshots), that one is the answer if nothing was written since (no copy)."""
+        if isinstance(previous, Snapshot):
+            previous = previous.id
+        req = _validated(SnapshotRequest, mode=mode, previous=previous)
         return Snapshot.model_validate(
             await self._t.json(*self._route("snapshot", {}), json=req.model_dump()))
 
@@ -591,6 +597,7 @@ class Replay:
     sandbox: Sandbox
     steps: list[StepDiff]
     attached_generation: int | None = None
+    restored_step: int | None = None  # the checkpoint it started from (steps after it replayed)
 
     @property
     def differences(self) -> list[StepDiff]:
@@ -628,7 +635,8 @@ class AsyncClient:
                      env: dict[str, str] | None = None, runtime: str | None = None,
                      labels: dict[str, str] | None = None, trajectory: str | None = None,
                      on_divergence: OnDivergence = "raise",
-                     idempotency_key: str | None = None, snapshot: str | None = None) -> Sandbox:
+                     idempotency_key: str | None = None, snapshot: str | None = None,
+                     checkpoint: Checkpoint | None = None) -> Sandbox:
         """Start a sandbox of ``image`` on ``substrate`` (``container``, ``fn``, ``microvm``,
         ``vm``). An option left None takes the server's default (see ``CreateRequest``):
         ``cpu`` (1.0), ``memory_mb`` (512), ``pids`` (512), ``disk_mb`` (1024), ``ttl_s``
@@ -638,6 +646,10 @@ class AsyncClient:
         trajectory id (``TrajectoryExists`` if it is taken), to be resumed after a preemption.
         With ``snapshot`` (an id from ``Sandbox.snapshot``), the sandbox starts from that
         file system, with the snapshot's image and disk size (``SnapshotNotFound`` if gone).
+        With ``trajectory`` and ``checkpoint`` (``"every_step"`` or every k-th step), the
+        file system is snapshotted after each such step (the previous snapshot is kept when
+        a step wrote nothing): ``fork_trajectory``, and forks and replays of the trajectory,
+        start from a step's checkpoint instead of re-executing the steps before it.
 
         The create carries an ``Idempotency-Key`` (``idempotency_key``, else a fresh one) and
         is retried with it for ``retry_s`` while the server cannot be reached or the
@@ -647,7 +659,8 @@ class AsyncClient:
         info = await _create(self._t, dict(
             substrate=substrate, image=image, cpu=cpu, memory_mb=memory_mb, pids=pids,
             disk_mb=disk_mb, ttl_s=ttl_s, network=network, env=env, runtime=runtime,
-            labels=labels, trajectory=trajectory, snapshot=snapshot), idempotency_key,
+            labels=labels, trajectory=trajectory, snapshot=snapshot, checkpoint=checkpoint),
+            idempotency_key,
             self._retry_s)
         attachment = None if trajectory is None else Attachment(
             trajectory, on_divergence, generation=1, retry_s=self._retry_s)
@@ -669,22 +682,47 @@ class AsyncClient:
 
     async def replay(self, trajectory: str, into: str = "new", *, upto: int | None = None,
                      generation: int | None = None, attach: bool = False,
-                     on_divergence: OnDivergence = "raise") -> Replay:
+                     on_divergence: OnDivergence = "raise", restore: bool = True) -> Replay:
         """Re-execute a trajectory's logged calls (of ``generation``, up to ``upto``) into a
         fresh sandbox, and report step by step where the results differ from the log. With
         ``attach``, the new sandbox becomes the trajectory's and the returned handle is
-        attached from step 1, like ``resume``: the way on after the sandbox died."""
-        req = _validated(ReplayRequest, into=into, upto=upto, generation=generation, attach=attach)
+        attached from step 1, like ``resume``: the way on after the sandbox died. A
+        trajectory with checkpoints starts from the newest one at or before ``upto`` and
+        replays only the steps after it (``restored_step``), unless ``restore=False``."""
+        req = _validated(ReplayRequest, into=into, upto=upto, generation=generation, attach=attach,
+                         restore=restore)
         check_on_divergence(on_divergence)
         report = ReplayReport.model_validate(await self._t.json(
             "POST", f"/v1/trajectories/{trajectory}/-/replay", json=req.model_dump()))
         attachment = None
         if report.attached_generation is not None:
             attachment = Attachment(trajectory, on_divergence, generation=report.attached_generation,
-                                    logged=max([s.step for s in report.steps], default=0),
+                                    logged=max([s.step for s in report.steps],
+                                               default=report.restored_step or 0),
                                     prefetch=True, retry_s=self._retry_s)
         return Replay(trajectory, report.generation, Sandbox(self._t, report.sandbox, attachment),
-                      report.steps, report.attached_generation)
+                      report.steps, report.attached_generation, report.restored_step)
+
+    async def delete_trajectory(self, trajectory: str) -> None:
+        """Forget a trajectory: its sandbox is stopped if it runs, its log deleted, and the
+        snapshots of its checkpoints too (those a fork of it still links are kept)."""
+        await self._t.request("DELETE", f"/v1/trajectories/{trajectory}")
+
+    async def fork_trajectory(self, trajectory: str, at_step: int, n: int = 1, *,
+                              on_divergence: OnDivergence = "raise") -> builtins.list[Sandbox]:
+        """``n`` new sandboxes started from the checkpoint of step ``at_step`` of a
+        trajectory created with ``checkpoint=`` (0: before its first step), each attached to
+        a new trajectory (``<trajectory>/fork-<at_step>-<hex>``) that holds the steps up to
+        ``at_step`` and goes on from the next one: no step is executed again.
+        ``CheckpointNotFound`` if the step has no checkpoint (never checkpointed, or its
+        snapshot deleted). Processes started by earlier steps are not running in the forks."""
+        check_on_divergence(on_divergence)
+        req = _validated(ForkTrajectoryRequest, at_step=at_step, n=n)
+        forks = [TrajectoryInfo.model_validate(t) for t in await self._t.json(
+            "POST", f"/v1/trajectories/{trajectory}/-/fork", json=req.model_dump())]
+        return [Sandbox(self._t, fork.sandbox, Attachment(
+            fork.id, on_divergence, generation=fork.generation, logged=at_step,
+            retry_s=self._retry_s, next_step=at_step + 1)) for fork in forks]
 
     async def trajectory(self, trajectory: str) -> TrajectoryInfo:
         return TrajectoryInfo.model_validate(

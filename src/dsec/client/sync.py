@@ -42,7 +42,7 @@ from ..protocol.models import (
 from . import aio, archive
 from .aio import CommandResult, CreateOptions, OutputChunk
 from .projects import SyncProjects
-from .trajectory import OnDivergence
+from .trajectory import Checkpoint, OnDivergence
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -267,10 +267,12 @@ class Sandbox:
                                              max_members=max_members))
 
     # state
-    def snapshot(self, mode: str = "filesystem") -> Snapshot:
+    def snapshot(self, mode: str = "filesystem", previous: Snapshot | str | None = None,
+                 ) -> Snapshot:
         """A copy of the sandbox's file system, kept until ``delete_snapshot``:
-        ``create(snapshot=snap.id)`` starts sandboxes from it (see ``AsyncSandbox.snapshot``)."""
-        return self._loop.call(self._async.snapshot(mode))
+        ``create(snapshot=snap.id)`` starts sandboxes from it; ``previous`` is the answer if
+        nothing was written since it (see ``AsyncSandbox.snapshot``)."""
+        return self._loop.call(self._async.snapshot(mode, previous))
 
     def rollback(self, snapshot: Snapshot | str) -> SandboxInfo:
         """This sandbox back at one of its own snapshots (see ``AsyncSandbox.rollback``)."""
@@ -322,6 +324,7 @@ class Replay:
     sandbox: Sandbox
     steps: builtins.list[StepDiff]
     attached_generation: int | None = None
+    restored_step: int | None = None
 
     @property
     def differences(self) -> builtins.list[StepDiff]:
@@ -364,16 +367,18 @@ class Client:
                env: dict[str, str] | None = None, runtime: str | None = None,
                labels: dict[str, str] | None = None, trajectory: str | None = None,
                on_divergence: OnDivergence = "raise",
-               idempotency_key: str | None = None, snapshot: str | None = None) -> Sandbox:
+               idempotency_key: str | None = None, snapshot: str | None = None,
+               checkpoint: Checkpoint | None = None) -> Sandbox:
         """Start a sandbox of ``image`` on ``substrate``; options left None take the server's
         defaults (see ``AsyncClient.create``). With ``trajectory``, every call is logged under
-        that new trajectory id. With ``snapshot``, it starts from that file system. Retried
+        that new trajectory id (snapshotted after each step with ``checkpoint``). With
+        ``snapshot``, it starts from that file system. Retried
         under one ``Idempotency-Key`` while the server cannot be reached: never a second sandbox."""
         return self._sandbox(self._loop.call(self._async.create(
             substrate, image, cpu=cpu, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb,
             ttl_s=ttl_s, network=network, env=env, runtime=runtime, labels=labels,
             trajectory=trajectory, on_divergence=on_divergence, idempotency_key=idempotency_key,
-            snapshot=snapshot)))
+            snapshot=snapshot, checkpoint=checkpoint)))
 
     def create_many(self, n: int, *, concurrency: int = 32,
                     idempotency_key: str | None = None,
@@ -401,13 +406,28 @@ class Client:
 
     def replay(self, trajectory: str, into: str = "new", *, upto: int | None = None,
                generation: int | None = None, attach: bool = False,
-               on_divergence: OnDivergence = "raise") -> Replay:
+               on_divergence: OnDivergence = "raise", restore: bool = True) -> Replay:
         """Re-execute a trajectory's logged calls into a fresh sandbox and report step by
-        step where the results differ; with ``attach`` the trajectory goes on there."""
+        step where the results differ; with ``attach`` the trajectory goes on there. From
+        the newest checkpoint at or before ``upto`` unless ``restore=False``."""
         done = self._loop.call(self._async.replay(trajectory, into, upto=upto, generation=generation,
-                                                  attach=attach, on_divergence=on_divergence))
+                                                  attach=attach, on_divergence=on_divergence,
+                                                  restore=restore))
         return Replay(done.trajectory, done.generation, self._sandbox(done.sandbox),
-                      done.steps, done.attached_generation)
+                      done.steps, done.attached_generation, done.restored_step)
+
+    def delete_trajectory(self, trajectory: str) -> None:
+        """Forget a trajectory, its sandbox and its checkpoints (see
+        ``AsyncClient.delete_trajectory``)."""
+        self._loop.call(self._async.delete_trajectory(trajectory))
+
+    def fork_trajectory(self, trajectory: str, at_step: int, n: int = 1, *,
+                        on_divergence: OnDivergence = "raise") -> builtins.list[Sandbox]:
+        """``n`` new sandboxes from the checkpoint of step ``at_step``, each on a new
+        trajectory holding the steps up to it: nothing re-executed (see
+        ``AsyncClient.fork_trajectory``)."""
+        return [self._sandbox(s) for s in self._loop.call(self._async.fork_trajectory(
+            trajectory, at_step, n, on_divergence=on_divergence))]
 
     def trajectory(self, trajectory: str) -> TrajectoryInfo:
         """A trajectory's record: its sandbox, generations and logged steps."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Literal
+from typing import Any, Awaitable, Callable, Literal, Union
 
 from ..protocol.digest import StepRequest
 from ..protocol.errors import InvalidRequest
@@ -25,6 +25,7 @@ from ..protocol.outcome import inline
 
 PAGE = 1000
 OnDivergence = Literal["raise", "fork"]
+Checkpoint = Union[Literal["every_step"], int]  # create(checkpoint=): after every step, or every k-th
 
 
 @dataclass(frozen=True)

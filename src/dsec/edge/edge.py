@@ -99,6 +99,9 @@ class Live:
     agent: AgentClient
     env: dict[str, str]  # the base environment of every command: image, then request
     rolling_back: bool = False  # its init is being restarted: a failed call is not its death
+    # Its last snapshot and the disk's write count as of it (Substrate.disk_writes): an equal
+    # count later means the disk is still that snapshot's.
+    last_snapshot: tuple[str, int] | None = None
     pausing: asyncio.Lock = field(default_factory=asyncio.Lock)  # one pause or resume at a time
 
 
@@ -328,20 +331,28 @@ class Edge:
             raise SnapshotNotFound(f"no snapshot {snapshot_id!r}", snapshot=snapshot_id)
         return row
 
-    async def snapshot(self, sandbox_id: str, mode: str = "filesystem") -> Snapshot:
+    async def snapshot(self, sandbox_id: str, mode: str = "filesystem",
+                       previous: str | None = None) -> Snapshot:
         """A copy of the sandbox's writable layer, kept until deleted (it outlives the
         sandbox and restarts); ``create(snapshot=...)`` starts sandboxes from it. A paused
-        sandbox is resumed first (its file system cannot be frozen under frozen writers)."""
+        sandbox is resumed first (its file system cannot be frozen under frozen writers).
+        With ``previous`` (one of this sandbox's snapshots): that snapshot, if nothing has
+        been written to the disk since it was taken (a trajectory's checkpoints)."""
         live = await self._awake(sandbox_id)
         if mode != "filesystem":
             raise NotSupported("'full' snapshots (memory and processes too) are not supported "
                                "yet; take mode='filesystem'", mode=mode)
+        if previous is not None:
+            unchanged = await self._unchanged_since(live, previous)
+            if unchanged is not None:
+                return snapshot_info(unchanged)
         snap_id = f"sn-{self.id}-{secrets.token_hex(6)}"
         d = self._snapshot_dir(snap_id)
         d.mkdir(parents=True)
         try:
             try:
-                await live.substrate.snapshot_disk(sandbox_id, live.row.runtime, d / SNAPSHOT_DISK)
+                count = await live.substrate.snapshot_disk(sandbox_id, live.row.runtime,
+                                                           d / SNAPSHOT_DISK)
             except OSError as exc:
                 raise SandboxError(f"could not snapshot sandbox {sandbox_id}: {exc}",
                                    sandbox_id=sandbox_id) from exc
@@ -352,8 +363,24 @@ class Edge:
         except BaseException:
             await asyncio.to_thread(remove_tree, d)
             raise
+        live.last_snapshot = None if count is None else (snap_id, count)
         self.store.event("snapshot", sandbox_id, snapshot=snap_id, size_bytes=row.size_bytes)
         return snapshot_info(row)
+
+    async def _unchanged_since(self, live: Live, previous: str) -> SnapshotRow | None:
+        """``previous``'s record if it is this sandbox's last snapshot and the disk has not
+        been written since; None if it has, or it cannot be told, or ``previous`` is another
+        (another sandbox's, an older one, one deleted)."""
+        if live.last_snapshot is None or live.last_snapshot[0] != previous:
+            return None
+        try:
+            count = await live.substrate.disk_writes(live.row.id, live.row.runtime)
+        except OSError as exc:
+            raise SandboxError(f"could not sync sandbox {live.row.id}'s disk: {exc}",
+                               sandbox_id=live.row.id) from exc
+        if count != live.last_snapshot[1]:
+            return None
+        return self.store.get_snapshot(previous)  # None if deleted meanwhile
 
     async def rollback(self, sandbox_id: str, snapshot: str) -> SandboxInfo:
         """The sandbox back at one of its own snapshots: same id, processes fresh. A failed
@@ -382,6 +409,7 @@ class Edge:
         finally:
             live.rolling_back = False
         live.row.runtime = runtime
+        live.last_snapshot = None  # a new disk (and loop device): counts start afresh
         live.agent = live.substrate.agent(sandbox_id, runtime)
         self.store.mark_running(sandbox_id, runtime, live.row.expires_at)
         live.substrate.watch(sandbox_id, runtime, lambda: self._exited(sandbox_id))

@@ -11,7 +11,8 @@ The tree (catch ``DSecError`` for all of them)::
     ├── InvalidRequest (400)            bad arguments; the server or the SDK refused them
     ├── Unauthorized (401), Forbidden (403)
     ├── not found (404): SandboxNotFound, ImageNotFound, ProcessNotFound, RouteNotFound,
-    │                    TrajectoryNotFound, ProjectNotFound, SnapshotNotFound,
+    │                    TrajectoryNotFound, ProjectNotFound, SnapshotNotFound >
+    │                    CheckpointNotFound,
     │                    FileNotFound (also a builtin FileNotFoundError)
     ├── CommandTimeout (408)            also a builtin TimeoutError
     ├── conflicts (409): TrajectoryExists, TrajectoryDiverged > StepInterrupted,
@@ -61,6 +62,14 @@ class SnapshotNotFound(DSecError):
     project's)."""
 
     code, status = "snapshot_not_found", 404
+
+
+class CheckpointNotFound(SnapshotNotFound):
+    """A trajectory has no checkpoint at that step: it was not created with ``checkpoint=``,
+    the step was not checkpointed (``checkpoint=k``), or its snapshot was deleted. A fork at
+    that step never falls back to re-executing the steps."""
+
+    code, status = "checkpoint_not_found", 404
 
 
 class ImageNotFound(DSecError):
@@ -233,6 +242,7 @@ ERRORS: dict[str, type[DSecError]] = {
         Unauthorized,
         SandboxNotFound,
         SnapshotNotFound,
+        CheckpointNotFound,
         ImageNotFound,
         ImageBuildError,
         FileNotFound,

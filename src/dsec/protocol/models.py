@@ -7,13 +7,14 @@ round-trips exactly; the SDK turns them back into ``bytes`` and offers text help
 from __future__ import annotations
 
 import base64
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     StrictBool,
+    StrictInt,
     field_validator,
     model_validator,
 )
@@ -30,6 +31,7 @@ DEFAULT_DISK_MB = 1024  # the size warm-pool sandboxes and spare disk files have
 # underscore, so no segment is "-", "." or "..": "/-/" separates an id from a sub-resource.
 TRAJECTORY_ID = r"^[A-Za-z0-9_][A-Za-z0-9_.@+=-]*(/[A-Za-z0-9_][A-Za-z0-9_.@+=-]*)*$"
 STEP_MAX = (1 << 63) - 1  # steps and generations are SQLite integers
+SNAPSHOT_ID = r"^sn-[A-Za-z0-9-]+$"
 
 
 class _Model(BaseModel):
@@ -128,9 +130,30 @@ class CreateRequest(_Request):
     trajectory: str | None = Field(None, max_length=256, pattern=TRAJECTORY_ID,
                                    description="log every call of the sandbox under this new "
                                                "trajectory id (see Trajectories)")
-    snapshot: str | None = Field(None, max_length=64, pattern=r"^sn-[A-Za-z0-9-]+$",
+    snapshot: str | None = Field(None, max_length=64, pattern=SNAPSHOT_ID,
                                  description="start from this snapshot's file system (its "
                                              "image and disk size are the snapshot's)")
+    checkpoint: Literal["every_step"] | Annotated[StrictInt, Field(ge=1, le=STEP_MAX)] | None = Field(
+        None, description="with a trajectory: snapshot the file system after every logged "
+                          "step ('every_step') or every k-th, so that a fork at a step "
+                          "restores it instead of re-executing the steps before")
+
+    @model_validator(mode="after")
+    def _checkpoint_needs_trajectory(self) -> CreateRequest:
+        if self.checkpoint is not None and self.trajectory is None:
+            raise ValueError("checkpoint needs a trajectory (checkpoints are its steps')")
+        return self
+
+    def checkpointed(self, step: int) -> bool:
+        """Whether step ``step`` (0: the fresh sandbox) is checkpointed."""
+        return checkpointed(self.checkpoint, step)
+
+
+def checkpointed(checkpoint: Literal["every_step"] | int | None, step: int) -> bool:
+    """Whether a trajectory created with ``checkpoint`` checkpoints step ``step``."""
+    if checkpoint is None:
+        return False
+    return checkpoint == "every_step" or step % checkpoint == 0
 
 
 class SandboxInfo(_Model):
@@ -156,6 +179,10 @@ SnapshotMode = Literal["filesystem", "full"]
 class SnapshotRequest(_Request):
     mode: SnapshotMode = Field("filesystem", description="'filesystem': the writable layer "
                                "(processes start fresh from it); 'full' (with memory): not yet")
+    previous: str | None = Field(None, max_length=64, pattern=SNAPSHOT_ID,
+                                 description="a snapshot of this sandbox: if nothing was "
+                                             "written to its disk since, it is the answer "
+                                             "(no copy is made)")
 
 
 class RollbackRequest(_Request):
@@ -298,6 +325,8 @@ class StepRecord(_Model):
     caller: str | None = None
     started_at: float
     ended_at: float | None = None
+    checkpoint: str | None = Field(None, description="the snapshot holding the file system "
+                                                     "after this step, if it was checkpointed")
 
 
 class StepPage(_Model):
@@ -307,6 +336,12 @@ class StepPage(_Model):
     next_after: int | None = Field(None, description="pass as ``after`` for the next page")
 
 
+class ForkTrajectoryRequest(_Request):
+    at_step: int = Field(ge=0, le=STEP_MAX, description="the checkpointed step to fork at "
+                                                        "(0: the fresh sandbox)")
+    n: int = Field(1, ge=1, le=256, description="how many forks")
+
+
 class ReplayRequest(_Request):
     into: Literal["new"] = Field("new", description="a fresh sandbox of the trajectory's image")
     generation: int | None = Field(None, ge=0, le=STEP_MAX,
@@ -314,6 +349,9 @@ class ReplayRequest(_Request):
     upto: int | None = Field(None, ge=0, le=STEP_MAX, description="last step to replay; default: all")
     attach: bool = Field(False, description="make the new sandbox the trajectory's (a new "
                                             "generation): continue the trajectory there")
+    restore: bool = Field(True, description="start from the newest checkpoint at or before "
+                          "``upto`` and replay only the steps after it; False re-executes every "
+                          "step (a check of determinism)")
 
 
 class StepDiff(_Model):
@@ -330,6 +368,8 @@ class ReplayReport(_Model):
     generation: int = Field(description="generation that was replayed")
     sandbox: SandboxInfo
     attached_generation: int | None = Field(None, description="set when ``attach`` was asked")
+    restored_step: int | None = Field(None, description="the checkpoint the new sandbox "
+                                      "started from; only the steps after it were replayed")
     steps: list[StepDiff]
 
     @property

@@ -116,7 +116,7 @@ OPERATIONS: tuple[Operation, ...] = (
     _op("set_ttl", (Param("ttl_s", int),), SandboxInfo, f"PUT {SANDBOX}/ttl", sdk="Sandbox.set_ttl"),
     _op("set_network", (Param("network", Network),), SandboxInfo, f"PUT {SANDBOX}/network",
         sdk="Sandbox.set_network"),
-    _op("snapshot", (Param("mode", str, "filesystem"),), Snapshot, f"POST {SANDBOX}/snapshots",
+    _op("snapshot", (Param("mode", str, "filesystem"), Param("previous", str | None, None)), Snapshot, f"POST {SANDBOX}/snapshots",
         sdk="Sandbox.snapshot"),
     _op("rollback", (Param("snapshot", str),), SandboxInfo, f"POST {SANDBOX}/rollback",
         sdk="Sandbox.rollback"),

@@ -78,11 +78,19 @@ class Substrate(ABC):
         raise NotSupported(f"the {self.name} substrate cannot enforce network policies yet; "
                            "use network='none'")
 
-    async def snapshot_disk(self, sandbox_id: str, runtime: dict[str, Any], dest: Path) -> None:
+    async def snapshot_disk(self, sandbox_id: str, runtime: dict[str, Any],
+                            dest: Path) -> int | None:
         """Write a consistent copy of the running sandbox's writable layer to ``dest`` (a
-        new file), from which ``start`` can begin another (``StartPlan.disk_from``)."""
+        new file), from which ``start`` can begin another (``StartPlan.disk_from``). Returns
+        the disk's write count as of the copy (see ``disk_writes``), or None if unknown."""
         raise NotSupported(f"filesystem snapshots of {self.name} sandboxes are not supported "
                            "yet: their writable layer is not a disk image dsec can copy")
+
+    async def disk_writes(self, sandbox_id: str, runtime: dict[str, Any]) -> int | None:
+        """How much has been written to the sandbox's writable layer so far, every change
+        included (synced first): equal to what ``snapshot_disk`` returned means the layer
+        is the snapshot's. None where the substrate cannot tell (a snapshot is then taken)."""
+        return None
 
     async def rollback(self, plan: StartPlan, runtime: dict[str, Any]) -> dict[str, Any]:
         """Restart the running sandbox ``plan.sandbox_id`` from ``plan.disk_from`` (its own

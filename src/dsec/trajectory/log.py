@@ -10,6 +10,11 @@ bytes above ``INLINE_MAX`` in its blob area.
   committed before the result goes back to the client. ``request`` is the canonical text
   whose SHA-256 is ``digest`` (a payload enters it as size and SHA-256); the payload bytes
   are in ``payload`` up to ``INLINE_MAX``, in the blob area above.
+- ``trajectory_checkpoints``: for a trajectory created with ``checkpoint=``, the snapshot
+  holding the sandbox's file system after a step (step 0: before the first), keyed like its
+  step. Consecutive steps that wrote nothing share one snapshot; a fork (of a generation or
+  into a new trajectory) links the snapshots of the steps it copies. The snapshot itself is
+  in the state store's ``snapshots`` table, and may have been deleted since.
 
 A ``running`` row whose owner is not this server process is ``interrupted``: the server that
 ran it stopped before the outcome was written, so nobody knows what it did to the sandbox.
@@ -75,6 +80,14 @@ CREATE TABLE IF NOT EXISTS trajectory_steps (
     ended_at REAL,
     PRIMARY KEY (trajectory, generation, step)
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS trajectory_checkpoints (
+    trajectory TEXT NOT NULL,
+    generation INTEGER NOT NULL,
+    step INTEGER NOT NULL,
+    snapshot TEXT NOT NULL,
+    PRIMARY KEY (trajectory, generation, step)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS trajectory_checkpoints_snapshot ON trajectory_checkpoints (snapshot);
 """
 
 
@@ -184,6 +197,22 @@ class TrajectoryLog:
         d["request"] = json.loads(d["request"])
         return TrajectoryRow(**d)
 
+    def delete(self, trajectory: str) -> builtins.list[str]:
+        """Forget the trajectory (its generations, steps and checkpoints); returns the
+        snapshots its checkpoints held that no other trajectory's (a fork's) still links."""
+        with self._db.transaction():
+            self.get(trajectory)  # TrajectoryNotFound
+            held = [r[0] for r in self._db.execute(
+                "SELECT DISTINCT snapshot FROM trajectory_checkpoints WHERE trajectory=?",
+                (trajectory,))]
+            for table, key in (("trajectory_checkpoints", "trajectory"),
+                               ("trajectory_steps", "trajectory"),
+                               ("trajectory_generations", "trajectory"), ("trajectories", "id")):
+                self._db.execute(f"DELETE FROM {table} WHERE {key}=?", (trajectory,))
+            return [snapshot for snapshot in held if self._db.execute(
+                "SELECT 1 FROM trajectory_checkpoints WHERE snapshot=? LIMIT 1",
+                (snapshot,)).fetchone() is None]
+
     def list(self, limit: int = 100) -> list[TrajectoryRow]:
         rows = self._db.execute("SELECT id FROM trajectories ORDER BY created_at DESC LIMIT ?",
                                 (limit,)).fetchall()
@@ -278,6 +307,64 @@ class TrajectoryLog:
                 "payload, status, outcome, sandbox_id, caller, owner, started_at, ended_at "
                 "FROM trajectory_steps WHERE trajectory=? AND generation=? AND step<?",
                 (generation, trajectory, from_generation, at_step))
+            self._copy_checkpoints(trajectory, from_generation, at_step - 1, trajectory, generation)
             self._db.execute("UPDATE trajectories SET generation=?, sandbox_id=? WHERE id=?",
                              (generation, sandbox_id, trajectory))
         return generation
+
+    def branch(self, source: str, generation: int, at_step: int, trajectory: str,
+               sandbox_id: str, request: dict[str, Any], image: str, image_digest: str,
+               caller: str | None) -> None:
+        """A new trajectory ``trajectory`` in ``sandbox_id`` (started from ``source``'s
+        checkpoint at ``at_step``): its first generation holds a copy of ``source``'s steps
+        up to ``at_step`` and links their checkpoints."""
+        now = time.time()
+        try:
+            with self._db.transaction():
+                self._db.execute("INSERT INTO trajectories VALUES (?,?,?,?,?,?)",
+                                 (trajectory, 1, sandbox_id, json.dumps(request), now, caller))
+                self._db.execute(
+                    "INSERT INTO trajectory_generations (trajectory, generation, sandbox_id, "
+                    "image, image_digest, started_at, forked_at_step, reason) "
+                    "VALUES (?,?,?,?,?,?,?,?)",
+                    (trajectory, 1, sandbox_id, image, image_digest, now, at_step + 1,
+                     f"forked from trajectory {source} at step {at_step}"))
+                self._db.execute(
+                    "INSERT INTO trajectory_steps SELECT ?, 1, step, op, digest, request, "
+                    "payload, status, outcome, sandbox_id, caller, owner, started_at, ended_at "
+                    "FROM trajectory_steps WHERE trajectory=? AND generation=? AND step<=?",
+                    (trajectory, source, generation, at_step))
+                self._copy_checkpoints(source, generation, at_step, trajectory, 1)
+        except IntegrityError:
+            raise TrajectoryExists(f"trajectory {trajectory!r} exists", trajectory=trajectory) from None
+
+    # checkpoints
+    def _copy_checkpoints(self, source: str, generation: int, upto: int, trajectory: str,
+                          into: int) -> None:
+        self._db.execute(
+            "INSERT INTO trajectory_checkpoints SELECT ?, ?, step, snapshot FROM "
+            "trajectory_checkpoints WHERE trajectory=? AND generation=? AND step<=?",
+            (trajectory, into, source, generation, upto))
+
+    def add_checkpoint(self, trajectory: str, generation: int, step: int, snapshot: str) -> None:
+        self._db.execute("INSERT INTO trajectory_checkpoints VALUES (?,?,?,?)",
+                         (trajectory, generation, step, snapshot))
+
+    def checkpoint(self, trajectory: str, generation: int, upto: int) -> tuple[int, str] | None:
+        """(step, snapshot) of the last checkpoint at or before step ``upto``."""
+        r = self._db.execute(
+            "SELECT step, snapshot FROM trajectory_checkpoints WHERE trajectory=? AND "
+            "generation=? AND step<=? ORDER BY step DESC LIMIT 1",
+            (trajectory, generation, upto)).fetchone()
+        return None if r is None else (r[0], r[1])
+
+    def checkpoints(self, trajectory: str, generation: int, after: int = 0,
+                    upto: int | None = None) -> dict[int, str]:
+        """Each checkpointed step's snapshot, in a range of steps."""
+        sql = ("SELECT step, snapshot FROM trajectory_checkpoints WHERE trajectory=? AND "
+               "generation=? AND step>?")
+        args: list[Any] = [trajectory, generation, after]
+        if upto is not None:
+            sql += " AND step<=?"
+            args.append(upto)
+        return {r[0]: r[1] for r in self._db.execute(sql, args)}

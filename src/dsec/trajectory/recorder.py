@@ -39,16 +39,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Coroutine, Literal
+
+from pydantic import ValidationError
 
 from ..agent.client import Output
 from ..protocol.digest import STREAM_OPS, StepRequest, step_request
 from ..protocol.errors import (
+    CheckpointNotFound,
     DSecError,
     InvalidRequest,
     SandboxDied,
     SandboxNotFound,
+    SnapshotNotFound,
     StepInterrupted,
     TrajectoryDiverged,
     TrajectoryExists,
@@ -62,6 +67,7 @@ from ..protocol.models import (
     SandboxInfo,
     StepDiff,
     TrajectoryInfo,
+    checkpointed,
 )
 from ..protocol.ops import Operation, bind, derive_operations
 from ..protocol.outcome import Outcome, decode, encode, encode_error, output_chunks
@@ -78,6 +84,7 @@ log = logging.getLogger("dsec.trajectory")
 
 OFFLOAD_BYTES = 256 << 10  # outcomes larger than this are written to the blob area off-loop
 MAX_STATES = 10_000  # trajectories kept in memory (idle ones beyond this are reloaded on use)
+FORK_CONCURRENCY = 16  # sandboxes a fork_trajectory starts at a time
 
 
 @dataclass
@@ -151,6 +158,7 @@ class TrajectoryState:
     sandbox_id: str
     request: dict[str, Any]
     head: int = 0  # no step above this is logged in the current generation
+    last_checkpoint: str | None = None  # the snapshot of the newest checkpoint
     flights: dict[tuple[int, int], Flight] = field(default_factory=dict)
     fork_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -174,8 +182,10 @@ class Recorder:
         state = self._states.get(trajectory)
         if state is None:
             row = self.log.get(trajectory)
+            last = self.log.last_step(row.id, row.generation)[1]
+            checkpoint = self.log.checkpoint(row.id, row.generation, last)
             state = TrajectoryState(row.id, row.generation, row.sandbox_id, row.request,
-                                    head=self.log.last_step(row.id, row.generation)[1])
+                                    head=last, last_checkpoint=checkpoint and checkpoint[1])
             self._states[trajectory] = state
             if len(self._states) > MAX_STATES:
                 self._forget_idle()
@@ -197,8 +207,13 @@ class Recorder:
                                    "a new id", trajectory=req.trajectory)
         info = await self.router.place(req)
         try:
+            first = None
+            if req.checkpointed(0):  # also says now whether the substrate can snapshot
+                first = await self.router.owner(info.id).snapshot(info.id)
             self.log.create(req.trajectory, info.id, req.model_dump(), info.image,
                             info.image_digest, caller)
+            if first is not None:
+                self.log.add_checkpoint(req.trajectory, 1, 0, first.id)
         except BaseException:
             await self.router.owner(info.id).stop(info.id,
                                                   reason="its trajectory could not be created")
@@ -240,6 +255,26 @@ class Recorder:
                                   "sandbox", **details)
         return info
 
+    async def delete(self, trajectory: str) -> None:
+        """Forget a trajectory: its sandbox is stopped if it still runs, its log removed, and
+        its checkpoints' snapshots deleted unless a fork of it still links them."""
+        row = self.log.get(trajectory)
+        state = self._states.get(trajectory)
+        if state is not None and (state.flights or state.fork_lock.locked()):
+            raise InvalidRequest(f"trajectory {trajectory} has calls under way; delete it "
+                                 "when they are done", trajectory=trajectory)
+        try:
+            await self.router.owner(row.sandbox_id).stop(
+                row.sandbox_id, reason=f"its trajectory {trajectory} was deleted")
+        except (SandboxDied, SandboxNotFound):
+            pass  # it had already ended
+        self._states.pop(trajectory, None)
+        for snapshot in self.log.delete(trajectory):
+            try:
+                await self.router.delete_snapshot(snapshot)
+            except SnapshotNotFound:
+                pass  # deleted by its owner already
+
     # replay
     async def replay(self, trajectory: str, req: ReplayRequest) -> ReplayReport:
         state = self.state(trajectory)
@@ -254,8 +289,12 @@ class Recorder:
             return ReplayReport(trajectory=trajectory, generation=replayed, sandbox=info,
                                 attached_generation=state.generation, steps=diffs)
         generation = req.generation or state.generation
-        rows = self.log.steps(trajectory, generation, upto=req.upto)
-        create = CreateRequest(**{**state.request, "trajectory": None})
+        upto = req.upto if req.upto is not None else self.log.last_step(trajectory, generation)[1]
+        restored = self._restorable(trajectory, generation, upto) if req.restore else None
+        rows = self.log.steps(trajectory, generation, after=restored[0] if restored else 0,
+                              upto=upto)
+        create = CreateRequest(**{**_start_from(state.request, restored), "trajectory": None,
+                                  "checkpoint": None})
         info = await self.router.place(create)
         edge = self.router.owner(info.id)
         try:
@@ -264,7 +303,88 @@ class Recorder:
             await edge.stop(info.id, reason=f"replay of trajectory {trajectory} failed")
             raise
         return ReplayReport(trajectory=trajectory, generation=generation, sandbox=info,
-                            steps=diffs)
+                            restored_step=restored and restored[0], steps=diffs)
+
+    def _restorable(self, trajectory: str, generation: int, upto: int) -> tuple[int, str] | None:
+        """(step, snapshot) of the newest checkpoint at or before ``upto`` to start a sandbox
+        from instead of replaying the steps up to it; None without checkpoints (replay all).
+        A checkpoint whose snapshot was deleted is ``CheckpointNotFound``: the steps it
+        stood for are never re-executed silently instead."""
+        found = self.log.checkpoint(trajectory, generation, upto)
+        if found is None or found[0] == 0:  # step 0 is a fresh sandbox: nothing to restore
+            return None
+        self._checkpoint_snapshot(trajectory, *found)
+        return found
+
+    def _checkpoint_snapshot(self, trajectory: str, step: int, snapshot: str) -> None:
+        """Raise ``CheckpointNotFound`` if the checkpoint's snapshot is gone."""
+        try:
+            self.router.snapshot(snapshot)
+        except SnapshotNotFound:
+            raise CheckpointNotFound(f"the checkpoint of step {step} of trajectory {trajectory} "
+                                     f"was deleted (snapshot {snapshot})", trajectory=trajectory,
+                                     step=step, snapshot=snapshot) from None
+
+    async def fork_trajectory(self, trajectory: str, at_step: int, n: int,
+                              caller: str | None) -> list[TrajectoryInfo]:
+        """``n`` new trajectories, each in a new sandbox started from ``trajectory``'s
+        checkpoint of step ``at_step``, holding its steps up to ``at_step`` (nothing is
+        re-executed) and going on from the step after it. Their ids are
+        ``<trajectory>/fork-<at_step>-<hex>``. All or none: if one cannot be made, those
+        made are deleted and the error raised."""
+        state = self.state(trajectory)
+        generation = state.generation
+        found = self.log.checkpoint(trajectory, generation, at_step)
+        if found is None or found[0] != at_step:  # a row is written once its step is logged
+            raise CheckpointNotFound(f"trajectory {trajectory} has no checkpoint at step "
+                                     f"{at_step} (create it with checkpoint=...)",
+                                     trajectory=trajectory, step=at_step)
+        snapshot = found[1]
+        self._checkpoint_snapshot(trajectory, at_step, snapshot)
+        requests = []
+        for _ in range(n):
+            fork_id = f"{trajectory}/fork-{at_step}-{secrets.token_hex(4)}"
+            try:
+                requests.append(CreateRequest(**{**state.request, "trajectory": fork_id,
+                                                 "snapshot": snapshot}))
+            except ValidationError as exc:
+                raise InvalidRequest(f"cannot fork trajectory {trajectory}: {fork_id!r} is not "
+                                     f"a trajectory id ({exc.errors()[0]['msg']})",
+                                     trajectory=trajectory) from None
+        slots = asyncio.Semaphore(FORK_CONCURRENCY)
+
+        async def one(req: CreateRequest) -> str:
+            assert req.trajectory is not None
+            logged = {**state.request, "trajectory": req.trajectory}  # replays start afresh
+            async with slots:
+                return await self._branch(trajectory, generation, at_step, req, logged, caller)
+        made = await asyncio.gather(*map(one, requests), return_exceptions=True)
+        failed = [m for m in made if isinstance(m, BaseException)]
+        if failed:
+            for fork_id in (m for m in made if isinstance(m, str)):
+                try:
+                    await self.delete(fork_id)
+                except DSecError:
+                    log.exception("could not delete fork %s of a failed fork_trajectory", fork_id)
+            if isinstance(failed[0], SnapshotNotFound):  # deleted while forks were made
+                self._checkpoint_snapshot(trajectory, at_step, snapshot)
+            raise failed[0]
+        return [self.info(fork_id) for fork_id in made if isinstance(fork_id, str)]
+
+    async def _branch(self, trajectory: str, generation: int, at_step: int,
+                      req: CreateRequest, logged: dict[str, Any], caller: str | None) -> str:
+        """One fork of ``fork_trajectory``: its sandbox (``req``), then its log, which
+        holds ``logged`` as its create request."""
+        assert req.trajectory is not None
+        info = await self.router.place(req)
+        try:
+            self.log.branch(trajectory, generation, at_step, req.trajectory, info.id, logged,
+                            info.image, info.image_digest, caller)
+        except BaseException:
+            await self.router.owner(info.id).stop(
+                info.id, reason=f"fork of trajectory {trajectory} failed")
+            raise
+        return req.trajectory
 
     # calls
     async def call(self, trajectory: str, call: Call, request: StepRequest) -> Any:
@@ -381,11 +501,12 @@ class Recorder:
         request = flight.request
         value: Any = None
         error: DSecError | None = None
+        last: list[Output | ExecResult] = []  # a stream's result event, held back
         try:
             try:
                 if request.op in STREAM_OPS:
                     value, chunks = await ops.collect(ops.events(edge, sandbox_id, request),
-                                                      on_event=flight.push)
+                                                      on_event=_output_then(flight, last))
                     outcome = encode(request.op, value, chunks)
                 else:
                     value, _ = await ops.call(edge, sandbox_id, request)
@@ -398,6 +519,10 @@ class Recorder:
                 outcome = encode_error(error)
             stored = await self._stored(outcome)
             self.log.finish(state.id, generation, flight.step, stored)
+            if checkpointed(state.request.get("checkpoint"), flight.step):
+                await self._checkpoint(state, generation, flight.step, edge, sandbox_id)
+            if last:  # a stream's result goes out once its step is checkpointed
+                flight.push(last[0])
         except asyncio.CancelledError:  # the server is stopping: the step stays 'running'
             flight.end(error=DSecError("the server stopped while running this step"))
             raise
@@ -408,6 +533,21 @@ class Recorder:
             flight.end(value, error)
         finally:
             state.flights.pop((generation, flight.step), None)
+
+    async def _checkpoint(self, state: TrajectoryState, generation: int, step: int, edge: Edge,
+                          sandbox_id: str) -> None:
+        """Link the step to a snapshot of the sandbox's file system now: the previous
+        checkpoint's when nothing was written since (no copy). A step after which no
+        snapshot can be taken (it killed its sandbox) has no checkpoint: a fork there is
+        ``CheckpointNotFound``."""
+        try:
+            snap = await edge.snapshot(sandbox_id, "filesystem", state.last_checkpoint)
+        except DSecError as exc:
+            log.warning("no checkpoint after step %d of %s: %s", step, state.id, exc)
+            return
+        self.log.add_checkpoint(state.id, generation, step, snap.id)
+        if generation == state.generation:
+            state.last_checkpoint = snap.id
 
     async def _stored(self, outcome: Outcome) -> dict[str, Any]:
         if sum(map(len, outcome.data.values())) > OFFLOAD_BYTES:
@@ -426,8 +566,10 @@ class Recorder:
                 return edge.info(edge.get_row(state.sandbox_id)), []
             pending = [f.done for (g, s), f in state.flights.items() if g == before and s < at_step]
             await asyncio.gather(*map(asyncio.shield, pending), return_exceptions=True)
-            rows = self.log.steps(state.id, before, upto=at_step - 1)
-            info = await self.router.place(CreateRequest(**state.request))
+            restored = self._restorable(state.id, before, at_step - 1)
+            rows = self.log.steps(state.id, before, after=restored[0] if restored else 0,
+                                  upto=at_step - 1)
+            info = await self.router.place(CreateRequest(**_start_from(state.request, restored)))
             new_edge = self.router.owner(info.id)
             try:
                 diffs = await replay_rows(self.log, new_edge, info.id, rows)
@@ -438,6 +580,7 @@ class Recorder:
                 await new_edge.stop(info.id, reason=f"fork of trajectory {state.id} failed")
                 raise
             state.head = at_step - 1
+            state.last_checkpoint = restored and restored[1]
             old, state.sandbox_id = state.sandbox_id, info.id
             log.info("trajectory %s forked at step %d: %s -> %s", state.id, at_step, old, info.id)
             try:
@@ -490,6 +633,22 @@ class RecordedEdge:
 
     def get_row(self, sandbox_id: str) -> SandboxRow:
         return self._edge.get_row(sandbox_id)
+
+
+def _output_then(flight: Flight, last: list[Output | ExecResult]) -> Callable[[Output | ExecResult], None]:
+    """A stream's events to its flight as they come, but its result into ``last``."""
+    def on_event(event: Output | ExecResult) -> None:
+        if isinstance(event, Output):
+            flight.push(event)
+        else:
+            last.append(event)
+    return on_event
+
+
+def _start_from(request: dict[str, Any], checkpoint: tuple[int, str] | None) -> dict[str, Any]:
+    """A trajectory's create request, started from ``checkpoint``'s snapshot if there is one
+    (else from what the trajectory itself started from)."""
+    return request if checkpoint is None else {**request, "snapshot": checkpoint[1]}
 
 
 def _brief(request: dict[str, Any]) -> str:

@@ -32,7 +32,7 @@ from ...network.wiring import Slot
 from ...protocol.errors import NotSupported, SandboxError
 from ...protocol.models import DEFAULT_DISK_MB, CreateRequest
 from ..base import StartPlan, Substrate
-from ..host import cgroups, spawn
+from ..host import cgroups, disk_writes, spawn
 from ..host.disk import DiskPool, loop_mount, release
 from ..host.image_copy import copy_image
 from ..host.oci_spec import container_config
@@ -244,25 +244,41 @@ class ContainerSubstrate(Substrate):
                                   str(run), self.cgroup_parent)
         (d / "config.json").write_text(json.dumps(config))
 
-    async def snapshot_disk(self, sandbox_id: str, runtime: dict[str, Any], dest: Path) -> None:
+    async def snapshot_disk(self, sandbox_id: str, runtime: dict[str, Any], dest: Path) -> int:
         """The disk image copied while its file system is frozen (FIFREEZE: dirty data
         written out, writers blocked until the thaw), so the copy is a consistent file system;
-        the sandbox's processes keep running and only wait on writes for the copy's time."""
-        await asyncio.get_running_loop().run_in_executor(
+        the sandbox's processes keep running and only wait on writes for the copy's time.
+        Returns the disk's write count as of the copy (``disk_writes.count_after_thaw``)."""
+        return await asyncio.get_running_loop().run_in_executor(
             self._io, self._copy_frozen, self._dir(sandbox_id), dest)
 
     @staticmethod
-    def _copy_frozen(d: Path, dest: Path) -> None:
+    def _copy_frozen(d: Path, dest: Path) -> int:
         mount = os.open(d / "disk", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             fcntl.ioctl(mount, FIFREEZE, 0)
             try:
+                frozen = disk_writes.sectors_written(mount)
                 method = copy_image(d / "disk.img", dest)
             finally:
                 fcntl.ioctl(mount, FITHAW, 0)
+            count = disk_writes.count_after_thaw(mount, frozen)
         finally:
             os.close(mount)
         log.info("snapshot of %s to %s (%s copy)", d.name, dest, method)
+        return count
+
+    async def disk_writes(self, sandbox_id: str, runtime: dict[str, Any]) -> int:
+        return await asyncio.get_running_loop().run_in_executor(
+            self._io, self._synced_count, self._dir(sandbox_id))
+
+    @staticmethod
+    def _synced_count(d: Path) -> int:
+        mount = os.open(d / "disk", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            return disk_writes.synced_count(mount)
+        finally:
+            os.close(mount)
 
     def agent(self, sandbox_id: str, runtime: dict[str, Any]) -> AgentClient:
         # gVisor's sentry, not the agent, holds the host end of the socket: no pid to check.
