@@ -464,11 +464,13 @@ class Sandbox:
                                 max_members=max_members)
 
     # state
-    async def snapshot(self, mode: str = "filesystem") -> Snapshot:
-        """A copy of the sandbox's file system, kept until ``delete_snapshot`` (it outlives
-        the sandbox): ``create(snapshot=snap.id)`` starts sandboxes from it, processes fresh.
-        ``mode="full"`` (memory too) is ``NotSupported`` yet."""
-        req = _validated(SnapshotRequest, mode=mode)
+    async def snapshot(self, mode: str = "filesystem", ttl_s: int | None = None) -> Snapshot:
+        """A copy of the sandbox's file system, kept until ``delete_snapshot`` or, with
+        ``ttl_s``, until the server deletes it that many seconds later (it outlives the
+        sandbox): ``create(snapshot=snap.id)`` starts sandboxes from it, processes fresh.
+        It holds the sandbox's ``disk_mb`` of its project's snapshot quota (``QuotaExceeded``
+        when that is full). ``mode="full"`` (memory too) is ``NotSupported`` yet."""
+        req = _validated(SnapshotRequest, mode=mode, ttl_s=ttl_s)
         return Snapshot.model_validate(
             await self._t.json(*self._route("snapshot", {}), json=req.model_dump()))
 

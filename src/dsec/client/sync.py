@@ -267,10 +267,11 @@ class Sandbox:
                                              max_members=max_members))
 
     # state
-    def snapshot(self, mode: str = "filesystem") -> Snapshot:
-        """A copy of the sandbox's file system, kept until ``delete_snapshot``:
-        ``create(snapshot=snap.id)`` starts sandboxes from it (see ``AsyncSandbox.snapshot``)."""
-        return self._loop.call(self._async.snapshot(mode))
+    def snapshot(self, mode: str = "filesystem", ttl_s: int | None = None) -> Snapshot:
+        """A copy of the sandbox's file system, kept until ``delete_snapshot`` or its
+        ``ttl_s`` ends: ``create(snapshot=snap.id)`` starts sandboxes from it (see
+        ``AsyncSandbox.snapshot``)."""
+        return self._loop.call(self._async.snapshot(mode, ttl_s))
 
     def rollback(self, snapshot: Snapshot | str) -> SandboxInfo:
         """This sandbox back at one of its own snapshots (see ``AsyncSandbox.rollback``)."""

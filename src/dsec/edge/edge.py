@@ -324,14 +324,16 @@ class Edge:
 
     def _snapshot_row(self, snapshot_id: str) -> SnapshotRow:
         row = self.store.get_snapshot(snapshot_id)
-        if row is None or row.edge != self.id:
+        if row is None or row.edge != self.id or row.expired(time.time()):
             raise SnapshotNotFound(f"no snapshot {snapshot_id!r}", snapshot=snapshot_id)
         return row
 
-    async def snapshot(self, sandbox_id: str, mode: str = "filesystem") -> Snapshot:
-        """A copy of the sandbox's writable layer, kept until deleted (it outlives the
-        sandbox and restarts); ``create(snapshot=...)`` starts sandboxes from it. A paused
-        sandbox is resumed first (its file system cannot be frozen under frozen writers)."""
+    async def snapshot(self, sandbox_id: str, mode: str = "filesystem",
+                       ttl_s: int | None = None) -> Snapshot:
+        """A copy of the sandbox's writable layer, kept until deleted, or until ``ttl_s``
+        seconds pass (then the reaper deletes it); it outlives the sandbox and restarts.
+        ``create(snapshot=...)`` starts sandboxes from it. A paused sandbox is resumed first
+        (its file system cannot be frozen under frozen writers)."""
         live = await self._awake(sandbox_id)
         if mode != "filesystem":
             raise NotSupported("'full' snapshots (memory and processes too) are not supported "
@@ -348,6 +350,8 @@ class Edge:
             row = SnapshotRow(snap_id, self.id, sandbox_id, live.row.substrate, live.row.image,
                               live.row.image_digest, mode, live.row.request["disk_mb"],
                               allocated_bytes(d / SNAPSHOT_DISK), time.time())
+            if ttl_s is not None:
+                row.expires_at = row.created_at + ttl_s
             self.store.insert_snapshot(row)
         except BaseException:
             await asyncio.to_thread(remove_tree, d)
@@ -392,8 +396,12 @@ class Edge:
         """Forget the snapshot, then remove its files (a create copying it already holds
         its image open and finishes)."""
         self._snapshot_row(snapshot_id)
+        await self._remove_snapshot(snapshot_id)
+
+    async def _remove_snapshot(self, snapshot_id: str) -> None:
         if self.store.delete_snapshot(snapshot_id):
             await asyncio.to_thread(remove_tree, self._snapshot_dir(snapshot_id))
+            self.store.event("snapshot_deleted", None, snapshot=snapshot_id)
 
     # pause / resume
     async def pause(self, sandbox_id: str) -> SandboxInfo:
@@ -696,11 +704,14 @@ class Edge:
                 log.exception("reaper pass failed")
 
     async def reap(self) -> None:
-        """Stop expired sandboxes (deaths arrive through the substrate's watch)."""
+        """Stop expired sandboxes (deaths arrive through the substrate's watch) and delete
+        this edge's expired snapshots (sandboxes made from one have their own copy)."""
         now = time.time()
         for sandbox_id, live in list(self._live.items()):
             if live.row.expires_at <= now:
                 await self.stop(sandbox_id, "expired", f"TTL of {live.row.request['ttl_s']}s expired")
+        for snapshot_id in self.store.expired_snapshots(self.id, now):
+            await self._remove_snapshot(snapshot_id)
 
 
 def sandbox_info(row: SandboxRow) -> SandboxInfo:
@@ -716,7 +727,8 @@ def sandbox_info(row: SandboxRow) -> SandboxInfo:
 
 def snapshot_info(row: SnapshotRow) -> Snapshot:
     return Snapshot(id=row.id, mode=row.mode, size_bytes=row.size_bytes,
-                    sandbox_id=row.sandbox_id, image=row.image, created_at=row.created_at)
+                    sandbox_id=row.sandbox_id, image=row.image, created_at=row.created_at,
+                    expires_at=row.expires_at)
 
 
 def _result(event: Exit, stdout: bytes, stderr: bytes, oom: bool = False) -> ExecResult:
