@@ -100,6 +100,7 @@ class Live:
     env: dict[str, str]  # the base environment of every command: image, then request
     rolling_back: bool = False  # its init is being restarted: a failed call is not its death
     pausing: asyncio.Lock = field(default_factory=asyncio.Lock)  # one pause or resume at a time
+    snapshotting: asyncio.Lock = field(default_factory=asyncio.Lock)  # one freeze of its disk at a time
 
 
 class Edge:
@@ -343,7 +344,9 @@ class Edge:
         d.mkdir(parents=True)
         try:
             try:
-                await live.substrate.snapshot_disk(sandbox_id, live.row.runtime, d / SNAPSHOT_DISK)
+                async with live.snapshotting:  # a second FIFREEZE of a frozen disk is EBUSY
+                    await live.substrate.snapshot_disk(sandbox_id, live.row.runtime,
+                                                       d / SNAPSHOT_DISK)
             except OSError as exc:
                 raise SandboxError(f"could not snapshot sandbox {sandbox_id}: {exc}",
                                    sandbox_id=sandbox_id) from exc
