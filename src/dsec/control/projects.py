@@ -180,18 +180,19 @@ class Projects:
             self.reconcile()
             reservation = self.store.reserve(project, cpu_milli, memory_mb)
         if reservation is None:
-            raise self._refused(project, (1, cpu_milli, memory_mb, 0), "the sandbox")
+            raise self._refused(project, (1, cpu_milli, memory_mb, 0), "create", "the sandbox")
         return project, reservation
 
-    def _refused(self, project: str, asked: Amounts, what: str) -> DSecError:
-        """The error refusing ``asked`` more of the project (counted and remembered)."""
+    def _refused(self, project: str, asked: Amounts, kind: str, what: str) -> DSecError:
+        """The error refusing a ``kind`` of operation ``asked`` more of the project (counted
+        and remembered)."""
         row = self.store.get(project)
         if row is None:
             return ProjectNotFound(f"the key's project {project!r} is gone", project=project)
         details = _shortage(row, asked)
         self.refusals.labels(project, f"quota_{details.get('resource', 'unknown')}").inc()
         self._failed(project, None, QuotaExceeded.code, "quota exceeded")
-        log.info("refused %s in %s: quota of %s", what, project, details.get("resource"))
+        log.info("refused a %s in %s: quota of %s", kind, project, details.get("resource"))
         return QuotaExceeded(f"project {project!r} has no room for {what}: "
                              f"{details.get('resource')} would exceed its quota", **details)
 
@@ -220,7 +221,7 @@ class Projects:
             self.reconcile()
             hold = self.store.hold_snapshot(project, size)
         if hold is None:
-            raise self._refused(project, (0, 0, 0, size), f"a snapshot of {size} bytes")
+            raise self._refused(project, (0, 0, 0, size), "snapshot", f"a snapshot of {size} bytes")
         try:
             snap = await take()
         except BaseException:
