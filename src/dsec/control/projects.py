@@ -231,7 +231,7 @@ class Projects:
         return snap
 
     def snapshot_deleted(self, snapshot_id: str) -> None:
-        """A snapshot was deleted: give its bytes back."""
+        """A snapshot was deleted: give its bytes back (once, however often told)."""
         hold = self.store.snapshot_hold_of(snapshot_id)
         if hold is not None:
             self.store.release_snapshot(hold)

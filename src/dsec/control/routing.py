@@ -46,6 +46,7 @@ class Router:
         self.idempotency = Idempotency(idempotency, self) if idempotency is not None else None
         if access is not None:
             directory.on_end(access.ended)
+            directory.on_snapshot_deleted(access.snapshot_deleted)
 
     async def start(self) -> None:
         await self.directory.start()
@@ -156,7 +157,7 @@ class Router:
     async def delete_snapshot(self, snapshot_id: str) -> None:
         parent = self.visible_snapshot(snapshot_id).sandbox_id
         await self.directory.owner(parent).delete_snapshot(snapshot_id)
-        if self.access is not None:
+        if self.access is not None:  # heard from the edge too where it is local: given back once
             self.access.snapshot_deleted(snapshot_id)
 
     def list(self) -> list[SandboxInfo]:

@@ -122,6 +122,7 @@ class Edge:
         self._calling = 0  # fn calls in flight
         self._reaper: asyncio.Task[None] | None = None
         self.on_end: list[Callable[[str, str, str], None]] = []  # (sandbox id, state, reason)
+        self.on_snapshot_deleted: list[Callable[[str], None]] = []  # (snapshot id)
 
     # lifecycle of the edge itself
     async def start(self) -> None:
@@ -405,6 +406,11 @@ class Edge:
         if self.store.delete_snapshot(snapshot_id):
             await asyncio.to_thread(remove_tree, self._snapshot_dir(snapshot_id))
             self.store.event("snapshot_deleted", None, snapshot=snapshot_id)
+            for listener in self.on_snapshot_deleted:
+                try:
+                    listener(snapshot_id)
+                except Exception:  # a listener's failure must not fail the delete
+                    log.exception("snapshot delete listener failed for %s", snapshot_id)
 
     # pause / resume
     async def pause(self, sandbox_id: str) -> SandboxInfo:
