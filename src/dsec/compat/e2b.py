@@ -143,18 +143,16 @@ def create_e2b_app(router: Router, keys: Keys, templates: dict[str, str]) -> Fas
             return _error(400, refused)
         timeout = _int(body.get("timeout", 15), "timeout")
         try:
-            image, snapshot = templates.get(template, template), None
-            if template.startswith(SNAPSHOT_PREFIX):  # Sandbox.create(snapshot_id)
-                image, snapshot = router.visible_snapshot(template).image, template
-            req = CreateRequest(image=image, snapshot=snapshot, cpu=DEFAULT_CPU,
+            # Sandbox.create(snapshot_id): the image is the snapshot's (the edge's to set)
+            snapshot = template if template.startswith(SNAPSHOT_PREFIX) else None
+            req = CreateRequest(image=templates.get(template, template), snapshot=snapshot,
+                                cpu=DEFAULT_CPU,
                                 memory_mb=DEFAULT_MEMORY_MB, ttl_s=min(max(timeout, 1), MAX_TIMEOUT_S),
                                 env=_strings(body.get("envVars"), "envVars"),
                                 labels={**_strings(body.get("metadata"), "metadata"),
                                         TEMPLATE_LABEL: template})
         except ValidationError as exc:
             return _error(400, f"invalid request: {exc.errors(include_url=False)}")
-        except SnapshotNotFound:
-            return _error(404, f"template '{template}' not found: no such snapshot")
         try:
             info, _ = await router.create_once(request.headers.get("idempotency-key"), "e2b", req,
                                                lambda: set_up(req))
