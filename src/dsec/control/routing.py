@@ -135,7 +135,7 @@ class Router:
         return row
 
     async def snapshot(self, sandbox_id: str, mode: str = "filesystem",
-                            ttl_s: int | None = None) -> Snapshot:
+                       ttl_s: int | None = None) -> Snapshot:
         """A snapshot of a sandbox the caller may see, held against its project's snapshot
         room (``Projects.admit_snapshot``) at its disk size: the most its image can hold,
         known before a byte is copied and the same wherever the image lives (a reflinked
