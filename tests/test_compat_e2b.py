@@ -227,6 +227,8 @@ def test_pause_snapshots_and_forks(e2b_server: Server, version: str) -> None:
         assert o["state.fork_ids"] == 3
         assert raised(o["state.fork_count_refused"]) == "InvalidArgumentException"
         assert "NotFoundException" in o["other.fork"]["mro"]
+        # room for eight sandboxes, the parent is one: seven children start, two are refused
+        assert sorted(o["state.fork_many"]) == ["RateLimitException"] * 2 + ["Sandbox"] * 7
     assert o["state.listed_after_fork"] == [snap]  # a fork's snapshot is gone once it forked
     # another project's key: not found, whatever it tries
     assert raised(o["other.create_from"]) == "SandboxException"

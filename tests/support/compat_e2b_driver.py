@@ -279,6 +279,11 @@ def state_scenario() -> None:
         step("state.fork_count_refused", lambda: sb.fork(count=21))
         for f in forks:
             f.kill()
+        many = step("state.fork_many", lambda: sb.fork(count=9, timeout=60)) or []  # 7 fit
+        observed["state.fork_many"] = [type(f).__name__ for f in many]
+        for f in many:
+            if isinstance(f, Sandbox):
+                f.kill()
     step("state.listed_after_fork", lambda: [s.snapshot_id for s in sb.list_snapshots().next_items()])
     # another project's key
     step("other.create_from", lambda: Sandbox.create(snap, api_key=other).sandbox_id)
