@@ -8,6 +8,8 @@ fn calls, ``map`` and ``run_code`` run on the cluster's fn substrate, SandboxFus
 project quota (embedded and cluster alike); and what a dead edge's fn substrate left on the
 host (template cgroups, its directory) is removed when the node's new edge starts.
 
+The E2B front's snapshots and fork, and snapshot quotas and TTLs, run on the Ray edge too.
+
 A VM leftover is not made here: booting a VM under TCG takes minutes on this host.
 """
 
@@ -355,3 +357,31 @@ async def test_snapshot_quota_ttl_and_fork(where: str, request: pytest.FixtureRe
             finally:
                 await sb.stop()
         assert (await admin.projects().get(project)).used.snapshot_bytes == 0
+
+
+def test_e2b_snapshot_and_fork_under_ray(replica: Server) -> None:
+    """The E2B front's snapshot, create-from-snapshot and fork go through the same router
+    operations on a Ray edge."""
+    key = {"X-API-Key": replica.key}
+    with replica.http() as http:
+        sb = http.post("/e2b/sandboxes", json={"templateID": "base", "timeout": 120},
+                       headers=key).json()
+        try:
+            snap = http.post(f"/e2b/sandboxes/{sb['sandboxID']}/snapshots", json={}, headers=key)
+            assert snap.status_code == 201
+            snapshot_id = snap.json()["snapshotID"]
+            assert [s["snapshotID"] for s in http.get(
+                "/e2b/snapshots", params={"sandboxID": sb["sandboxID"]}, headers=key).json()] == [snapshot_id]
+            child = http.post("/e2b/v2/sandboxes", json={"templateID": snapshot_id, "timeout": 60},
+                              headers=key)
+            assert child.status_code == 201
+            http.delete(f"/e2b/sandboxes/{child.json()['sandboxID']}", headers=key)
+            assert http.delete(f"/e2b/templates/{snapshot_id}", headers=key).status_code == 204
+            forks = http.post(f"/e2b/sandboxes/{sb['sandboxID']}/fork",
+                              json={"count": 2, "timeout": 60}, headers=key)
+            assert forks.status_code == 201 and len(forks.json()) == 2
+            for fork in forks.json():
+                http.delete(f"/e2b/sandboxes/{fork['sandbox']['sandboxID']}", headers=key)
+            assert http.get("/e2b/snapshots", headers=key).json() == []
+        finally:
+            http.delete(f"/e2b/sandboxes/{sb['sandboxID']}", headers=key)
