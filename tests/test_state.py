@@ -433,7 +433,7 @@ def test_fork_and_snapshot_ttl_on_the_command_line(srv: Server) -> None:
                 kid.stop()
             snap_id = dsec_cli(srv, "snapshot", "take", sb.id, "--ttl", "600").stdout.strip()
             listed = dsec_cli(srv, "snapshot", "ls").stdout
-            assert snap_id in listed and "600s" in listed or "599s" in listed
+            assert snap_id in listed and ("600s" in listed or "599s" in listed)
             dsec_cli(srv, "snapshot", "rm", snap_id)
         finally:
             sb.stop()
