@@ -9,6 +9,8 @@ lists the node; an fn call counts against the caller's
 project quota (embedded and cluster alike); and what a dead edge's fn substrate left on the
 host (template cgroups, its directory) is removed when the node's new edge starts.
 
+The E2B front's snapshots and fork, and snapshot quotas and TTLs, run on the Ray edge too.
+
 A VM leftover is not made here: booting a VM under TCG takes minutes on this host.
 """
 
@@ -336,3 +338,72 @@ async def test_every_create_path_is_admitted_by_the_project_quota(
                      endpoint=f"http://dsec:{key}@{host}/sandboxfusion", max_attempts=1)
         used = (await admin.projects().get(project)).used
         assert (used.sandboxes, used.cpu, used.memory_mb) == (0, 0.0, 0)
+
+
+@pytest.mark.parametrize("where", ["embedded", "cluster"])
+async def test_snapshot_quota_ttl_and_fork(where: str, request: pytest.FixtureRequest) -> None:
+    """A project with room for one snapshot: a second is refused; a TTL'd one is deleted by
+    its edge (the Ray edge actor, in a cluster) while its child runs on; its bytes come back,
+    so a fork (one snapshot for its children) then fits, and nothing stays held."""
+    server: Server = request.getfixturevalue("embedded" if where == "embedded" else "replica")
+    project = f"snap-{secrets.token_hex(3)}"
+    async with server.client() as admin:
+        await admin.projects().create(project, sandboxes=4, cpu=4, memory_mb=1024,
+                                      snapshot_bytes=256 << 20)
+        key = (await admin.projects().create_key(project, "k")).key
+        async with dsec.DSecClient(server.url, key, autostart=False) as client:
+            sb = await client.create(ttl_s=300, memory_mb=256, cpu=0.5, disk_mb=256)
+            try:
+                await sb.write_file("/work/f", b"kept")
+                snap = await sb.snapshot(ttl_s=2)
+                with pytest.raises(dsec.QuotaExceeded):
+                    await sb.snapshot()
+                kid = await client.create(snapshot=snap.id, ttl_s=120, memory_mb=256, cpu=0.5)
+                await asyncio.sleep(2)
+                assert await client.snapshots() == []  # expired: not listed, not usable
+                with pytest.raises(dsec.SnapshotNotFound):
+                    await client.create(snapshot=snap.id, memory_mb=256, cpu=0.5)
+                for _ in range(50):  # its bytes come back once its edge deleted it
+                    with contextlib.suppress(dsec.QuotaExceeded):
+                        await client.delete_snapshot((await sb.snapshot()).id)
+                        break
+                    await asyncio.sleep(0.2)
+                else:
+                    raise AssertionError("the expired snapshot's bytes never came back")
+                assert await kid.read_file("/work/f") == b"kept"
+                await kid.stop()
+                kids = await sb.fork(2, ttl_s=120, memory_mb=256, cpu=0.5)
+                assert [await k.read_file("/work/f") for k in kids] == [b"kept", b"kept"]  # type: ignore[union-attr]
+                for k in kids:
+                    await k.stop()  # type: ignore[union-attr]
+            finally:
+                await sb.stop()
+        assert (await admin.projects().get(project)).used.snapshot_bytes == 0
+
+
+def test_e2b_snapshot_and_fork_under_ray(replica: Server) -> None:
+    """The E2B front's snapshot, create-from-snapshot and fork go through the same router
+    operations on a Ray edge."""
+    key = {"X-API-Key": replica.key}
+    with replica.http() as http:
+        sb = http.post("/e2b/sandboxes", json={"templateID": "base", "timeout": 120},
+                       headers=key).json()
+        try:
+            snap = http.post(f"/e2b/sandboxes/{sb['sandboxID']}/snapshots", json={}, headers=key)
+            assert snap.status_code == 201
+            snapshot_id = snap.json()["snapshotID"]
+            assert [s["snapshotID"] for s in http.get(
+                "/e2b/snapshots", params={"sandboxID": sb["sandboxID"]}, headers=key).json()] == [snapshot_id]
+            child = http.post("/e2b/v2/sandboxes", json={"templateID": snapshot_id, "timeout": 60},
+                              headers=key)
+            assert child.status_code == 201
+            http.delete(f"/e2b/sandboxes/{child.json()['sandboxID']}", headers=key)
+            assert http.delete(f"/e2b/templates/{snapshot_id}", headers=key).status_code == 204
+            forks = http.post(f"/e2b/sandboxes/{sb['sandboxID']}/fork",
+                              json={"count": 2, "timeout": 60}, headers=key)
+            assert forks.status_code == 201 and len(forks.json()) == 2
+            for fork in forks.json():
+                http.delete(f"/e2b/sandboxes/{fork['sandbox']['sandboxID']}", headers=key)
+            assert http.get("/e2b/snapshots", headers=key).json() == []
+        finally:
+            http.delete(f"/e2b/sandboxes/{sb['sandboxID']}", headers=key)

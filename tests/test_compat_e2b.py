@@ -9,6 +9,7 @@ runs ``tests/support/compat_e2b_driver.py``, which reports what each step observ
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import json
 import os
@@ -23,6 +24,9 @@ import httpx
 import pytest
 
 from conftest import Server, make_tcp_server, stop_server
+from test_projects import unique
+
+DISK = 1024 << 20  # an E2B sandbox's disk (dsec's default disk_mb): what a snapshot of it holds
 
 # The compatibility matrix: the oldest SDK generation served (a vendored Connect client on
 # httpcore, protobuf's json_format) and the newest (connectrpc on pyqwest, protobuf-py).
@@ -173,6 +177,81 @@ def test_async_sdk(observed: dict[str, dict[str, Any]], version: str) -> None:
     assert "TimeoutException" in o["async.after_kill_run"]["mro"]
 
 
+async def _project_keys(server: Server, snapshot_bytes: int) -> list[tuple[str, str]]:
+    """Two projects (name, key), each with room for a few E2B sandboxes and
+    ``snapshot_bytes`` of snapshots."""
+    async with server.client() as admin:
+        made = []
+        for prefix in ("e2b-mine", "e2b-theirs"):
+            name = unique(prefix)
+            await admin.projects().create(name, sandboxes=8, cpu=16, memory_mb=4096,
+                                          snapshot_bytes=snapshot_bytes)
+            made.append((name, (await admin.projects().create_key(name, "sdk")).key))
+        return made
+
+
+async def _snapshot_bytes_used(server: Server, project: str) -> int:
+    async with server.client() as admin:
+        return (await admin.projects().get(project)).used.snapshot_bytes
+
+
+@pytest.mark.parametrize("version", E2B_VERSIONS)
+def test_pause_snapshots_and_forks(e2b_server: Server, version: str) -> None:
+    """The SDK's pause, connect (resumes), create_snapshot, list/delete of snapshots, create
+    from a snapshot and fork, under a project key with room for two snapshots; another
+    project's key can neither use, delete nor take them; snapshot spam is refused at the
+    quota and leaves nothing."""
+    (mine, my_key), (_, their_key) = asyncio.run(_project_keys(e2b_server, 2 * DISK))
+    python = compat_python("e2b", version)
+    run = subprocess.run([str(python), str(DRIVER), "--state"], capture_output=True, timeout=300,
+                         env={**e2b_env(e2b_server), "E2B_API_KEY": my_key,
+                              "DSEC_OTHER_KEY": their_key})
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    o = json.loads(run.stdout)
+    assert "crashed" not in o, o["crashed"]
+    newest = version == E2B_VERSIONS[-1]
+    assert o["state.pause"] == "paused"
+    assert o["state.connect"] == "before" and o["state.resumed"] == "running"
+    snap = o["state.snap"]
+    assert snap.startswith("sn-")
+    assert o["state.listed"] == [snap]
+    assert o["state.child_reads"] == "before"  # the file as it was when snapshotted
+    assert o["state.child_runs"] == ok("child\n")
+    if newest:
+        assert raised(o["state.pause_filesystem"]) == "SandboxException"
+        assert "filesystem-only pause" in o["state.pause_filesystem"]["message"]
+        assert raised(o["state.snapshot_full"]) == "SandboxException"
+        assert "mode='filesystem'" in o["state.snapshot_full"]["message"]
+        assert o["state.snapshot_filesystem"] is True
+        assert o["state.fork_reads"] == ["after", "after"]  # the parent's file when forked
+        assert o["state.fork_ids"] == 3
+        assert raised(o["state.fork_count_refused"]) == "InvalidArgumentException"
+        assert "NotFoundException" in o["other.fork"]["mro"]
+        # room for eight sandboxes, the parent is one: seven children start, two are refused
+        assert sorted(o["state.fork_many"]) == ["RateLimitException"] * 2 + ["Sandbox"] * 7
+    assert o["state.listed_after_fork"] == [snap]  # a fork's snapshot is gone once it forked
+    # another project's key: not found, whatever it tries
+    assert raised(o["other.create_from"]) == "SandboxException"
+    assert "not found" in o["other.create_from"]["message"]
+    assert o["other.delete"] is False
+    assert "NotFoundException" in o["other.connect"]["mro"]
+    assert "NotFoundException" in o["other.snapshot"]["mro"]
+    assert o["state.still_listed"] == [snap]
+    # two disks of room: the first spam fits beside ``snap``, the rest are refused
+    assert o["state.spam0"].startswith("sn-")
+    for refused in ("state.spam1", "state.spam2"):
+        assert raised(o[refused]) == "RateLimitException", o[refused]
+        assert "snapshot_bytes" in o[refused]["message"]
+    assert o["state.spam"][1:] == [None, None]
+    assert o["state.deleted"] == [True, True]
+    assert o["state.delete_again"] is False
+    assert "not found" in o["state.create_deleted"]["message"]
+    with httpx.Client(base_url=f"{e2b_server.url}/e2b", timeout=30) as http:
+        assert http.get("/snapshots", headers={"X-API-Key": their_key}).json() == []
+    assert asyncio.run(_snapshot_bytes_used(e2b_server, mine)) == 0
+    assert not list((e2b_server.state_dir / "snapshots").glob("*"))
+
+
 def test_binary_protobuf_codec(e2b_server: Server) -> None:
     """Connect with application/proto, decoded by Google's protobuf runtime."""
     python = compat_python("e2b", E2B_VERSIONS[0])  # ships protobuf and envd's generated classes
@@ -241,8 +320,8 @@ def test_connect_wire_and_gateway(e2b_server: Server) -> None:
         http.post(f"/sandboxes/{sb['sandboxID']}/pause", json={}, headers=key)
         assert http.post("/process.Process/List", content=b"{}", headers=unary).json() == {}  # resumed
         assert http.get(f"/sandboxes/{sb['sandboxID']}", headers=key).json()["state"] == "running"
-        assert http.post(f"/sandboxes/{sb['sandboxID']}/snapshots", json={},
-                         headers=key).status_code == 501
+        assert http.post(f"/sandboxes/{sb['sandboxID']}/snapshots", json={"memory": True},
+                         headers=key).status_code == 400
 
         assert http.delete(f"/sandboxes/{sb['sandboxID']}", headers={"X-API-Key": e2b_server.key}).status_code == 204
         dead = http.post("/process.Process/Start", content=envelope(start), headers=headers)

@@ -381,9 +381,9 @@ def test_reservations_from_many_connections_never_overshoot(tmp_path) -> None:  
     from dsec.store.sqlite import StateStore
 
     StateStore(tmp_path / "state.db").close()  # the sandboxes table
-    stores = [ProjectStore(tmp_path / "state.db", "default", (1000, 1000_000, 1 << 20))
+    stores = [ProjectStore(tmp_path / "state.db", "default", (1000, 1000_000, 1 << 20, 0))
               for _ in range(6)]
-    assert stores[0].create("race", "default", (25, 1000_000, 1 << 20))
+    assert stores[0].create("race", "default", (25, 1000_000, 1 << 20, 0))
     taken: list[str] = []
     start = threading.Barrier(len(stores))
 
@@ -400,9 +400,9 @@ def test_reservations_from_many_connections_never_overshoot(tmp_path) -> None:  
     for t in threads:
         t.join()
     row = stores[0].get("race")
-    assert row is not None and len(taken) == 25 and row.used == (25, 12_500, 1600)
+    assert row is not None and len(taken) == 25 and row.used == (25, 12_500, 1600, 0)
     for reservation in taken:  # given back once, however often asked
         assert stores[0].release(reservation) and not stores[1].release(reservation)
-    assert stores[0].get("race").used == (0, 0, 0)  # type: ignore[union-attr]
+    assert stores[0].get("race").used == (0, 0, 0, 0)  # type: ignore[union-attr]
     for store in stores:
         store.close()

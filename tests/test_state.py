@@ -1,5 +1,6 @@
 """Sandbox state: filesystem snapshots of container sandboxes, sandboxes created from them,
-fork(n), and their trust boundary (projects, hostile trees, leaks), on a real server."""
+fork(n), their project quota in bytes and TTLs, and their trust boundary (projects, hostile
+trees, leaks), on a real server."""
 
 from __future__ import annotations
 
@@ -176,7 +177,8 @@ async def test_another_projects_snapshots_are_invisible(client: dsec.DSecClient,
                                                         srv: Server) -> None:
     mine, theirs = unique("mine"), unique("theirs")
     for name in (mine, theirs):
-        await client.projects().create(name, sandboxes=4, cpu=4, memory_mb=2048)
+        await client.projects().create(name, sandboxes=4, cpu=4, memory_mb=2048,
+                                       snapshot_bytes=4 << 30)
     my_key = (await client.projects().create_key(mine, "a")).key
     async with key_client(srv, my_key) as me, \
             key_client(srv, (await client.projects().create_key(theirs, "b")).key) as them:
@@ -329,3 +331,112 @@ async def test_a_paused_sandbox_is_resumed_to_be_snapshotted_and_rolled_back(
         await sb.stop()
     await assert_no_trace(srv, sb.id)
     assert snapshot_dirs(srv) == set() and snapshot_loops(srv) == []
+
+
+DISK_MB = 256  # the sandboxes' disk in the quota tests: a snapshot holds as much of the quota
+
+
+async def snapshot_room(admin: dsec.DSecClient, project: str) -> tuple[int, int]:
+    """(used, available) snapshot bytes of a project."""
+    p = await admin.projects().get(project)
+    return p.used.snapshot_bytes, p.available.snapshot_bytes
+
+
+async def test_snapshots_hold_their_disk_of_the_project_quota_and_spam_is_refused(
+        client: dsec.DSecClient, srv: Server) -> None:
+    """Room for two snapshots: twenty at once (an agent spamming) make exactly two, the rest
+    are QuotaExceeded and leave no files; a delete gives its bytes back; a fork of three
+    children holds one snapshot while it forks."""
+    name = unique("snapquota")
+    await client.projects().create(name, sandboxes=6, cpu=6, memory_mb=6 * 256,
+                                   snapshot_bytes=2 * DISK_MB << 20)
+    async with key_client(srv, (await client.projects().create_key(name, "k")).key) as me:
+        sb = await me.create(memory_mb=256, disk_mb=DISK_MB, ttl_s=120)
+        try:
+            await sb.write_file("/work/f", b"x")
+            made = await asyncio.gather(*(sb.snapshot() for _ in range(20)), return_exceptions=True)
+            snaps = [m for m in made if isinstance(m, dsec.Snapshot)]
+            refused = [m for m in made if not isinstance(m, dsec.Snapshot)]
+            assert len(snaps) == 2 and len(refused) == 18, [repr(e) for e in refused]
+            assert all(isinstance(e, dsec.QuotaExceeded) for e in refused), refused
+            assert refused[0].details["resource"] == "snapshot_bytes"
+            assert snapshot_dirs(srv) == {s.id for s in snaps}
+            assert await snapshot_room(client, name) == (2 * DISK_MB << 20, 0)
+            with pytest.raises(dsec.QuotaExceeded):  # a fork needs one snapshot's room too
+                await sb.fork(2, memory_mb=256)
+            await me.delete_snapshot(snaps[0].id)
+            assert await snapshot_room(client, name) == (DISK_MB << 20, DISK_MB << 20)
+            kids = await sb.fork(3, memory_mb=256, ttl_s=60)  # one snapshot for three children
+            assert not any(isinstance(k, dsec.DSecError) for k in kids), kids
+            assert [await k.read_file("/work/f") for k in kids] == [b"x"] * 3
+            assert await snapshot_room(client, name) == (DISK_MB << 20, DISK_MB << 20)
+            for k in kids:
+                await k.stop()
+            await me.delete_snapshot(snaps[1].id)
+        finally:
+            await sb.stop()
+    assert await snapshot_room(client, name) == (0, 2 * DISK_MB << 20)
+    assert snapshot_dirs(srv) == set()
+
+
+async def test_a_snapshot_ttl_deletes_it_in_the_background_and_spares_its_children(
+        client: dsec.DSecClient, srv: Server) -> None:
+    """A TTL'd snapshot is listed with its end, is deleted by the server when it ends (its
+    files too), is then not found for a create, and gives its bytes back; a child started
+    from it keeps running on its own copy."""
+    name = unique("snapttl")
+    await client.projects().create(name, sandboxes=4, cpu=4, memory_mb=1024,
+                                   snapshot_bytes=DISK_MB << 20)
+    async with key_client(srv, (await client.projects().create_key(name, "k")).key) as me:
+        sb = await me.create(memory_mb=256, disk_mb=DISK_MB, ttl_s=120)
+        try:
+            await sb.write_file("/work/f", b"from the snapshot")
+            snap = await sb.snapshot(ttl_s=3)
+            assert snap.expires_at is not None and snap.expires_at - snap.created_at == 3
+            assert [s.expires_at for s in await me.snapshots()] == [snap.expires_at]
+            kid = await me.create(snapshot=snap.id, memory_mb=256, ttl_s=120)
+            deadline = time.monotonic() + 10
+            while snap.id in snapshot_dirs(srv) and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            assert snapshot_dirs(srv) == set() and await me.snapshots() == []
+            for _ in range(20):  # its edge, in this server's process, tells the projects
+                if await snapshot_room(client, name) == (0, DISK_MB << 20):
+                    break
+                await asyncio.sleep(0.1)
+            assert await snapshot_room(client, name) == (0, DISK_MB << 20)
+            with pytest.raises(dsec.SnapshotNotFound):
+                await me.create(snapshot=snap.id, memory_mb=256)
+            with pytest.raises(dsec.SnapshotNotFound):
+                await me.delete_snapshot(snap.id)
+            assert await kid.read_file("/work/f") == b"from the snapshot"
+            await kid.write_file("/work/g", b"still writable")
+            assert (await kid.run("cat /work/f /work/g")).stdout == "from the snapshotstill writable"
+            again = await sb.snapshot()  # the expired one's bytes came back
+            await me.delete_snapshot(again.id)
+            await kid.stop()
+        finally:
+            await sb.stop()
+    assert await snapshot_room(client, name) == (0, DISK_MB << 20)
+    assert snapshot_dirs(srv) == set()
+
+
+def test_fork_and_snapshot_ttl_on_the_command_line(srv: Server) -> None:
+    with dsec.Client(srv.url, srv.key, autostart=False) as client:
+        sb = client.create(ttl_s=120)
+        try:
+            sb.write_file("/work/f", b"forked")
+            forked = dsec_cli(srv, "fork", sb.id, "-n", "2", "--ttl", "60").stdout.split()
+            assert len(forked) == 2 and all(k.startswith("sb-") for k in forked)
+            for kid_id in forked:
+                kid = client.get(kid_id)
+                assert kid.read_file("/work/f") == b"forked"
+                kid.stop()
+            snap_id = dsec_cli(srv, "snapshot", "take", sb.id, "--ttl", "600").stdout.strip()
+            listed = dsec_cli(srv, "snapshot", "ls").stdout
+            assert snap_id in listed and ("600s" in listed or "599s" in listed)
+            dsec_cli(srv, "snapshot", "rm", snap_id)
+        finally:
+            sb.stop()
+        gone = dsec_cli(srv, "fork", sb.id, "-n", "1", check=False)
+        assert gone.returncode == 1 and "sandbox_not_found" in gone.stderr
+    assert snapshot_dirs(srv) == set()

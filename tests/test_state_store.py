@@ -73,20 +73,55 @@ def test_postgres_store_reconnects_after_losing_its_connection(local_postgres: L
 def test_project_quotas_hold_between_two_servers(store: StateStore) -> None:
     """Two API servers on one store (as scaled out) share the project quotas: delegation and
     admission are checked in the database, so racing reservations never overshoot."""
-    a, b = (ProjectStore(store.url, "root", (10, 10_000, 10_000)) for _ in range(2))
+    a, b = (ProjectStore(store.url, "root", (10, 10_000, 10_000, 10_000)) for _ in range(2))
     try:
-        assert a.create("team", "root", (3, 3_000, 3_000))
-        assert not b.create("big", "root", (8, 1_000, 1_000))  # root has 7 sandboxes left
+        assert a.create("team", "root", (3, 3_000, 3_000, 0))
+        assert not b.create("big", "root", (8, 1_000, 1_000, 0))  # root has 7 sandboxes left
         with pytest.raises(NameTaken):
-            b.create("team", "root", (1, 1, 1))
+            b.create("team", "root", (1, 1, 1, 0))
         with ThreadPoolExecutor(8) as pool:
             taken = list(pool.map(lambda i: (a, b)[i % 2].reserve("team", 100, 100), range(8)))
         held = [r for r in taken if r is not None]
-        assert len(held) == 3 and b.get("team").used == (3, 300, 300)  # type: ignore[union-attr]
-        assert b.set_quota("team", (2, 3_000, 3_000)) == "team"  # it holds 3: cannot shrink
+        assert len(held) == 3 and b.get("team").used == (3, 300, 300, 0)  # type: ignore[union-attr]
+        assert b.set_quota("team", (2, 3_000, 3_000, 0)) == "team"  # it holds 3: cannot shrink
         assert a.release(held[0]) and not b.release(held[0])  # given back once
-        assert a.get("team").used == (2, 200, 200)  # type: ignore[union-attr]
-        assert a.get("root").delegated == (3, 3_000, 3_000)  # type: ignore[union-attr]
+        assert a.get("team").used == (2, 200, 200, 0)  # type: ignore[union-attr]
+        assert a.get("root").delegated == (3, 3_000, 3_000, 0)  # type: ignore[union-attr]
     finally:
         a.close()
         b.close()
+
+
+def test_a_database_of_before_snapshot_quotas_and_ttls_gains_their_columns(
+        store: StateStore) -> None:
+    """A state database made before snapshot quotas and TTLs: opening it adds the columns,
+    the root project keeps no limit on snapshots, a child gets none until delegated."""
+    url = store.url
+    store.close()
+    old = StateStore(url)
+    with old._db.transaction():
+        for statement in ("DROP TABLE IF EXISTS snapshot_holds", "DROP TABLE IF EXISTS projects",
+                          "ALTER TABLE snapshots DROP COLUMN expires_at"):
+            old._db.execute(statement)
+    old._db.execute("CREATE TABLE projects (name TEXT PRIMARY KEY, parent TEXT, max_sandboxes "
+                    "BIGINT NOT NULL, max_cpu_milli BIGINT NOT NULL, max_memory_mb BIGINT NOT "
+                    "NULL, delegated_sandboxes BIGINT NOT NULL DEFAULT 0, delegated_cpu_milli "
+                    "BIGINT NOT NULL DEFAULT 0, delegated_memory_mb BIGINT NOT NULL DEFAULT 0, "
+                    "used_sandboxes BIGINT NOT NULL DEFAULT 0, used_cpu_milli BIGINT NOT NULL "
+                    "DEFAULT 0, used_memory_mb BIGINT NOT NULL DEFAULT 0, created_at DOUBLE "
+                    "PRECISION NOT NULL)")
+    old._db.execute("INSERT INTO projects (name, parent, max_sandboxes, max_cpu_milli, "
+                    "max_memory_mb, created_at) VALUES ('root', NULL, 10, 10000, 10000, 0)")
+    old._db.execute("INSERT INTO projects (name, parent, max_sandboxes, max_cpu_milli, "
+                    "max_memory_mb, created_at) VALUES ('kid', 'root', 1, 1000, 1000, 0)")
+    old.close()
+    reopened = StateStore(url)
+    projects = ProjectStore(url, "root", (10, 10_000, 10_000, 1 << 40))
+    try:
+        assert projects.get("root").quota == (10, 10_000, 10_000, 1 << 40)  # type: ignore[union-attr]
+        assert projects.get("kid").quota == (1, 1000, 1000, 0)  # type: ignore[union-attr]
+        assert projects.hold_snapshot("kid", 1) is None and projects.hold_snapshot("root", 1)
+        assert reopened.snapshots() == [] and reopened.expired_snapshots("e1", time.time()) == []
+    finally:
+        projects.close()
+        reopened.close()

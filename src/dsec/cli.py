@@ -170,19 +170,52 @@ def resume(sandbox_ids: tuple[str, ...]) -> None:
     _on_each(sandbox_ids, "resume")
 
 
+@main.command()
+@click.argument("sandbox_id")
+@click.option("-n", "count", type=click.IntRange(1, 1000), default=1, show_default=True,
+              help="how many children")
+@click.option("--ttl", "ttl_s", type=int, default=None, help="the children's TTL (seconds)")
+def fork(sandbox_id: str, count: int, ttl_s: int | None) -> None:
+    """Start N sandboxes from SANDBOX_ID's file system now (one snapshot, deleted after):
+    prints each child's id, or the error that stopped it (exit status 1 if any failed)."""
+    async def go() -> int:
+        async with DSecClient() as client:
+            options: dict[str, Any] = {} if ttl_s is None else {"ttl_s": ttl_s}
+            children = await (await client.get(sandbox_id)).fork(count, **options)
+        for child in children:
+            click.echo(f"error: {child.code}: {child.message}" if isinstance(child, DSecError)
+                       else child.id)
+        return int(any(isinstance(child, DSecError) for child in children))
+    sys.exit(_run(go()))
+
+
 @main.group()
 def snapshot() -> None:
-    """List and delete filesystem snapshots (taken with ``Sandbox.snapshot``)."""
+    """Take, list and delete filesystem snapshots (``Sandbox.snapshot``)."""
+
+
+@snapshot.command("take")
+@click.argument("sandbox_id")
+@click.option("--ttl", "ttl_s", type=int, default=None,
+              help="delete it this many seconds later (default: keep until rm)")
+def snapshot_take(sandbox_id: str, ttl_s: int | None) -> None:
+    """Snapshot SANDBOX_ID's file system; prints the snapshot's id."""
+    async def go() -> None:
+        async with DSecClient() as client:
+            click.echo((await (await client.get(sandbox_id)).snapshot(ttl_s=ttl_s)).id)
+    _run(go())
 
 
 @snapshot.command("ls")
 def snapshot_ls() -> None:
+    """List the snapshots your key may see."""
     async def go() -> None:
         async with DSecClient() as client:
-            table = Table("id", "of sandbox", "size", "age")
+            table = Table("id", "of sandbox", "size", "age", "expires in")
             for s in await client.snapshots():
+                expires = "-" if s.expires_at is None else f"{s.expires_at - time.time():.0f}s"
                 table.add_row(s.id, s.sandbox_id, f"{s.size_bytes / (1 << 20):.1f} MB",
-                              f"{time.time() - s.created_at:.0f}s")
+                              f"{time.time() - s.created_at:.0f}s", expires)
             Console().print(table)
     _run(go())
 
@@ -190,6 +223,7 @@ def snapshot_ls() -> None:
 @snapshot.command("rm")
 @click.argument("snapshot_ids", nargs=-1, required=True)
 def snapshot_rm(snapshot_ids: tuple[str, ...]) -> None:
+    """Delete snapshots (sandboxes started from one keep running)."""
     async def go() -> None:
         async with DSecClient() as client:
             for snapshot_id in snapshot_ids:
@@ -434,7 +468,8 @@ def project() -> None:
 
 def _quota_text(p: Any) -> str:
     return (f"{p.used.sandboxes}/{p.quota.sandboxes} sandboxes, {p.used.cpu:g}/{p.quota.cpu:g} "
-            f"cpu, {p.used.memory_mb}/{p.quota.memory_mb} MB")
+            f"cpu, {p.used.memory_mb}/{p.quota.memory_mb} MB, "
+            f"{p.used.snapshot_bytes}/{p.quota.snapshot_bytes} snapshot bytes")
 
 
 def _print_projects(projects: list[Any]) -> None:
@@ -454,13 +489,16 @@ def _print_projects(projects: list[Any]) -> None:
 @click.option("--sandboxes", type=int, default=0, help="concurrent sandboxes")
 @click.option("--cpu", type=float, default=0.0, help="CPUs (cores)")
 @click.option("--memory-mb", type=int, default=0, help="memory (MB)")
+@click.option("--snapshot-bytes", type=int, default=0,
+              help="bytes its snapshots may hold (each: its sandbox's disk_mb)")
 def project_create(name: str, parent: str | None, sandboxes: int, cpu: float,
-                   memory_mb: int) -> None:
+                   memory_mb: int, snapshot_bytes: int) -> None:
     """Create project NAME under PARENT with a quota delegated from the parent's."""
     async def go() -> None:
         async with DSecClient() as client:
             p = await client.projects().create(name, parent=parent, sandboxes=sandboxes,
-                                               cpu=cpu, memory_mb=memory_mb)
+                                               cpu=cpu, memory_mb=memory_mb,
+                                               snapshot_bytes=snapshot_bytes)
         click.echo(f"{p.name}: {_quota_text(p)}")
     _run(go())
 
@@ -489,13 +527,15 @@ def project_show(name: str) -> None:
 @click.option("--sandboxes", type=int, default=None)
 @click.option("--cpu", type=float, default=None)
 @click.option("--memory-mb", type=int, default=None)
+@click.option("--snapshot-bytes", type=int, default=None)
 def project_quota(name: str, sandboxes: int | None, cpu: float | None,
-                  memory_mb: int | None) -> None:
+                  memory_mb: int | None, snapshot_bytes: int | None) -> None:
     """Set NAME's quota (what its parent delegates to it); unset options keep their value."""
     async def go() -> None:
         async with DSecClient() as client:
             p = await client.projects().set_quota(name, sandboxes=sandboxes, cpu=cpu,
-                                                  memory_mb=memory_mb)
+                                                  memory_mb=memory_mb,
+                                                  snapshot_bytes=snapshot_bytes)
         click.echo(f"{p.name}: {_quota_text(p)}")
     _run(go())
 

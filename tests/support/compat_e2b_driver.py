@@ -238,9 +238,76 @@ def proto_scenario() -> None:
         http.delete(f"{api}/sandboxes/{created['sandboxID']}", headers={"X-API-Key": key})
 
 
+def _state(sb: Any) -> str:
+    state = sb.get_info().state
+    return str(getattr(state, "value", state))
+
+
+def _read(sb: Any, path: str) -> str:
+    return str(sb.files.read(path))
+
+
+def state_scenario() -> None:
+    """Pause, connect, snapshots and forks under a project key (E2B_API_KEY), and what
+    another project's key (DSEC_OTHER_KEY) may do to them. Steps the SDK version lacks are
+    left out of what it observes."""
+    other = os.environ["DSEC_OTHER_KEY"]
+    sb = Sandbox.create(template="base", timeout=120)
+    sb.files.write("/home/user/state.txt", "before")
+    step("state.pause", lambda: (sb.pause(), _state(sb))[1])
+    step("state.connect", lambda: _read(Sandbox.connect(sb.sandbox_id), "/home/user/state.txt"))
+    step("state.resumed", lambda: _state(sb))
+    newest = hasattr(sb, "fork")  # the generation with fork and snapshot/pause modes
+    if newest:
+        step("state.pause_filesystem", lambda: sb.pause(mode="filesystem"))
+    snap = step("state.create_snapshot", lambda: sb.create_snapshot().snapshot_id)
+    if newest:
+        step("state.snapshot_full", lambda: sb.create_snapshot(mode="full").snapshot_id)
+        step("state.snapshot_filesystem", lambda: Sandbox.delete_snapshot(
+            sb.create_snapshot(mode="filesystem").snapshot_id))
+    sb.files.write("/home/user/state.txt", "after")
+    step("state.listed", lambda: [s.snapshot_id for s in sb.list_snapshots().next_items()])
+    child = step("state.child", lambda: Sandbox.create(snap, timeout=60))
+    if child is not None:
+        step("state.child_reads", lambda: _read(child, "/home/user/state.txt"))
+        step("state.child_runs", lambda: result(child.commands.run("echo child")))
+        child.kill()
+    if newest:
+        forks = step("state.fork", lambda: sb.fork(count=2, timeout=60)) or []
+        step("state.fork_reads", lambda: [_read(f, "/home/user/state.txt") for f in forks])
+        step("state.fork_ids", lambda: len({f.sandbox_id for f in forks} | {sb.sandbox_id}))
+        step("state.fork_count_refused", lambda: sb.fork(count=21))
+        for f in forks:
+            f.kill()
+        many = step("state.fork_many", lambda: sb.fork(count=9, timeout=60)) or []  # 7 fit
+        observed["state.fork_many"] = [type(f).__name__ for f in many]
+        for f in many:
+            if isinstance(f, Sandbox):
+                f.kill()
+    step("state.listed_after_fork", lambda: [s.snapshot_id for s in sb.list_snapshots().next_items()])
+    # another project's key
+    step("other.create_from", lambda: Sandbox.create(snap, api_key=other).sandbox_id)
+    step("other.delete", lambda: Sandbox.delete_snapshot(snap, api_key=other))
+    step("other.connect", lambda: Sandbox.connect(sb.sandbox_id, api_key=other).sandbox_id)
+    step("other.snapshot", lambda: Sandbox.create_snapshot(sb.sandbox_id, api_key=other).snapshot_id)
+    if newest:
+        step("other.fork", lambda: Sandbox.fork(sb.sandbox_id, count=1, api_key=other))
+    step("state.still_listed", lambda: [s.snapshot_id for s in sb.list_snapshots().next_items()])
+    # snapshot spam beyond the project's snapshot quota (two disks' worth)
+    spam = [step(f"state.spam{i}", lambda: sb.create_snapshot().snapshot_id) for i in range(3)]
+    observed["state.deleted"] = [Sandbox.delete_snapshot(s) for s in [snap, *spam] if s]
+    step("state.delete_again", lambda: Sandbox.delete_snapshot(snap))
+    step("state.create_deleted", lambda: Sandbox.create(snap).sandbox_id)
+    observed["state.snap"] = snap
+    observed["state.spam"] = spam
+    sb.kill()
+
+
 def main() -> None:
     if "--proto" in sys.argv:
         scenarios: tuple[Callable[[], None], ...] = (proto_scenario,)
+    elif "--state" in sys.argv:
+        scenarios = (state_scenario,)
     else:
         scenarios = (sync_scenario, lambda: asyncio.run(async_scenario()))
     for scenario in scenarios:

@@ -133,20 +133,26 @@ def executed(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 def test_the_built_statements_of_quotas_parse_as_postgresql(tmp_path: Path, executed: list[str]) -> None:
     target = tmp_path / "state.db"
     state.StateStore(target).close()  # the sandboxes table, which stale() joins
-    store = projects.ProjectStore(target, "default", (10, 4000, 4096))
+    store = projects.ProjectStore(target, "default", (10, 4000, 4096, 1 << 30))
     try:
-        assert store.create("team", "default", (4, 2000, 2048))
-        assert not store.create("greedy", "default", (100, 1, 1))
+        assert store.create("team", "default", (4, 2000, 2048, 1 << 20))
+        assert not store.create("greedy", "default", (100, 1, 1, 0))
         reservation = store.reserve("team", 1500, 1024)
         assert reservation is not None
         assert store.reserve("team", 1000, 1) is None  # 2500 of 2000 milli-cpus
-        assert store.set_quota("team", (4, 1000, 2048)) == "team"  # below what it uses
-        assert store.set_quota("team", (5, 2500, 2048)) is None
+        assert store.set_quota("team", (4, 1000, 2048, 1 << 20)) == "team"  # below what it uses
+        assert store.set_quota("team", (5, 2500, 2048, 1 << 20)) is None
         store.bind(reservation, "sb-1")
         assert store.stale(started_before=0.0) == [reservation]  # sb-1 is not a live sandbox
         assert store.release(reservation) and not store.release(reservation)
+        hold = store.hold_snapshot("team", 1 << 20)
+        assert hold is not None and store.hold_snapshot("team", 1) is None  # its room is full
+        store.bind_snapshot(hold, "sn-1")
+        assert store.snapshot_hold_of("sn-1") == hold
+        assert store.stale_snapshot_holds(started_before=0.0) == [hold]  # sn-1 has no record
+        assert store.release_snapshot(hold) and not store.release_snapshot(hold)
         row = store.get("team")
-        assert row is not None and row.used == (0, 0, 0) and row.quota == (5, 2500, 2048)
+        assert row is not None and row.used == (0, 0, 0, 0) and row.quota == (5, 2500, 2048, 1 << 20)
     finally:
         store.close()
     built = {sql for sql in executed if sql not in store_statements(projects) and not sql.startswith("PRAGMA")}

@@ -157,15 +157,13 @@ def create_app(control: ControlPlane) -> FastAPI:
     @app.post("/v1/sandboxes/{sandbox_id}/snapshots", dependencies=auth, status_code=201)
     async def snapshot(sandbox_id: str, req: SnapshotRequest) -> Snapshot:
         """A copy of the sandbox's file system to start sandboxes from (see docs/API.md)."""
-        if req.previous is not None:
-            router.snapshot(req.previous)  # one the caller may see, else SnapshotNotFound
-        return await router.owner(sandbox_id).snapshot(sandbox_id, req.mode, req.previous)
+        return await router.snapshot(sandbox_id, req.mode, req.previous, req.ttl_s)
 
     @app.post("/v1/sandboxes/{sandbox_id}/rollback", dependencies=auth)
     async def rollback(sandbox_id: str, req: RollbackRequest) -> SandboxInfo:
         """The sandbox back at one of its own snapshots, processes fresh."""
         edge = router.owner(sandbox_id)
-        router.snapshot(req.snapshot)  # one the caller may see, else SnapshotNotFound
+        router.visible_snapshot(req.snapshot)  # one the caller may see, else SnapshotNotFound
         return await edge.rollback(sandbox_id, req.snapshot)
 
     @app.get("/v1/snapshots", dependencies=auth)

@@ -467,14 +467,17 @@ class Sandbox:
 
     # state
     async def snapshot(self, mode: str = "filesystem", previous: Snapshot | str | None = None,
-                       ) -> Snapshot:
-        """A copy of the sandbox's file system, kept until ``delete_snapshot`` (it outlives
-        the sandbox): ``create(snapshot=snap.id)`` starts sandboxes from it, processes fresh.
-        ``mode="full"`` (memory too) is ``NotSupported`` yet. With ``previous`` (one of this
-        sandbox's snapshots), that one is the answer if nothing was written since (no copy)."""
+                       ttl_s: int | None = None) -> Snapshot:
+        """A copy of the sandbox's file system, kept until ``delete_snapshot`` or, with
+        ``ttl_s``, until the server deletes it that many seconds later (it outlives the
+        sandbox): ``create(snapshot=snap.id)`` starts sandboxes from it, processes fresh.
+        It holds the sandbox's ``disk_mb`` of its project's snapshot quota (``QuotaExceeded``
+        when that is full). With ``previous`` (one of this sandbox's snapshots), that one is
+        the answer if nothing was written since (no copy, nothing more held).
+        ``mode="full"`` (memory too) is ``NotSupported`` yet."""
         if isinstance(previous, Snapshot):
             previous = previous.id
-        req = _validated(SnapshotRequest, mode=mode, previous=previous)
+        req = _validated(SnapshotRequest, mode=mode, previous=previous, ttl_s=ttl_s)
         return Snapshot.model_validate(
             await self._t.json(*self._route("snapshot", {}), json=req.model_dump()))
 

@@ -51,21 +51,23 @@ class Projects:
         return ProjectInfo.model_validate(await self._t.json("GET", f"/v1/projects/{_name(name)}"))
 
     async def create(self, name: str, *, parent: str | None = None, sandboxes: int = 0,
-                     cpu: float = 0.0, memory_mb: int = 0) -> ProjectInfo:
+                     cpu: float = 0.0, memory_mb: int = 0,
+                     snapshot_bytes: int = 0) -> ProjectInfo:
         """A child of ``parent`` (default: the key's project; ``default`` for an admin key);
         its quota is delegated from the parent's (``DelegationExceeded`` when the parent
         lacks the room)."""
         spec = _checked(ProjectCreate, name=name, parent=parent,
                         quota=_checked(Quota, sandboxes=sandboxes, cpu=float(cpu),
-                                       memory_mb=memory_mb))
+                                       memory_mb=memory_mb, snapshot_bytes=snapshot_bytes))
         return ProjectInfo.model_validate(
             await self._t.json("POST", "/v1/projects", json=spec.model_dump(exclude_none=True)))
 
     async def set_quota(self, name: str, *, sandboxes: int | None = None,
-                        cpu: float | None = None, memory_mb: int | None = None) -> ProjectInfo:
+                        cpu: float | None = None, memory_mb: int | None = None,
+                        snapshot_bytes: int | None = None) -> ProjectInfo:
         """Change a descendant's quota (what its parent delegates to it); None keeps a value."""
         update = _checked(QuotaUpdate, sandboxes=sandboxes, memory_mb=memory_mb,
-                          cpu=None if cpu is None else float(cpu))
+                          cpu=None if cpu is None else float(cpu), snapshot_bytes=snapshot_bytes)
         return ProjectInfo.model_validate(await self._t.json(
             "PUT", f"/v1/projects/{_name(name)}/quota", json=update.model_dump(exclude_none=True)))
 
@@ -90,17 +92,19 @@ class SyncProjects:
         return self._call(self._async.get(name))
 
     def create(self, name: str, *, parent: str | None = None, sandboxes: int = 0,
-               cpu: float = 0.0, memory_mb: int = 0) -> ProjectInfo:
+               cpu: float = 0.0, memory_mb: int = 0, snapshot_bytes: int = 0) -> ProjectInfo:
         """A child of ``parent`` (default: the key's project); its quota is delegated from
         the parent's (``DelegationExceeded`` when the parent lacks the room)."""
         return self._call(self._async.create(name, parent=parent, sandboxes=sandboxes, cpu=cpu,
-                                             memory_mb=memory_mb))
+                                             memory_mb=memory_mb, snapshot_bytes=snapshot_bytes))
 
     def set_quota(self, name: str, *, sandboxes: int | None = None,
-                  cpu: float | None = None, memory_mb: int | None = None) -> ProjectInfo:
+                  cpu: float | None = None, memory_mb: int | None = None,
+                  snapshot_bytes: int | None = None) -> ProjectInfo:
         """Change a descendant's quota (what its parent delegates to it); None keeps a value."""
         return self._call(self._async.set_quota(name, sandboxes=sandboxes, cpu=cpu,
-                                                memory_mb=memory_mb))
+                                                memory_mb=memory_mb,
+                                                snapshot_bytes=snapshot_bytes))
 
     def create_key(self, project: str, name: str) -> ProjectKey:
         """A key of ``project``: it sees and creates that project's sandboxes only."""

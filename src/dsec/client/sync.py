@@ -268,11 +268,11 @@ class Sandbox:
 
     # state
     def snapshot(self, mode: str = "filesystem", previous: Snapshot | str | None = None,
-                 ) -> Snapshot:
-        """A copy of the sandbox's file system, kept until ``delete_snapshot``:
-        ``create(snapshot=snap.id)`` starts sandboxes from it; ``previous`` is the answer if
-        nothing was written since it (see ``AsyncSandbox.snapshot``)."""
-        return self._loop.call(self._async.snapshot(mode, previous))
+                 ttl_s: int | None = None) -> Snapshot:
+        """A copy of the sandbox's file system, kept until ``delete_snapshot`` or its
+        ``ttl_s`` ends: ``create(snapshot=snap.id)`` starts sandboxes from it; ``previous`` is
+        the answer if nothing was written since it (see ``AsyncSandbox.snapshot``)."""
+        return self._loop.call(self._async.snapshot(mode, previous, ttl_s))
 
     def rollback(self, snapshot: Snapshot | str) -> SandboxInfo:
         """This sandbox back at one of its own snapshots (see ``AsyncSandbox.rollback``)."""

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from ..config import Settings
-from ..control.directory import EdgeDirectory, EndListener, edge_of
+from ..control.directory import EdgeDirectory, EndListener, SnapshotListener, edge_of
 from ..control.placement import Placement
 from ..protocol.errors import (
     CapacityExhausted,
@@ -108,3 +108,7 @@ class RayEdges(EdgeDirectory):
 
     def on_end(self, listener: EndListener) -> None:
         """Ends happen on other nodes: the projects' reconciliation gives their shares back."""
+
+    def on_snapshot_deleted(self, listener: SnapshotListener) -> None:
+        """So do snapshots' TTL deletions: reconciliation gives their bytes back (a client's
+        delete through this replica gives them back at once: ``Router.delete_snapshot``)."""

@@ -13,14 +13,21 @@ key sees and creates only its project's sandboxes, see docs/PROJECTS.md):
 - ``GET /sandboxes/{id}``, ``DELETE /sandboxes/{id}``, ``POST /sandboxes/{id}/timeout``
 - ``POST /sandboxes/{id}/connect``, ``POST /v2/sandboxes/{id}/connect`` (resumes a paused one)
 - ``POST /sandboxes/{id}/pause`` (dsec's freeze: docs/API.md), ``POST /sandboxes/{id}/resume``
+- ``POST /sandboxes/{id}/snapshots``, ``GET /snapshots``, ``DELETE /templates/{snapshot id}``,
+  a create whose ``templateID`` is a snapshot id, ``POST /sandboxes/{id}/fork``: dsec's
+  filesystem snapshots (the router's, under the project's snapshot quota). A snapshot with
+  memory (``memory: true``, the SDK's ``mode="full"``) is refused; left unset, the server's
+  default is dsec's: filesystem. A fork's children start from one filesystem snapshot
+  (processes fresh), which is deleted once they have started.
 
-Everything else E2B's API has (snapshots, auto-pause, templates, metrics, logs, volumes,
-secrets, network updates) answers 501. A request carrying ``E2b-Sandbox-Id`` (or an envd
+Everything else E2B's API has (auto-pause, templates, metrics, logs, volumes, secrets,
+network updates) answers 501. A request carrying ``E2b-Sandbox-Id`` (or an envd
 ``X-Access-Token``) is for the data plane (both planes have a ``/health``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import math
 import time
@@ -42,6 +49,7 @@ from ..protocol.errors import (
     QuotaExceeded,
     SandboxDied,
     SandboxNotFound,
+    SnapshotNotFound,
     Unauthorized,
 )
 from ..protocol.models import CreateRequest, SandboxInfo, lone_surrogate
@@ -55,6 +63,8 @@ DEFAULT_TEMPLATES = {"base": "python-3.11"}
 DEFAULT_CPU = 2  # E2B's default sandbox: 2 vCPUs, 512 MiB
 DEFAULT_MEMORY_MB = 512
 MAX_TIMEOUT_S = 7 * 86400
+SNAPSHOT_PREFIX = "sn-"  # a templateID naming a dsec snapshot (dsec's ids: sn-<edge>-<hex>)
+MAX_FORKS = 20  # E2B's bound on a fork's count
 
 
 def template_mapping(raw: str) -> dict[str, str]:
@@ -133,7 +143,10 @@ def create_e2b_app(router: Router, keys: Keys, templates: dict[str, str]) -> Fas
             return _error(400, refused)
         timeout = _int(body.get("timeout", 15), "timeout")
         try:
-            req = CreateRequest(image=templates.get(template, template), cpu=DEFAULT_CPU,
+            # Sandbox.create(snapshot_id): the image is the snapshot's (the edge's to set)
+            snapshot = template if template.startswith(SNAPSHOT_PREFIX) else None
+            req = CreateRequest(image=templates.get(template, template), snapshot=snapshot,
+                                cpu=DEFAULT_CPU,
                                 memory_mb=DEFAULT_MEMORY_MB, ttl_s=min(max(timeout, 1), MAX_TIMEOUT_S),
                                 env=_strings(body.get("envVars"), "envVars"),
                                 labels={**_strings(body.get("metadata"), "metadata"),
@@ -146,6 +159,8 @@ def create_e2b_app(router: Router, keys: Keys, templates: dict[str, str]) -> Fas
         except ImageNotFound:
             return _error(404, f"template '{template}' not found: it names no dsec image (the "
                                "mapping is in docs/COMPAT.md; DSEC_E2B_TEMPLATES adds to it)")
+        except SnapshotNotFound:
+            return _error(404, f"template '{template}' not found: no such snapshot")
         except DSecError as exc:
             return _dsec_error(exc)
         envd.prune({live.id for live in router.list()})
@@ -222,8 +237,12 @@ def create_e2b_app(router: Router, keys: Keys, templates: dict[str, str]) -> Fas
 
     @app.post("/sandboxes/{sandbox_id}/pause")
     async def pause(sandbox_id: str, request: Request) -> Response:
-        """Freeze the sandbox (a no-op if paused: dsec's pause is idempotent)."""
+        """Freeze the sandbox (a no-op if paused: dsec's pause is idempotent). Its memory
+        stays (a freeze): a filesystem-only pause (``memory: false``) is refused."""
         authenticate(request)
+        if (await _json(request)).get("memory") is False:
+            return _error(400, "a filesystem-only pause (mode='filesystem') is not supported: "
+                               "dsec's pause freezes the sandbox with its memory")
         running(sandbox_id)
         try:
             await router.edge_for(sandbox_id).pause(sandbox_id)
@@ -234,7 +253,11 @@ def create_e2b_app(router: Router, keys: Keys, templates: dict[str, str]) -> Fas
     async def connect(sandbox_id: str, request: Request) -> JSONResponse:
         """Connect to a sandbox, resuming it if paused; its timeout is only ever extended."""
         authenticate(request)
-        timeout = _int((await _json(request)).get("timeout", 0), "timeout")
+        body = await _json(request)
+        timeout = _int(body.get("timeout", 0), "timeout")
+        if body.get("memory") is False:
+            return _error(400, "on_resume='reboot' is not supported: a paused dsec sandbox "
+                               "resumes with its memory")
         info = running(sandbox_id)
         if info.state == "paused":
             try:
@@ -252,6 +275,86 @@ def create_e2b_app(router: Router, keys: Keys, templates: dict[str, str]) -> Fas
     app.add_api_route("/sandboxes/{sandbox_id}/connect", connect, methods=["POST"])
     app.add_api_route("/v2/sandboxes/{sandbox_id}/connect", connect, methods=["POST"])
     app.add_api_route("/sandboxes/{sandbox_id}/resume", connect, methods=["POST"])  # E2B's older name
+
+    # snapshots and forks: dsec's filesystem snapshots, through the router
+    @app.post("/sandboxes/{sandbox_id}/snapshots")
+    async def snapshot(sandbox_id: str, request: Request) -> JSONResponse:
+        authenticate(request)
+        body = await _json(request)
+        if body.get("memory") is True:
+            return _error(400, "snapshots with memory (mode='full') are not supported: dsec "
+                               "takes filesystem snapshots (mode='filesystem')")
+        if body.get("name") is not None:
+            return _error(400, "named snapshots are not supported: dsec names a snapshot by "
+                               "its id")
+        running(sandbox_id)
+        try:
+            snap = await router.snapshot(sandbox_id)
+        except (SandboxNotFound, SandboxDied):
+            return _error(404, f"sandbox \"{sandbox_id}\" not found")
+        except DSecError as exc:
+            return _dsec_error(exc)
+        return JSONResponse(_snapshot(snap.id), status_code=201)
+
+    @app.get("/snapshots")
+    async def list_snapshots(request: Request) -> JSONResponse:
+        authenticate(request)
+        params = request.query_params
+        snaps = [s for s in router.snapshots()
+                 if params.get("sandboxID") in (None, s.sandbox_id)
+                 and params.get("name") in (None, s.id)]
+        start = _int(params.get("nextToken") or 0, "nextToken")
+        limit = _int(params.get("limit") or 0, "limit") or len(snaps)
+        headers = {"X-Next-Token": str(start + limit)} if start + limit < len(snaps) else {}
+        return JSONResponse([_snapshot(s.id) for s in snaps[start:start + limit]],
+                            headers=headers)
+
+    @app.delete("/templates/{template_id:path}")
+    async def delete_snapshot(template_id: str, request: Request) -> Response:
+        """A snapshot's delete (E2B's snapshots are templates); other templates are dsec
+        images, not deleted through this API."""
+        authenticate(request)
+        if not template_id.startswith(SNAPSHOT_PREFIX):
+            return _not_supported(request)
+        try:
+            await router.delete_snapshot(template_id)
+        except SnapshotNotFound:
+            return _error(404, f"template '{template_id}' not found")
+        return Response(status_code=204)
+
+    @app.post("/sandboxes/{sandbox_id}/fork")
+    async def fork(sandbox_id: str, request: Request) -> JSONResponse:
+        """``count`` new sandboxes from one filesystem snapshot of this one (deleted once
+        they started); one result each, a sandbox or its error, as E2B answers."""
+        authenticate(request)
+        body = await _json(request)
+        count = _int(body.get("count", 1), "count")
+        if not 1 <= count <= MAX_FORKS:
+            return _error(400, f"count must be between 1 and {MAX_FORKS}")
+        timeout = min(max(_int(body.get("timeout", 15), "timeout"), 1), MAX_TIMEOUT_S)
+        parent = running(sandbox_id)
+        try:
+            snap = await router.snapshot(sandbox_id)
+        except (SandboxNotFound, SandboxDied):
+            return _error(404, f"sandbox \"{sandbox_id}\" not found")
+        except DSecError as exc:
+            return _dsec_error(exc)
+        row = router.edge_for(sandbox_id).get_row(sandbox_id)
+        req = CreateRequest(image=parent.image, snapshot=snap.id, cpu=parent.cpu,
+                            memory_mb=parent.memory_mb, ttl_s=timeout, env=row.request["env"],
+                            labels=parent.labels)
+
+        async def child() -> dict[str, Any]:
+            try:
+                return {"sandbox": created(await set_up(req))}
+            except DSecError as exc:
+                status, message = _status(exc)
+                return {"error": {"code": status, "message": message}}
+        try:
+            results = await asyncio.gather(*(child() for _ in range(count)))
+        finally:
+            await router.delete_snapshot(snap.id)
+        return JSONResponse(list(results), status_code=201)
 
     @app.get("/health")
     async def health(request: Request) -> Response:
@@ -362,16 +465,27 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"code": status, "message": message}, status_code=status)
 
 
-def _dsec_error(exc: DSecError) -> JSONResponse:
+def _snapshot(snapshot_id: str) -> dict[str, Any]:
+    return {"snapshotID": snapshot_id, "names": [snapshot_id]}
+
+
+def _status(exc: DSecError) -> tuple[int, str]:
+    """E2B's status and message for a dsec error (the SDK raises its exception by status)."""
     if isinstance(exc, Unauthorized):
-        return _error(401, exc.message)
+        return 401, exc.message
     if isinstance(exc, CapacityExhausted):
-        return _error(429, f"{exc.message}: too many sandboxes at once")
+        return 429, f"{exc.message}: too many sandboxes at once"
     if isinstance(exc, QuotaExceeded):
-        return _error(429, exc.message)
+        return 429, exc.message
     if isinstance(exc, (InvalidRequest, NotSupported)):
-        return _error(400, exc.message)
+        return 400, exc.message
+    if isinstance(exc, (SandboxNotFound, SnapshotNotFound)):
+        return 404, exc.message
+    return 500, exc.message
+
+
+def _dsec_error(exc: DSecError) -> JSONResponse:
     if isinstance(exc, IdempotencyKeyReused):  # E2B's code for it, with the same status
         return JSONResponse({"code": 422, "message": exc.message,
                              "error_code": "idempotency_request_mismatch"}, status_code=422)
-    return _error(500, exc.message)
+    return _error(*_status(exc))

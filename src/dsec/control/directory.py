@@ -19,6 +19,7 @@ from ..protocol.models import SandboxInfo
 
 T = TypeVar("T")
 EndListener = Callable[[str, str, str], None]  # (sandbox id, state, reason)
+SnapshotListener = Callable[[str], None]  # (snapshot id)
 
 
 def edge_of(sandbox_id: str) -> str:
@@ -62,6 +63,11 @@ class EdgeDirectory(ABC):
     def on_end(self, listener: EndListener) -> None:
         """Call ``listener`` when an edge ends a sandbox, where the directory hears of it (a
         Ray cluster's ends are heard by reconciling the state store instead)."""
+
+    @abstractmethod
+    def on_snapshot_deleted(self, listener: SnapshotListener) -> None:
+        """Call ``listener`` when an edge deletes a snapshot (a client's delete, or its TTL
+        ended), where the directory hears of it (as ``on_end``)."""
 
     def substrates(self) -> set[str]:
         """The substrates some edge serves."""
@@ -111,3 +117,7 @@ class LocalEdges(EdgeDirectory):
     def on_end(self, listener: EndListener) -> None:
         for edge in self.edges.values():
             edge.on_end.append(listener)
+
+    def on_snapshot_deleted(self, listener: SnapshotListener) -> None:
+        for edge in self.edges.values():
+            edge.on_snapshot_deleted.append(listener)

@@ -5,7 +5,9 @@ is what its sandboxes may hold plus what it delegates to its children: ``used + 
 quota`` always. Every create (plain, trajectory, replay, fork, E2B, SandboxFusion) reserves
 its share at admission, atomically in the state store, and gives it back when the create
 fails or the sandbox ends (stopped, expired, died), exactly once. An fn call (and
-``run_code``) holds one sandbox with an fn worker's CPU and memory while it runs.
+``run_code``) holds one sandbox with an fn worker's CPU and memory while it runs. A snapshot
+holds its sandbox's ``disk_mb`` in bytes of snapshot room, from before it is taken until it
+is deleted (by a client, or by its edge when its TTL ends).
 
 Who calls is a context variable set when the request's key is checked. An admin key (a key
 with no project: the local key, ``dsec key create NAME``) sees everything and creates in
@@ -38,11 +40,12 @@ from ..protocol.errors import (
     RemoteError,
     SandboxNotFound,
 )
-from ..protocol.models import CreateRequest, SandboxInfo
+from ..protocol.models import CreateRequest, SandboxInfo, Snapshot
 from ..protocol.project_models import (
     MAX_CPU,
     MAX_MEMORY_MB,
     MAX_SANDBOXES,
+    MAX_SNAPSHOT_BYTES,
     ROOT_PROJECT,
     KeyRequest,
     ProjectCreate,
@@ -57,20 +60,21 @@ from ..substrates.fn.fn import FN_CALL_CPU, FN_CALL_MEMORY_MB
 
 log = logging.getLogger("dsec.projects")
 
-ROOT_QUOTA: Amounts = (MAX_SANDBOXES, int(MAX_CPU * 1000), MAX_MEMORY_MB)
-RESOURCE_NAMES = ("sandboxes", "cpu", "memory_mb")
+ROOT_QUOTA: Amounts = (MAX_SANDBOXES, int(MAX_CPU * 1000), MAX_MEMORY_MB, MAX_SNAPSHOT_BYTES)
+RESOURCE_NAMES = ("sandboxes", "cpu", "memory_mb", "snapshot_bytes")
 RECENT_FAILURES = 100
 T = TypeVar("T")
 _caller_project: ContextVar[str | None] = ContextVar("dsec_caller_project", default=None)
 
 
 def amounts(quota: Quota) -> Amounts:
-    return quota.sandboxes, round(quota.cpu * 1000), quota.memory_mb
+    return quota.sandboxes, round(quota.cpu * 1000), quota.memory_mb, quota.snapshot_bytes
 
 
 def quota(values: Iterable[int]) -> Quota:
-    sandboxes, cpu_milli, memory_mb = values
-    return Quota(sandboxes=sandboxes, cpu=cpu_milli / 1000, memory_mb=memory_mb)
+    sandboxes, cpu_milli, memory_mb, snapshot_bytes = values
+    return Quota(sandboxes=sandboxes, cpu=cpu_milli / 1000, memory_mb=memory_mb,
+                 snapshot_bytes=snapshot_bytes)
 
 
 def info(row: ProjectRow) -> ProjectInfo:
@@ -176,16 +180,21 @@ class Projects:
             self.reconcile()
             reservation = self.store.reserve(project, cpu_milli, memory_mb)
         if reservation is None:
-            row = self.store.get(project)
-            if row is None:
-                raise ProjectNotFound(f"the key's project {project!r} is gone", project=project)
-            details = _shortage(row, (1, cpu_milli, memory_mb))
-            self.refusals.labels(project, f"quota_{details.get('resource', 'unknown')}").inc()
-            self._failed(project, None, QuotaExceeded.code, "quota exceeded")
-            log.info("refused a create in %s: quota of %s", project, details.get("resource"))
-            raise QuotaExceeded(f"project {project!r} has no room for the sandbox: "
-                                f"{details.get('resource')} would exceed its quota", **details)
+            raise self._refused(project, (1, cpu_milli, memory_mb, 0), "create", "the sandbox")
         return project, reservation
+
+    def _refused(self, project: str, asked: Amounts, kind: str, what: str) -> DSecError:
+        """The error refusing a ``kind`` of operation ``asked`` more of the project (counted
+        and remembered)."""
+        row = self.store.get(project)
+        if row is None:
+            return ProjectNotFound(f"the key's project {project!r} is gone", project=project)
+        details = _shortage(row, asked)
+        self.refusals.labels(project, f"quota_{details.get('resource', 'unknown')}").inc()
+        self._failed(project, None, QuotaExceeded.code, "quota exceeded")
+        log.info("refused a %s in %s: quota of %s", kind, project, details.get("resource"))
+        return QuotaExceeded(f"project {project!r} has no room for {what}: "
+                             f"{details.get('resource')} would exceed its quota", **details)
 
     async def _holding(self, project: str, reservation: str, work: Callable[[], Awaitable[T]]) -> T:
         """``work()`` under a reservation, which goes back if the work fails. A function
@@ -200,6 +209,36 @@ class Projects:
                 self._failed(project, None, exc.code, exc.message)
             raise
 
+    # snapshots: each holds bytes of its sandbox's project from before it is taken until deleted
+    async def admit_snapshot(self, sandbox_id: str, size: int,
+                             take: Callable[[], Awaitable[Snapshot]]) -> Snapshot:
+        """Hold ``size`` bytes of the snapshot room of the sandbox's project, then take the
+        snapshot (``take()``); QuotaExceeded, and nothing taken, when the room is short.
+        The hold goes back if taking fails, else when the snapshot is deleted."""
+        project = self.project_of(sandbox_id)
+        hold = self.store.hold_snapshot(project, size)
+        if hold is None:  # holds of snapshots deleted out of this server's hearing go back
+            self.reconcile()
+            hold = self.store.hold_snapshot(project, size)
+        if hold is None:
+            raise self._refused(project, (0, 0, 0, size), "snapshot", f"a snapshot of {size} bytes")
+        try:
+            snap = await take()
+        except BaseException:
+            self.store.release_snapshot(hold)
+            raise
+        if self.store.snapshot_hold_of(snap.id) is not None:  # an unchanged one answered again
+            self.store.release_snapshot(hold)
+        else:
+            self.store.bind_snapshot(hold, snap.id)
+        return snap
+
+    def snapshot_deleted(self, snapshot_id: str) -> None:
+        """A snapshot was deleted: give its bytes back (once, however often told)."""
+        hold = self.store.snapshot_hold_of(snapshot_id)
+        if hold is not None:
+            self.store.release_snapshot(hold)
+
     def ended(self, sandbox_id: str, state: str, reason: str) -> None:
         """An edge ended a sandbox: give its share back."""
         reservation = self.store.reservation_of(sandbox_id)
@@ -209,9 +248,12 @@ class Projects:
             self._failed(self.project_of(sandbox_id), sandbox_id, "sandbox_died", reason)
 
     def reconcile(self) -> None:
-        """Give back what sandboxes that ended while no server watched still hold."""
+        """Give back what sandboxes that ended, and snapshots deleted (their TTL's reaper is
+        their edge's), while no server watched still hold."""
         for reservation in self.store.stale(self.started_at):
             self.store.release(reservation)
+        for hold in self.store.stale_snapshot_holds(self.started_at):
+            self.store.release_snapshot(hold)
 
     def _failed(self, project: str, sandbox_id: str | None, code: str, message: str) -> None:
         self.failures.append(dict(at=time.time(), project=project, sandbox_id=sandbox_id,
@@ -267,16 +309,14 @@ class Projects:
             raise Forbidden(f"a key of project {name!r} cannot change its own quota; its "
                             "parent's keys (or an admin key) can", project=name)
         old = quota(row.quota)
-        new = Quota(sandboxes=old.sandboxes if update.sandboxes is None else update.sandboxes,
-                    cpu=old.cpu if update.cpu is None else update.cpu,
-                    memory_mb=old.memory_mb if update.memory_mb is None else update.memory_mb)
+        new = Quota(**{**old.model_dump(), **update.model_dump(exclude_none=True)})
         asked = amounts(new)
         short = self.store.set_quota(name, asked)
         if short is not None:
             now = self.store.get(short)
             assert now is not None
             if short == name:  # it holds (used and delegated) more than the new quota
-                details = _shortage(now, (0, 0, 0), limit=asked)
+                details = _shortage(now, (0, 0, 0, 0), limit=asked)
                 raise DelegationExceeded(f"project {name!r} holds more {details.get('resource')} "
                                          "(used and delegated) than the new quota", **details)
             change = (a - b for a, b in zip(asked, row.quota))

@@ -11,6 +11,7 @@ calls. Calls on a sandbox attached to a trajectory go through the trajectory rec
 from __future__ import annotations
 
 import builtins
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,7 @@ class Router:
         self.idempotency = Idempotency(idempotency, self) if idempotency is not None else None
         if access is not None:
             directory.on_end(access.ended)
+            directory.on_snapshot_deleted(access.snapshot_deleted)
 
     async def start(self) -> None:
         await self.directory.start()
@@ -97,7 +99,7 @@ class Router:
 
     async def _place(self, req: CreateRequest) -> SandboxInfo:
         if req.snapshot is not None:  # its files are on its parent's edge (node): start there
-            parent = self.snapshot(req.snapshot).sandbox_id
+            parent = self.visible_snapshot(req.snapshot).sandbox_id
             return await self.directory.owner(parent).create(req)
         return await self.directory.place(req.substrate, req.image, lambda edge: edge.create(req))
 
@@ -123,12 +125,32 @@ class Router:
             raise NotSupported("this server keeps no snapshots")
         return self.store
 
-    def snapshot(self, snapshot_id: str) -> SnapshotRow:
-        """The record of a snapshot the caller may see; SnapshotNotFound for any other."""
+    def visible_snapshot(self, snapshot_id: str) -> SnapshotRow:
+        """The record of a snapshot the caller may see; SnapshotNotFound for any other, and
+        for one whose TTL ended (its edge's reaper deletes it)."""
         row = self._snapshots().get_snapshot(snapshot_id)
-        if row is None or (self.access is not None and not self.access.sees(row.sandbox_id)):
+        if (row is None or row.expired(time.time())
+                or (self.access is not None and not self.access.sees(row.sandbox_id))):
             raise SnapshotNotFound(f"no snapshot {snapshot_id!r}", snapshot=snapshot_id)
         return row
+
+    async def snapshot(self, sandbox_id: str, mode: str = "filesystem",
+                       previous: str | None = None, ttl_s: int | None = None) -> Snapshot:
+        """A snapshot of a sandbox the caller may see, held against its project's snapshot
+        room (``Projects.admit_snapshot``) at its disk size: the most its image can hold,
+        known before a byte is copied and the same wherever the image lives (a reflinked
+        copy's allocated blocks count extents it shares). ``previous`` must be a snapshot
+        the caller may see; answered again (nothing written since), it holds nothing more."""
+        edge = self.owner(sandbox_id)
+        if previous is not None:
+            self.visible_snapshot(previous)
+
+        async def take() -> Snapshot:
+            return await edge.snapshot(sandbox_id, mode, previous, ttl_s)
+        if self.access is None:
+            return await take()
+        disk_mb = int(edge.get_row(sandbox_id).request["disk_mb"])
+        return await self.access.admit_snapshot(sandbox_id, disk_mb << 20, take)
 
     def snapshots(self) -> builtins.list[Snapshot]:
         """The snapshots the caller's key may see."""
@@ -136,8 +158,10 @@ class Router:
                 if self.access is None or self.access.sees(row.sandbox_id)]
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
-        parent = self.snapshot(snapshot_id).sandbox_id
+        parent = self.visible_snapshot(snapshot_id).sandbox_id
         await self.directory.owner(parent).delete_snapshot(snapshot_id)
+        if self.access is not None:  # heard from the edge too where it is local: given back once
+            self.access.snapshot_deleted(snapshot_id)
 
     def list(self) -> list[SandboxInfo]:
         return self.directory.sandboxes()

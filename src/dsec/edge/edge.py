@@ -103,6 +103,7 @@ class Live:
     # count later means the disk is still that snapshot's.
     last_snapshot: tuple[str, int] | None = None
     pausing: asyncio.Lock = field(default_factory=asyncio.Lock)  # one pause or resume at a time
+    snapshotting: asyncio.Lock = field(default_factory=asyncio.Lock)  # one freeze of its disk at a time
 
 
 class Edge:
@@ -124,6 +125,7 @@ class Edge:
         self._calling = 0  # fn calls in flight
         self._reaper: asyncio.Task[None] | None = None
         self.on_end: list[Callable[[str, str, str], None]] = []  # (sandbox id, state, reason)
+        self.on_snapshot_deleted: list[Callable[[str], None]] = []  # (snapshot id)
 
     # lifecycle of the edge itself
     async def start(self) -> None:
@@ -327,17 +329,18 @@ class Edge:
 
     def _snapshot_row(self, snapshot_id: str) -> SnapshotRow:
         row = self.store.get_snapshot(snapshot_id)
-        if row is None or row.edge != self.id:
+        if row is None or row.edge != self.id or row.expired(time.time()):
             raise SnapshotNotFound(f"no snapshot {snapshot_id!r}", snapshot=snapshot_id)
         return row
 
     async def snapshot(self, sandbox_id: str, mode: str = "filesystem",
-                       previous: str | None = None) -> Snapshot:
-        """A copy of the sandbox's writable layer, kept until deleted (it outlives the
-        sandbox and restarts); ``create(snapshot=...)`` starts sandboxes from it. A paused
-        sandbox is resumed first (its file system cannot be frozen under frozen writers).
-        With ``previous`` (one of this sandbox's snapshots): that snapshot, if nothing has
-        been written to the disk since it was taken (a trajectory's checkpoints)."""
+                       previous: str | None = None, ttl_s: int | None = None) -> Snapshot:
+        """A copy of the sandbox's writable layer, kept until deleted, or until ``ttl_s``
+        seconds pass (then the reaper deletes it); it outlives the sandbox and restarts.
+        ``create(snapshot=...)`` starts sandboxes from it. A paused sandbox is resumed first
+        (its file system cannot be frozen under frozen writers). With ``previous`` (one of
+        this sandbox's snapshots): that snapshot, if nothing has been written to the disk
+        since it was taken (a trajectory's checkpoints)."""
         live = await self._awake(sandbox_id)
         if mode != "filesystem":
             raise NotSupported("'full' snapshots (memory and processes too) are not supported "
@@ -351,14 +354,17 @@ class Edge:
         d.mkdir(parents=True)
         try:
             try:
-                count = await live.substrate.snapshot_disk(sandbox_id, live.row.runtime,
-                                                           d / SNAPSHOT_DISK)
+                async with live.snapshotting:  # a second FIFREEZE of a frozen disk is EBUSY
+                    count = await live.substrate.snapshot_disk(sandbox_id, live.row.runtime,
+                                                               d / SNAPSHOT_DISK)
             except OSError as exc:
                 raise SandboxError(f"could not snapshot sandbox {sandbox_id}: {exc}",
                                    sandbox_id=sandbox_id) from exc
             row = SnapshotRow(snap_id, self.id, sandbox_id, live.row.substrate, live.row.image,
                               live.row.image_digest, mode, live.row.request["disk_mb"],
                               allocated_bytes(d / SNAPSHOT_DISK), time.time())
+            if ttl_s is not None:
+                row.expires_at = row.created_at + ttl_s
             self.store.insert_snapshot(row)
         except BaseException:
             await asyncio.to_thread(remove_tree, d)
@@ -420,8 +426,17 @@ class Edge:
         """Forget the snapshot, then remove its files (a create copying it already holds
         its image open and finishes)."""
         self._snapshot_row(snapshot_id)
+        await self._remove_snapshot(snapshot_id)
+
+    async def _remove_snapshot(self, snapshot_id: str) -> None:
         if self.store.delete_snapshot(snapshot_id):
             await asyncio.to_thread(remove_tree, self._snapshot_dir(snapshot_id))
+            self.store.event("snapshot_deleted", None, snapshot=snapshot_id)
+            for listener in self.on_snapshot_deleted:
+                try:
+                    listener(snapshot_id)
+                except Exception:  # a listener's failure must not fail the delete
+                    log.exception("snapshot delete listener failed for %s", snapshot_id)
 
     # pause / resume
     async def pause(self, sandbox_id: str) -> SandboxInfo:
@@ -724,11 +739,14 @@ class Edge:
                 log.exception("reaper pass failed")
 
     async def reap(self) -> None:
-        """Stop expired sandboxes (deaths arrive through the substrate's watch)."""
+        """Stop expired sandboxes (deaths arrive through the substrate's watch) and delete
+        this edge's expired snapshots (sandboxes made from one have their own copy)."""
         now = time.time()
         for sandbox_id, live in list(self._live.items()):
             if live.row.expires_at <= now:
                 await self.stop(sandbox_id, "expired", f"TTL of {live.row.request['ttl_s']}s expired")
+        for snapshot_id in self.store.expired_snapshots(self.id, now):
+            await self._remove_snapshot(snapshot_id)
 
 
 def sandbox_info(row: SandboxRow) -> SandboxInfo:
@@ -744,7 +762,8 @@ def sandbox_info(row: SandboxRow) -> SandboxInfo:
 
 def snapshot_info(row: SnapshotRow) -> Snapshot:
     return Snapshot(id=row.id, mode=row.mode, size_bytes=row.size_bytes,
-                    sandbox_id=row.sandbox_id, image=row.image, created_at=row.created_at)
+                    sandbox_id=row.sandbox_id, image=row.image, created_at=row.created_at,
+                    expires_at=row.expires_at)
 
 
 def _result(event: Exit, stdout: bytes, stderr: bytes, oom: bool = False) -> ExecResult:

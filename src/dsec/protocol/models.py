@@ -176,6 +176,9 @@ class SandboxInfo(_Model):
 SnapshotMode = Literal["filesystem", "full"]
 
 
+MAX_SNAPSHOT_TTL_S = 365 * 86400
+
+
 class SnapshotRequest(_Request):
     mode: SnapshotMode = Field("filesystem", description="'filesystem': the writable layer "
                                "(processes start fresh from it); 'full' (with memory): not yet")
@@ -183,6 +186,9 @@ class SnapshotRequest(_Request):
                                  description="a snapshot of this sandbox: if nothing was "
                                              "written to its disk since, it is the answer "
                                              "(no copy is made)")
+    ttl_s: int | None = Field(None, ge=1, le=MAX_SNAPSHOT_TTL_S,
+                              description="deleted by the server this many seconds after it "
+                                          "is taken; none: kept until deleted")
 
 
 class RollbackRequest(_Request):
@@ -196,6 +202,7 @@ class Snapshot(_Model):
     sandbox_id: str = Field(description="the sandbox it was taken of (its parent)")
     image: str
     created_at: float
+    expires_at: float | None = Field(None, description="when the server deletes it (its TTL)")
 
 
 class TtlRequest(_Request):

@@ -16,6 +16,7 @@ ROOT_PROJECT = "default"
 MAX_SANDBOXES = 1_000_000
 MAX_CPU = 1_000_000.0
 MAX_MEMORY_MB = 1 << 40
+MAX_SNAPSHOT_BYTES = 1 << 60
 
 
 def _integral(value: Any) -> Any:
@@ -37,6 +38,7 @@ def _up_to(most: int) -> WithJsonSchema:
 Sandboxes = Annotated[_Count, Field(le=MAX_SANDBOXES), _up_to(MAX_SANDBOXES)]
 Cpu = Annotated[float, Field(ge=0, le=MAX_CPU, allow_inf_nan=False)]
 MemoryMB = Annotated[_Count, Field(le=MAX_MEMORY_MB), _up_to(MAX_MEMORY_MB)]
+SnapshotBytes = Annotated[_Count, Field(le=MAX_SNAPSHOT_BYTES), _up_to(MAX_SNAPSHOT_BYTES)]
 
 
 class _Strict(BaseModel):
@@ -44,11 +46,13 @@ class _Strict(BaseModel):
 
 
 class Quota(_Strict):
-    """Concurrent sandboxes, CPUs (cores, to a thousandth) and memory (MB)."""
+    """Concurrent sandboxes, CPUs (cores, to a thousandth), memory (MB) and the bytes the
+    project's snapshots may hold (each counts its sandbox's ``disk_mb``: docs/API.md)."""
 
     sandboxes: Sandboxes = 0
     cpu: Cpu = 0.0
     memory_mb: MemoryMB = 0
+    snapshot_bytes: SnapshotBytes = 0
 
 
 class QuotaUpdate(_Strict):
@@ -57,6 +61,7 @@ class QuotaUpdate(_Strict):
     sandboxes: Sandboxes | None = None
     cpu: Cpu | None = None
     memory_mb: MemoryMB | None = None
+    snapshot_bytes: SnapshotBytes | None = None
 
 
 class ProjectCreate(_Strict):

@@ -47,6 +47,21 @@ class Database(ABC):
     def transaction(self) -> AbstractContextManager[None]:
         """Statements inside commit together, or not at all if the block raises."""
 
+    def add_columns(self, table: str, columns: dict[str, str]) -> set[str]:
+        """Give a table made by an older dsec the ``columns`` (name -> SQLite declaration)
+        it lacks (``CREATE TABLE IF NOT EXISTS`` leaves an existing table as it was); the
+        names it lacked."""
+        missing = set(columns) - self.columns(table)
+        for name in missing:
+            self.execute(self._add_column(table, name, columns[name]))
+        return missing
+
+    @abstractmethod
+    def columns(self, table: str) -> set[str]: ...
+
+    @abstractmethod
+    def _add_column(self, table: str, name: str, declaration: str) -> str: ...
+
     @abstractmethod
     def close(self) -> None: ...
 
@@ -95,6 +110,12 @@ class SqliteDatabase(Database):
                 self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
+
+    def columns(self, table: str) -> set[str]:
+        return {r["name"] for r in self.execute(f"PRAGMA table_info({table})")}
+
+    def _add_column(self, table: str, name: str, declaration: str) -> str:
+        return f"ALTER TABLE {table} ADD COLUMN {name} {declaration}"
 
     def close(self) -> None:
         self._db.close()
@@ -165,6 +186,14 @@ class PostgresDatabase(Database):
                 yield
             finally:
                 self._in_transaction = False
+
+    def columns(self, table: str) -> set[str]:
+        return {r["column_name"] for r in self.execute(
+            "SELECT column_name FROM information_schema.columns WHERE table_name=?", (table,))}
+
+    def _add_column(self, table: str, name: str, declaration: str) -> str:
+        # another server may be adding it too
+        return postgres_schema(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {name} {declaration}")
 
     def close(self) -> None:
         self._db.close()

@@ -6,9 +6,10 @@ project row (``... WHERE used + delegated + asked <= quota``): atomic in SQLite 
 PostgreSQL (which re-checks the condition on the locked row), so concurrent creates, even
 through several API servers, cannot overshoot. CPUs are stored in thousandths, exactly.
 
-Each project row keeps what its live sandboxes hold (``used_*``) and what it handed to its
-children (``delegated_*``, the sum of their quotas), so the invariant
-``used + delegated <= quota`` is checked on that row alone.
+Each project row keeps what its live sandboxes and its snapshots hold (``used_*``) and what
+it handed to its children (``delegated_*``, the sum of their quotas), so the invariant
+``used + delegated <= quota`` is checked on that row alone. A snapshot holds bytes
+(``snapshot_holds``) from before it is taken until it is deleted.
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ CREATE TABLE IF NOT EXISTS projects (
     used_sandboxes BIGINT NOT NULL DEFAULT 0,
     used_cpu_milli BIGINT NOT NULL DEFAULT 0,
     used_memory_mb BIGINT NOT NULL DEFAULT 0,
-    created_at DOUBLE PRECISION NOT NULL
+    created_at DOUBLE PRECISION NOT NULL,
+    max_snapshot_bytes BIGINT NOT NULL DEFAULT 0,
+    delegated_snapshot_bytes BIGINT NOT NULL DEFAULT 0,
+    used_snapshot_bytes BIGINT NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS project_keys (
     key_id TEXT PRIMARY KEY,
@@ -49,10 +53,19 @@ CREATE TABLE IF NOT EXISTS sandbox_projects (
     created_at DOUBLE PRECISION NOT NULL,
     released_at DOUBLE PRECISION
 );
+CREATE TABLE IF NOT EXISTS snapshot_holds (
+    id TEXT PRIMARY KEY,
+    snapshot_id TEXT UNIQUE,
+    project TEXT NOT NULL REFERENCES projects(name),
+    bytes BIGINT NOT NULL,
+    created_at DOUBLE PRECISION NOT NULL
+);
 """
+SNAPSHOT_COLUMNS = {f"{kind}_snapshot_bytes": "BIGINT NOT NULL DEFAULT 0"
+                    for kind in ("max", "delegated", "used")}  # what a database of before lacks
 
-RESOURCES = ("sandboxes", "cpu_milli", "memory_mb")
-Amounts = tuple[int, int, int]  # sandboxes, cpu in thousandths, memory MB
+RESOURCES = ("sandboxes", "cpu_milli", "memory_mb", "snapshot_bytes")
+Amounts = tuple[int, int, int, int]  # sandboxes, cpu in thousandths, memory MB, snapshot bytes
 
 
 class NameTaken(Exception):
@@ -88,11 +101,14 @@ class ProjectStore:
     def __init__(self, target: Path | str, root: str, root_quota: Amounts) -> None:
         """``target``: the state store's SQLite file or URL (``StateStore.url``)."""
         self._db = open_database(target, SCHEMA)
+        if self._db.add_columns("projects", SNAPSHOT_COLUMNS):  # the root keeps its "no limit"
+            self._db.execute("UPDATE projects SET max_snapshot_bytes=? WHERE name=?",
+                             (root_quota[3], root))
         if self.get(root) is None:
             try:
                 self._db.execute("INSERT INTO projects (name, parent, max_sandboxes, max_cpu_milli, "
-                                 "max_memory_mb, created_at) VALUES (?,NULL,?,?,?,?)",
-                                 (root, *root_quota, time.time()))
+                                 "max_memory_mb, max_snapshot_bytes, created_at) "
+                                 "VALUES (?,NULL,?,?,?,?,?)", (root, *root_quota, time.time()))
             except IntegrityError:  # another process made it first
                 pass
 
@@ -113,8 +129,8 @@ class ProjectStore:
         try:
             with self._db.transaction():
                 self._db.execute("INSERT INTO projects (name, parent, max_sandboxes, "
-                                 "max_cpu_milli, max_memory_mb, created_at) VALUES (?,?,?,?,?,?)",
-                                 (name, parent, *quota, time.time()))
+                                 "max_cpu_milli, max_memory_mb, max_snapshot_bytes, created_at) "
+                                 "VALUES (?,?,?,?,?,?,?)", (name, parent, *quota, time.time()))
                 self._delegate(parent, quota)
         except IntegrityError:
             raise NameTaken(name) from None
@@ -134,8 +150,8 @@ class ProjectStore:
                     self._delegate(row.parent,
                                    tuple(new - old for new, old in zip(quota, row.quota)))
                 if not self._db.execute(
-                        "UPDATE projects SET max_sandboxes=?, max_cpu_milli=?, max_memory_mb=? "
-                        "WHERE name=? AND " + " AND ".join(
+                        "UPDATE projects SET " + ", ".join(f"max_{x}=?" for x in RESOURCES)
+                        + " WHERE name=? AND " + " AND ".join(
                             f"used_{x} + delegated_{x} <= ?" for x in RESOURCES),
                         (*quota, name, *quota)).rowcount:
                     raise _Short(name)
@@ -164,19 +180,23 @@ class ProjectStore:
     def reserve(self, project: str, cpu_milli: int, memory_mb: int) -> str | None:
         """Take one sandbox, ``cpu_milli`` and ``memory_mb`` of the project's room, all or
         nothing. The reservation id, or None if the room is short."""
-        asked = (1, cpu_milli, memory_mb)
         reservation = "rsv-" + secrets.token_hex(8)
         with self._db.transaction():
-            taken = self._db.execute(
-                "UPDATE projects SET " + ", ".join(f"used_{x} = used_{x} + ?" for x in RESOURCES)
-                + " WHERE name=? AND " + " AND ".join(
-                    f"used_{x} + delegated_{x} + ? <= max_{x}" for x in RESOURCES),
-                (*asked, project, *asked)).rowcount
+            taken = self._take(project, (1, cpu_milli, memory_mb, 0))
             if taken:
                 self._db.execute("INSERT INTO sandbox_projects (id, project, cpu_milli, "
                                  "memory_mb, created_at) VALUES (?,?,?,?,?)",
                                  (reservation, project, cpu_milli, memory_mb, time.time()))
         return reservation if taken else None
+
+    def _take(self, project: str, asked: Amounts) -> bool:
+        """Add ``asked`` to the project's use if it stays within its quota (inside a
+        transaction of the caller's)."""
+        return bool(self._db.execute(
+            "UPDATE projects SET " + ", ".join(f"used_{x} = used_{x} + ?" for x in RESOURCES)
+            + " WHERE name=? AND " + " AND ".join(
+                f"used_{x} + delegated_{x} + ? <= max_{x}" for x in RESOURCES),
+            (*asked, project, *asked)).rowcount)
 
     def bind(self, reservation: str, sandbox_id: str) -> None:
         self._db.execute("UPDATE sandbox_projects SET sandbox_id=? WHERE id=?",
@@ -217,4 +237,45 @@ class ProjectStore:
             "WHERE r.released_at IS NULL AND ((r.sandbox_id IS NULL AND r.created_at < ?) OR "
             "(r.sandbox_id IS NOT NULL AND (s.id IS NULL OR s.state NOT IN " + LIVE_IN + ")))",
             (started_before, *LIVE_STATES))
+        return [r["id"] for r in rows]
+
+    # snapshot holds: the bytes a snapshot (or one being taken) holds of its project's quota
+    def hold_snapshot(self, project: str, size: int) -> str | None:
+        """Take ``size`` bytes of the project's snapshot room: the hold's id, or None if the
+        room is short."""
+        hold = "snh-" + secrets.token_hex(8)
+        with self._db.transaction():
+            taken = self._take(project, (0, 0, 0, size))
+            if taken:
+                self._db.execute("INSERT INTO snapshot_holds (id, project, bytes, created_at) "
+                                 "VALUES (?,?,?,?)", (hold, project, size, time.time()))
+        return hold if taken else None
+
+    def bind_snapshot(self, hold: str, snapshot_id: str) -> None:
+        self._db.execute("UPDATE snapshot_holds SET snapshot_id=? WHERE id=?", (snapshot_id, hold))
+
+    def snapshot_hold_of(self, snapshot_id: str) -> str | None:
+        r = self._db.execute("SELECT id FROM snapshot_holds WHERE snapshot_id=?",
+                             (snapshot_id,)).fetchone()
+        return r["id"] if r else None
+
+    def release_snapshot(self, hold: str) -> bool:
+        """Give a hold's bytes back, once (False if it was already)."""
+        with self._db.transaction():
+            r = self._db.execute("SELECT * FROM snapshot_holds WHERE id=?", (hold,)).fetchone()
+            if r is None or not self._db.execute("DELETE FROM snapshot_holds WHERE id=?",
+                                                 (hold,)).rowcount:
+                return False
+            self._db.execute("UPDATE projects SET used_snapshot_bytes = used_snapshot_bytes - ? "
+                             "WHERE name=?", (r["bytes"], r["project"]))
+        return True
+
+    def stale_snapshot_holds(self, started_before: float) -> list[str]:
+        """Holds of snapshots that are gone (deleted by their edge's TTL reaper, or with the
+        answer lost), and of snapshots being taken before ``started_before`` (the server that
+        took them is gone)."""
+        rows = self._db.execute(
+            "SELECT h.id FROM snapshot_holds h LEFT JOIN snapshots s ON s.id = h.snapshot_id "
+            "WHERE (h.snapshot_id IS NULL AND h.created_at < ?) OR "
+            "(h.snapshot_id IS NOT NULL AND s.id IS NULL)", (started_before,))
         return [r["id"] for r in rows]

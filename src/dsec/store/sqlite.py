@@ -44,7 +44,8 @@ CREATE TABLE IF NOT EXISTS snapshots (
     mode TEXT NOT NULL,
     disk_mb INTEGER NOT NULL,
     size_bytes INTEGER NOT NULL,
-    created_at REAL NOT NULL
+    created_at REAL NOT NULL,
+    expires_at REAL
 );
 CREATE TABLE IF NOT EXISTS api_keys (
     id TEXT PRIMARY KEY,
@@ -95,6 +96,10 @@ class SnapshotRow:
     disk_mb: int
     size_bytes: int
     created_at: float
+    expires_at: float | None = None  # its TTL's end: deleted by its edge's reaper after
+
+    def expired(self, now: float) -> bool:
+        return self.expires_at is not None and self.expires_at <= now
 
 
 def _row(r: Row) -> SandboxRow:
@@ -121,6 +126,7 @@ class StateStore:
     def __init__(self, target: Path | str) -> None:
         """``target``: a SQLite file, ``sqlite:///PATH`` or ``postgresql://...``."""
         self._db = open_database(target, SCHEMA)
+        self._db.add_columns("snapshots", {"expires_at": "REAL"})  # a database of before TTLs
         self.url = self._db.url
         self.path: Path | None = getattr(self._db, "path", None)  # the SQLite file, if one
 
@@ -186,18 +192,29 @@ class StateStore:
 
     # snapshots
     def insert_snapshot(self, row: SnapshotRow) -> None:
-        self._db.execute("INSERT INTO snapshots VALUES (?,?,?,?,?,?,?,?,?,?)",
+        self._db.execute("INSERT INTO snapshots (id, edge, sandbox_id, substrate, image, "
+                         "image_digest, mode, disk_mb, size_bytes, created_at, expires_at) "
+                         "VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                          (row.id, row.edge, row.sandbox_id, row.substrate, row.image,
-                          row.image_digest, row.mode,
-                          row.disk_mb, row.size_bytes, row.created_at))
+                          row.image_digest, row.mode, row.disk_mb, row.size_bytes,
+                          row.created_at, row.expires_at))
 
     def get_snapshot(self, snapshot_id: str) -> SnapshotRow | None:
+        """The snapshot's record, also once expired (``SnapshotRow.expired``) until its
+        edge's reaper deletes it."""
         r = self._db.execute("SELECT * FROM snapshots WHERE id=?", (snapshot_id,)).fetchone()
         return SnapshotRow(**r) if r else None
 
     def snapshots(self) -> list[SnapshotRow]:
-        return [SnapshotRow(**r) for r in
-                self._db.execute("SELECT * FROM snapshots ORDER BY created_at")]
+        """The snapshots not expired."""
+        return [SnapshotRow(**r) for r in self._db.execute(
+            "SELECT * FROM snapshots WHERE expires_at IS NULL OR expires_at > ? "
+            "ORDER BY created_at", (time.time(),))]
+
+    def expired_snapshots(self, edge: str, now: float) -> list[str]:
+        """The ids of an edge's snapshots whose TTL ended by ``now``."""
+        return [r["id"] for r in self._db.execute(
+            "SELECT id FROM snapshots WHERE edge=? AND expires_at <= ?", (edge, now))]
 
     def delete_snapshot(self, snapshot_id: str) -> bool:
         """Whether there was such a snapshot (a concurrent delete finds none)."""

@@ -319,7 +319,7 @@ class Recorder:
     def _checkpoint_snapshot(self, trajectory: str, step: int, snapshot: str) -> None:
         """Raise ``CheckpointNotFound`` if the checkpoint's snapshot is gone."""
         try:
-            self.router.snapshot(snapshot)
+            self.router.visible_snapshot(snapshot)
         except SnapshotNotFound:
             raise CheckpointNotFound(f"the checkpoint of step {step} of trajectory {trajectory} "
                                      f"was deleted (snapshot {snapshot})", trajectory=trajectory,
