@@ -140,6 +140,10 @@ async def async_scenario() -> None:
     await astep("async.exit", lambda: _aresult(cmds.run("exit 4")))
     await astep("async.timeout", lambda: _aresult(cmds.run("sleep 10", timeout=1)))
     background = await cmds.run("echo started; touch /tmp/started; sleep 30", background=True)
+    for _ in range(100):  # the SDK's own 1 s timeout can fire before the server's kills `sleep 10`
+        if len(await cmds.list()) <= 1:
+            break
+        await asyncio.sleep(0.05)
     await astep("async.bg_list", lambda: _pids(cmds.list()))
     attached = await cmds.connect(background.pid)
     for _ in range(100):

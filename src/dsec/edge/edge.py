@@ -570,8 +570,15 @@ class Edge:
         self._get(sandbox_id)
 
     def _get(self, sandbox_id: str) -> Live:
+        """The live sandbox a call may reach; the typed error of one that ended, and of one
+        whose TTL ran out that the reaper has not stopped yet (a TTL is a promise: no call
+        is served after it, however busy the reaper is)."""
         live = self._live.get(sandbox_id)
         if live is not None:
+            if live.row.expires_at <= time.time():
+                reason = _expiry_reason(live.row)
+                raise SandboxDied(f"sandbox {sandbox_id} expired: {reason}",
+                                  sandbox_id=sandbox_id, reason=reason)
             return live
         row = self.get_row(sandbox_id)
         if row.state in ("died", "expired"):
@@ -744,9 +751,13 @@ class Edge:
         now = time.time()
         for sandbox_id, live in list(self._live.items()):
             if live.row.expires_at <= now:
-                await self.stop(sandbox_id, "expired", f"TTL of {live.row.request['ttl_s']}s expired")
+                await self.stop(sandbox_id, "expired", _expiry_reason(live.row))
         for snapshot_id in self.store.expired_snapshots(self.id, now):
             await self._remove_snapshot(snapshot_id)
+
+
+def _expiry_reason(row: SandboxRow) -> str:
+    return f"TTL of {row.request['ttl_s']}s expired"
 
 
 def sandbox_info(row: SandboxRow) -> SandboxInfo:
