@@ -15,7 +15,8 @@ seccomp filter, mount points),
 ``<key>.log``. Nothing a worker writes is on the host's disk: its /tmp, /work, /dev/shm and
 run directory (an fn sandbox's agent socket, reached at ``/proc/<pid>/root/.dsec/run``) are
 tmpfs mounts of its own namespace, charged to its memory cgroup. Cgroups:
-``/dsec-fn-<edge>/<key>/{template,<worker>}`` in the cpu, memory and pids hierarchies.
+``/dsec-fn-<edge>/<key>/{template,<worker>}`` in the cpu, memory, pids and freezer
+hierarchies (cgroup v2: one tree, whose ``cgroup.freeze`` pauses an fn sandbox).
 
 What a worker answers is hostile data: the server passes a call's pickle through without
 unpickling it, parses its errors as plain JSON with sizes capped, and the SDK decodes results
@@ -64,6 +65,7 @@ MAX_ERROR_FIELD = 64 << 10  # of a remote error's type, message and traceback, e
 # A call's worker's limits: also what a call holds of its project's quota while it runs.
 FN_CALL_CPU = 1.0
 FN_CALL_MEMORY_MB = 512
+FN_CONTROLLERS = ("cpu", "memory", "pids", "freezer")  # the v1 hierarchies a worker joins
 
 
 class FnSubstrate(Substrate):
@@ -297,8 +299,9 @@ class FnSubstrate(Substrate):
         return cgroups.oom_kills(self._cgroup_of(runtime["template"]), runtime["worker"])
 
     async def set_paused(self, sandbox_id: str, runtime: dict[str, Any], paused: bool) -> None:
-        raise NotSupported("an fn sandbox cannot pause: its worker's cgroups (cpu, memory, pids) "
-                           "have no freezer yet")
+        """The worker's freezer cgroup, as a container's: the agent and everything it started."""
+        await asyncio.to_thread(cgroups.set_frozen, self._cgroup_of(runtime["template"]),
+                                runtime["worker"], paused)
 
     async def destroy(self, sandbox_id: str) -> None:
         worker = self._sandboxes.pop(sandbox_id, None)
@@ -306,6 +309,9 @@ class FnSubstrate(Substrate):
             return
         if worker.pidfd >= 0:
             asyncio.get_running_loop().remove_reader(worker.pidfd)
+        # a frozen task does not die of SIGKILL until thawed (cgroup v1)
+        await asyncio.to_thread(cgroups.thaw_if_frozen, self._cgroup_of(worker.template.key),
+                                worker.wid)
         worker.kill()
         worker.close()  # the template reaps it and removes its cgroup
 
@@ -343,7 +349,7 @@ def _remove_worker_cgroups(parents: list[Path], prefix: str) -> None:
 
 def _hierarchies() -> list[Path]:
     root = cgroups.CGROUP_ROOT
-    return [root] if cgroups.is_cgroup2_only() else [root / c for c in ("cpu", "memory", "pids")]
+    return [root] if cgroups.is_cgroup2_only() else [root / c for c in FN_CONTROLLERS]
 
 
 def _cgroup_parents(parent: str, cpu: float, memory_mb: int,
@@ -362,7 +368,7 @@ def _cgroup_parents(parent: str, cpu: float, memory_mb: int,
                                           "pids.max": str(pids)}, "oom": ["memory.events", *cgroups.OOM_KEYS["memory.events"]]}]
     limits = {"cpu": {"cpu.cfs_period_us": str(period), "cpu.cfs_quota_us": str(quota)},
               "memory": {"memory.limit_in_bytes": str(memory)},
-              "pids": {"pids.max": str(pids)}}
+              "pids": {"pids.max": str(pids)}, "freezer": {}}
     parents, specs = [], []
     for base in _hierarchies():
         d = base / rel
