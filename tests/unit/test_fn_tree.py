@@ -99,14 +99,28 @@ def test_a_chain_deeper_than_path_max_is_walked_with_one_fd(roots: tuple[Path, P
         os.close(fd)
         fd = down
     os.close(fd)
-    unpack(pack(src), dst)
-    fd, depth = os.open(dst / "work", DIR_FLAGS), 0
+    try:
+        unpack(pack(src), dst)
+        assert remove_chain(dst / "work") == 3000
+    finally:  # pytest's own clean-up of tmp_path recurses: too deep for it
+        remove_chain(src / "work")
+        remove_chain(dst / "work")
+
+
+def remove_chain(top: Path) -> int:
+    """Remove a chain of ``deep`` directories under ``top``; its depth."""
+    fd, depth = os.open(top, DIR_FLAGS), 0
     while "deep" in os.listdir(fd):
         down = os.open("deep", DIR_FLAGS, dir_fd=fd)
         os.close(fd)
         fd, depth = down, depth + 1
+    for _ in range(depth):
+        up = os.open("..", DIR_FLAGS, dir_fd=fd)
+        os.close(fd)
+        fd = up
+        os.rmdir("deep", dir_fd=fd)
     os.close(fd)
-    assert depth == 3000
+    return depth
 
 
 def test_links_to_outside_are_kept_as_links_never_followed(roots: tuple[Path, Path],
