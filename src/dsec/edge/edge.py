@@ -400,7 +400,11 @@ class Edge:
             if not local.exists():
                 local.parent.mkdir(parents=True, exist_ok=True)
                 started = time.perf_counter()
-                await asyncio.to_thread(self.shared.fetch, snap.id, digest, size, local)
+                try:
+                    await asyncio.to_thread(self.shared.fetch, snap.id, digest, size, local)
+                except BaseException:
+                    await asyncio.to_thread(remove_tree, local.parent)
+                    raise
                 self.store.event("fetched", None, snapshot=snap.id, size_bytes=size,
                                  seconds=round(time.perf_counter() - started, 4))
         self._fetching.pop(snap.id, None)
