@@ -81,3 +81,17 @@ def test_a_tampered_export_is_refused_and_leaves_nothing(tmp_path: Path, damage:
     with pytest.raises(SnapshotCorrupt):
         shared.fetch("sn-a", digest, size, node / "disk.img")
     assert list(node.iterdir()) == []
+
+
+def test_sweep_takes_unrecorded_exports_and_stale_temp_copies(tmp_path: Path) -> None:
+    shared = SharedSnapshots(tmp_path / "shared")
+    local = sparse_image(tmp_path / "disk.img")
+    for snapshot_id in ("sn-kept", "sn-deleted"):
+        shared.export(snapshot_id, local)
+    stale, fresh = tmp_path / "shared" / "tmp" / "sn-x.1", tmp_path / "shared" / "tmp" / "sn-y.2"
+    stale.write_bytes(b"cut")
+    fresh.write_bytes(b"under way")
+    os.utime(stale, (0, 0))
+    removed = shared.sweep(lambda snapshot_id: snapshot_id == "sn-kept")
+    assert sorted(removed) == ["sn-deleted.img", "tmp/sn-x.1"]
+    assert shared.path("sn-kept").exists() and fresh.exists()

@@ -171,6 +171,9 @@ class Edge:
             if self.store.get_snapshot(d.name) is None:  # a crash before its row was written
                 log.info("removing unrecorded snapshot files %s", d)
                 await asyncio.to_thread(remove_tree, d)
+        if self.shared is not None:
+            for name in await asyncio.to_thread(self.shared.sweep, self._recorded):
+                log.info("removed %s from the shared snapshot directory", name)
 
     def _adopt(self, row: SandboxRow, substrate: Substrate) -> None:
         self._live[row.id] = Live(row, substrate, substrate.agent(row.id, row.runtime),
@@ -329,6 +332,9 @@ class Edge:
     # snapshots: files in <state>/snapshots/<id>/, a row each in the state store
     def _snapshot_dir(self, snapshot_id: str) -> Path:
         return self.config.state_dir / "snapshots" / snapshot_id
+
+    def _recorded(self, snapshot_id: str) -> bool:
+        return self.store.get_snapshot(snapshot_id) is not None
 
     def _snapshot_row(self, snapshot_id: str) -> SnapshotRow:
         row = self.store.get_snapshot(snapshot_id)

@@ -22,12 +22,15 @@ import errno
 import hashlib
 import os
 import secrets
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ..protocol.errors import SnapshotCorrupt
 from ..substrates.host.image_copy import copy_image
 
 BLOCK = 1 << 20
+STALE_TMP_S = 3600.0  # a temp copy this old belongs to an export or fetch that a crash cut
 _ZEROS = bytes(BLOCK)
 
 
@@ -78,6 +81,26 @@ class SharedSnapshots:
 
     def remove(self, snapshot_id: str) -> None:
         self.path(snapshot_id).unlink(missing_ok=True)
+
+    def sweep(self, recorded: Callable[[str], bool], stale_after_s: float = STALE_TMP_S) -> list[str]:
+        """Remove exports whose snapshot has no record (its delete ran where the export was
+        not yet in place, or on a node that died), and temp copies older than
+        ``stale_after_s`` (an export or fetch cut by a crash); the names removed. A snapshot
+        is recorded before its export starts, so no export under way is taken."""
+        removed = []
+        for path in self.root.glob("sn-*.img"):
+            if not recorded(path.name.removesuffix(".img")):
+                path.unlink(missing_ok=True)
+                removed.append(path.name)
+        cutoff = time.time() - stale_after_s
+        for path in (self.root / "tmp").glob("*"):
+            try:
+                if path.lstat().st_mtime < cutoff:
+                    path.unlink()
+                    removed.append(f"tmp/{path.name}")
+            except FileNotFoundError:  # another node's sweep got there first
+                pass
+        return removed
 
 
 def content_digest(path: Path) -> str:
