@@ -4,7 +4,8 @@ head runs no edge), real PostgreSQL, one API replica with a shared snapshot dire
 A container's and an fn sandbox's snapshots are taken on one node, which is then killed; a
 create from each lands on the other node and has the files. An export tampered with in the
 shared directory is refused there (typed, nothing made); deleting a snapshot whose node is
-dead removes its exported copy and the other node's fetched one.
+dead removes its exported copy and the other node's fetched one. A full node sends a create
+from its snapshot to another, whose fetched copy goes soon after the snapshot is deleted.
 """
 
 from __future__ import annotations
@@ -124,3 +125,39 @@ async def test_a_snapshot_outlives_its_node(ray_cluster: LocalRayCluster, replic
             assert not (ray_cluster.state_dir / edge_b / "snapshots" / snap.id).exists()
         assert await client.snapshots() == []
         await asyncio.gather(child.stop(), fn_child.stop())
+
+
+async def test_a_full_node_sends_a_create_from_its_snapshot_elsewhere(
+        ray_cluster: LocalRayCluster, replica: Server) -> None:
+    """The snapshot's node is alive but full: the create goes to another node (one joins
+    here, the first test having killed a node), which fetches the snapshot."""
+    joined = ray_cluster.edge_of(ray_cluster.add_node(8))
+    wait_for_edge(replica, joined)
+    async with replica.client() as client:
+        parent = await client.create(memory_mb=128, ttl_s=600)
+        edge = parent.info.edge
+        await parent.write_file("/work/f", b"from a full node")
+        snap = await parent.snapshot()
+        exported(ray_cluster, snap.id)
+        filler = []
+        while True:  # the snapshot's node to capacity (placement spreads: keep those there)
+            sb = await client.create(memory_mb=128, ttl_s=600)
+            if sb.info.edge == edge:
+                filler.append(sb)
+            else:
+                await sb.stop()
+            if len(filler) + 1 == 8:
+                break
+        child = await client.create(snapshot=snap.id, memory_mb=128, ttl_s=120)
+        try:
+            assert child.info.edge != edge
+            assert await child.read_file("/work/f") == b"from a full node"
+        finally:
+            await asyncio.gather(child.stop(), parent.stop(), *(sb.stop() for sb in filler))
+        await client.delete_snapshot(snap.id)  # on its own edge, the other's copy swept soon
+        assert not (ray_cluster.state_dir / "shared" / f"{snap.id}.img").exists()
+        fetched = ray_cluster.state_dir / child.info.edge / "snapshots" / snap.id
+        deadline = time.monotonic() + 60
+        while fetched.exists():
+            assert time.monotonic() < deadline, "the fetched copy outlived its snapshot"
+            await asyncio.sleep(0.5)

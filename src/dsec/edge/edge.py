@@ -71,6 +71,7 @@ BASE_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bi
 ARCHIVE_LIMIT = 1 << 30
 SNAPSHOT_DISK = "disk.img"  # a filesystem snapshot's one file, in <state>/snapshots/<id>/
 EXPORT_WAIT_S = 60.0  # how long a create elsewhere waits for a snapshot's export to finish
+FETCHED_SWEEP_S = 10.0  # how often an edge drops its copies of snapshots deleted elsewhere
 AGENT_DEATH_GRACE_S = 5.0  # how long a dying sandbox may take to be seen dead (see _still_alive)
 
 
@@ -465,7 +466,7 @@ class Edge:
     async def delete_snapshot(self, snapshot_id: str) -> None:
         """Forget the snapshot, then remove its files here and its exported copy (a create
         copying it already holds its file open and finishes). Any edge may (its own is
-        asked first); copies other nodes fetched go when those edges next start."""
+        asked first); copies other nodes fetched go at those edges' next sweep."""
         if self.store.get_snapshot(snapshot_id) is None:
             raise SnapshotNotFound(f"no snapshot {snapshot_id!r}", snapshot=snapshot_id)
         if self.store.delete_snapshot(snapshot_id):
@@ -766,12 +767,24 @@ class Edge:
 
     # reaper
     async def _reap_forever(self) -> None:
+        swept = time.monotonic()
         while True:
             await asyncio.sleep(self.config.reap_interval_s)
             try:
                 await self.reap()
+                if self.shared is not None and time.monotonic() - swept > FETCHED_SWEEP_S:
+                    swept = time.monotonic()
+                    await self._drop_deleted_copies()
             except Exception:  # the reaper must outlive any single failure
                 log.exception("reaper pass failed")
+
+    async def _drop_deleted_copies(self) -> None:
+        """Remove the copies this node fetched of snapshots deleted elsewhere (a delete runs
+        on the snapshot's own edge)."""
+        for d in self._snapshot_dir("-").parent.glob("sn-*"):
+            if not d.name.startswith(f"sn-{self.id}-") and not self._recorded(d.name):
+                log.info("removing the fetched copy of deleted snapshot %s", d.name)
+                await asyncio.to_thread(remove_tree, d)
 
     async def reap(self) -> None:
         """Stop expired sandboxes (deaths arrive through the substrate's watch)."""
