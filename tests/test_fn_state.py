@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections.abc import AsyncIterator, Iterator
 
@@ -12,6 +13,7 @@ import pytest
 
 import dsec
 from conftest import Server, make_server, stop_server
+from test_fn import _edge_cgroups, _fn_pids
 from test_projects import key_client, unique
 from test_state import snapshot_dirs
 
@@ -205,3 +207,29 @@ async def test_fn_rollback_survives_concurrent_calls(client: dsec.DSecClient) ->
         await client.delete_snapshot(snap.id)
     finally:
         await sb.stop()
+
+
+async def test_a_paused_fn_sandbox_ends_with_a_crashed_server(images) -> None:  # type: ignore[no-untyped-def]
+    """fn sandboxes end with their server: a frozen worker (which a SIGKILL alone does not
+    end on cgroup v1) is thawed and killed by the next server's sweep, and recorded died."""
+    srv = make_server().start()
+    try:
+        async with srv.client() as client:
+            edge = (await client.health())["edges"][0]["id"]
+            sb = await fn_sandbox(client)
+            await sb.start("sleep 1000")
+            await sb.pause()
+        srv.kill(signal.SIGKILL)
+        srv.start()
+        async with srv.client() as client:
+            again = await client.get(sb.id)
+            assert again.info.state == "died"
+            with pytest.raises(dsec.SandboxDied):
+                await again.run("true")
+        deadline = time.monotonic() + 30
+        while _fn_pids(edge, template_only=False) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        srv.kill(signal.SIGTERM)
+        assert not _fn_pids(edge) and not _edge_cgroups(edge)
+    finally:
+        stop_server(srv)
