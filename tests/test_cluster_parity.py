@@ -113,7 +113,8 @@ def serve_args(ray_cluster: LocalRayCluster, local_postgres: LocalPostgres, serv
             "--warm-pool": "0", "--runtime": "crun", "--edge-id": "ignored-in-a-cluster",
             "--log-format": "json", "--network-services": str(services), "--vm-accel": "tcg",
             "--kvm-device": "/dev/kvm", "--vm-warm-pool": "1", "--vm-snapshots": None,
-            "--state-url": url, "--ray": ray_cluster.address, "--image-store": str(images.root)}
+            "--state-url": url, "--ray": ray_cluster.address, "--image-store": str(images.root),
+            "--shared-snapshots": str(ray_cluster.state_dir / "shared-snapshots")}
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,10 @@ and stop, the reaper and a hostile workload cannot get around the freeze."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import sqlite3
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -116,23 +118,40 @@ async def test_pause_and_resume_are_idempotent_and_typed(client: dsec.DSecClient
         await sandbox.resume()
 
 
+def sandbox_cgroup(server: Server, substrate: str, sandbox_id: str) -> tuple[str, str]:
+    """The cgroup parent and name of a sandbox's processes: an fn sandbox's are its worker's."""
+    edge = first_edge_id(server)
+    if substrate == "fn":
+        with sqlite3.connect(f"file:{server.state_dir / 'state.db'}?mode=ro", uri=True) as db:
+            runtime = json.loads(db.execute("SELECT runtime FROM sandboxes WHERE id = ?",
+                                            (sandbox_id,)).fetchone()[0])
+        return f"/dsec-fn-{edge}/{runtime['template']}", runtime["worker"]
+    return f"/dsec-{edge}" + (f"-{substrate}" if substrate in VM_SUBSTRATES else ""), sandbox_id
+
+
 async def test_pause_on_each_substrate(client: dsec.DSecClient, server: Server, substrate: str,
                                        shared_vms: SharedVMs) -> None:
-    """Containers and VMs (QEMU whole) freeze: no CPU used while paused; fn sandboxes say why
-    they cannot."""
+    """Containers, fn workers and VMs (QEMU whole) freeze: no CPU used while paused, even by a
+    busy loop; any call resumes."""
     async for sb in _any_sandbox(client, substrate, shared_vms, "debian-minbase", 256):
-        if substrate == "fn":
-            with pytest.raises(dsec.NotSupported, match="freezer"):
-                await sb.pause()
-        else:
-            await sb.pause()
-            parent = f"/dsec-{first_edge_id(server)}" + (f"-{substrate}" if substrate in VM_SUBSTRATES else "")
-            assert cgroups.is_frozen(parent, sb.id)
-            usage = _cpu_usage(parent, sb.id)
-            await asyncio.sleep(1.0)
-            assert _cpu_usage(parent, sb.id) - usage < 0.005
+        if substrate not in VM_SUBSTRATES:  # (the VMs are shared with other tests)
+            await sb.start(["sh", "-c", "while :; do :; done"])
+        await sb.pause()
+        parent, name = sandbox_cgroup(server, substrate, sb.id)
+        assert cgroups.is_frozen(parent, name)
+        usage = _cpu_usage(parent, name)
+        await asyncio.sleep(1.0)
+        assert _cpu_usage(parent, name) - usage < 0.005
         assert (await sb.run("echo still", timeout_s=60)).stdout == "still\n"
+        assert not cgroups.is_frozen(parent, name)
         assert (await client.get(sb.id)).info.state == "running"
+        if substrate == "fn":  # stopped while paused: the worker and its cgroups go
+            await sb.pause()
+            await sb.stop()
+            deadline = time.monotonic() + 10
+            while cgroups.freezer_file(parent, name).parent.exists():
+                assert time.monotonic() < deadline, "a paused fn sandbox's cgroup outlived its stop"
+                await asyncio.sleep(0.05)
 
 
 async def test_a_call_in_flight_waits_and_its_timeout_is_wall_clock(

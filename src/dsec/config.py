@@ -91,6 +91,10 @@ class Settings:
                                         "may be a shared mount)", option="--image-store")
     cache: Path = _setting(Path("/var/cache/dsec"), "build cache: the agent, the sandbox "
                            "tree, VM kernels and snapshots")
+    shared_snapshots: Path | None = _setting(None, "a directory every node reaches: snapshots "
+                                             "are exported there and usable on any node (in a "
+                                             "cluster, default <image store>/snapshots)",
+                                             option="--shared-snapshots")
     layer_cache: Path | None = _setting(None, "node-local copy of layer files from a shared "
                                         "image store (see images/node_cache.py)")
     fn_preload: tuple[str, ...] = _setting(("numpy",), "modules every fn template imports "

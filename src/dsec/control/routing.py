@@ -11,12 +11,19 @@ calls. Calls on a sandbox attached to a trajectory go through the trajectory rec
 from __future__ import annotations
 
 import builtins
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from ..edge.edge import Edge, snapshot_info
-from ..protocol.errors import NotSupported, SnapshotNotFound
+from ..protocol.errors import (
+    CapacityExhausted,
+    NotSupported,
+    SandboxDied,
+    SandboxNotFound,
+    SnapshotNotFound,
+)
 from ..protocol.fn import CodeResult, RunCodeRequest
 from ..protocol.models import CreateRequest, SandboxInfo, Snapshot
 from ..store.idempotency import IdempotencyStore
@@ -28,6 +35,8 @@ from .idempotency import Idempotency
 
 if TYPE_CHECKING:
     from .projects import Projects
+
+log = logging.getLogger("dsec.control")
 
 
 class Router:
@@ -98,9 +107,20 @@ class Router:
         return await self._place(req)
 
     async def _place(self, req: CreateRequest) -> SandboxInfo:
-        if req.snapshot is not None:  # its files are on its parent's edge (node): start there
-            parent = self.visible_snapshot(req.snapshot).sandbox_id
-            return await self.directory.owner(parent).create(req)
+        if req.snapshot is not None:
+            return await self._place_from_snapshot(req, self.visible_snapshot(req.snapshot))
+        return await self.directory.place(req.substrate, req.image, lambda edge: edge.create(req))
+
+    async def _place_from_snapshot(self, req: CreateRequest, snap: SnapshotRow) -> SandboxInfo:
+        """On the snapshot's own edge, where its file is, if that edge is alive and has room;
+        else on any edge serving its substrate and image (which fetches the snapshot's
+        exported copy, or says it cannot reach it)."""
+        req = req.model_copy(update={"substrate": snap.substrate, "image": snap.image})
+        try:
+            return await self.directory.owner(snap.sandbox_id).create(req)
+        except (CapacityExhausted, SandboxDied, SandboxNotFound) as exc:
+            log.info("snapshot %s: its edge cannot start it (%s); placing elsewhere",
+                     snap.id, exc.code)
         return await self.directory.place(req.substrate, req.image, lambda edge: edge.create(req))
 
     async def call_fn(self, image: str, payload: bytes, timeout_s: float) -> bytes:
@@ -158,8 +178,14 @@ class Router:
                 if self.access is None or self.access.sees(row.sandbox_id)]
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
-        parent = self.visible_snapshot(snapshot_id).sandbox_id
-        await self.directory.owner(parent).delete_snapshot(snapshot_id)
+        """On the snapshot's edge; if its node is gone, on any edge (the record and the
+        exported copy go; the dead node's file goes when its edge next starts)."""
+        snap = self.visible_snapshot(snapshot_id)
+        try:
+            await self.directory.owner(snap.sandbox_id).delete_snapshot(snapshot_id)
+        except (SandboxDied, SandboxNotFound):
+            await self.directory.place(snap.substrate, snap.image,
+                                       lambda edge: edge.delete_snapshot(snapshot_id))
         if self.access is not None:  # heard from the edge too where it is local: given back once
             self.access.snapshot_deleted(snapshot_id)
 

@@ -13,6 +13,14 @@ from .edge import Edge, EdgeConfig
 from .metrics import EdgeMetrics
 
 
+def shared_snapshots(settings: Settings) -> Path | None:
+    """Where snapshots are exported for every node: given, or in a cluster the shared image
+    store's ``snapshots/``; None embedded (one node: its own copy serves)."""
+    if settings.shared_snapshots is not None or settings.ray_address is None:
+        return settings.shared_snapshots
+    return ImageStore(settings.image_store).root / "snapshots"
+
+
 def build_edge(settings: Settings, store: StateStore, metrics: EdgeMetrics, state_dir: Path,
                edge_id: str = "", capacity: int | None = None) -> Edge:
     """The edge keeping its sandboxes under ``state_dir``; ``edge_id`` and ``capacity``
@@ -20,6 +28,7 @@ def build_edge(settings: Settings, store: StateStore, metrics: EdgeMetrics, stat
     config = EdgeConfig(state_dir=state_dir, edge_id=edge_id or settings.edge_id,
                         capacity=settings.capacity if capacity is None else capacity,
                         warm_pool=settings.warm_pool,
+                        shared_snapshots=shared_snapshots(settings),
                         network_services=(settings.network_services
                                           or settings.state_dir / "network-services.toml"))
     edge = Edge(config, store, ImageStore(settings.image_store),

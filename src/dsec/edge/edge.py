@@ -61,6 +61,7 @@ from ..substrates.host.tree import remove_tree
 from .commands import check_env, exec_argv, sandbox_path
 from .metrics import EdgeMetrics
 from .pool import Pooled, WarmPool
+from .shared_snapshots import SharedSnapshots
 
 log = logging.getLogger("dsec.edge")
 
@@ -69,6 +70,8 @@ BASE_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bi
             "HOME": "/root", "LANG": "C.UTF-8"}
 ARCHIVE_LIMIT = 1 << 30
 SNAPSHOT_DISK = "disk.img"  # a filesystem snapshot's one file, in <state>/snapshots/<id>/
+EXPORT_WAIT_S = 60.0  # how long a create elsewhere waits for a snapshot's export to finish
+FETCHED_SWEEP_S = 10.0  # how often an edge drops its copies of snapshots deleted elsewhere
 AGENT_DEATH_GRACE_S = 5.0  # how long a dying sandbox may take to be seen dead (see _still_alive)
 
 
@@ -86,6 +89,7 @@ class EdgeConfig:
     warm_pool: int = 2
     reap_interval_s: float = 0.5
     network_services: Path | None = None  # the operator's service table (TOML)
+    shared_snapshots: Path | None = None  # snapshots exported for every node (shared_snapshots.py)
 
     def __post_init__(self) -> None:
         self.edge_id = self.edge_id or default_edge_id(self.state_dir)
@@ -124,6 +128,8 @@ class Edge:
         self._starting = 0
         self._calling = 0  # fn calls in flight
         self._reaper: asyncio.Task[None] | None = None
+        self.shared = SharedSnapshots(config.shared_snapshots) if config.shared_snapshots else None
+        self._fetching: dict[str, asyncio.Lock] = {}  # one fetch of a snapshot at a time
         self.on_end: list[Callable[[str, str, str], None]] = []  # (sandbox id, state, reason)
         self.on_snapshot_deleted: list[Callable[[str], None]] = []  # (snapshot id)
 
@@ -171,6 +177,9 @@ class Edge:
             if self.store.get_snapshot(d.name) is None:  # a crash before its row was written
                 log.info("removing unrecorded snapshot files %s", d)
                 await asyncio.to_thread(remove_tree, d)
+        if self.shared is not None:
+            for name in await asyncio.to_thread(self.shared.sweep, self._recorded):
+                log.info("removed %s from the shared snapshot directory", name)
 
     def _adopt(self, row: SandboxRow, substrate: Substrate) -> None:
         self._live[row.id] = Live(row, substrate, substrate.agent(row.id, row.runtime),
@@ -215,10 +224,11 @@ class Edge:
         """The sandbox, and whether it came from the warm pool."""
         snap, disk_from = None, None
         if req.snapshot is not None:  # its image, substrate and disk size are the snapshot's
-            snap = self._snapshot_row(req.snapshot)
+            snap = self.store.get_snapshot(req.snapshot)  # any edge's: fetched if not here
+            if snap is None or snap.expired(time.time()):
+                raise SnapshotNotFound(f"no snapshot {req.snapshot!r}", snapshot=req.snapshot)
             req = req.model_copy(update={"image": snap.image, "substrate": snap.substrate,
                                          "disk_mb": snap.disk_mb})
-            disk_from = self._snapshot_dir(snap.id) / SNAPSHOT_DISK
         substrate = self.substrates.get(req.substrate)
         if substrate is None:
             raise NotSupported(f"substrate {req.substrate!r} is not served by edge {self.id}",
@@ -234,6 +244,8 @@ class Edge:
                                    f"{snap.image_digest[:19]}, which has been rebuilt since: its "
                                    "writable layer does not fit the new layers",
                                    snapshot=snap.id)
+            if snap is not None:
+                disk_from = await self._snapshot_file(snap)
             image_env = dict(kv.partition("=")[::2] for kv in image.config.env)
             req = req.model_copy(update={"env": {**BASE_ENV, **image_env, **req.env}})
             pool = self.pools.get(req.substrate)
@@ -327,6 +339,9 @@ class Edge:
     def _snapshot_dir(self, snapshot_id: str) -> Path:
         return self.config.state_dir / "snapshots" / snapshot_id
 
+    def _recorded(self, snapshot_id: str) -> bool:
+        return self.store.get_snapshot(snapshot_id) is not None
+
     def _snapshot_row(self, snapshot_id: str) -> SnapshotRow:
         row = self.store.get_snapshot(snapshot_id)
         if row is None or row.edge != self.id or row.expired(time.time()):
@@ -371,6 +386,8 @@ class Edge:
             raise
         live.last_snapshot = None if count is None else (snap_id, count)
         self.store.event("snapshot", sandbox_id, snapshot=snap_id, size_bytes=row.size_bytes)
+        if self.shared is not None:
+            self._background(self._export(row, self.shared))
         return snapshot_info(row)
 
     async def _unchanged_since(self, live: Live, previous: str) -> SnapshotRow | None:
@@ -387,6 +404,64 @@ class Edge:
         if count != live.last_snapshot[1]:
             return None
         return self.store.get_snapshot(previous)  # None if deleted meanwhile
+
+    async def _export(self, row: SnapshotRow, shared: SharedSnapshots) -> None:
+        """Copy a new snapshot to the shared directory, for every node; recorded once whole.
+        A snapshot deleted meanwhile takes its copy with it."""
+        started = time.perf_counter()
+        try:
+            digest, size = await asyncio.to_thread(
+                shared.export, row.id, self._snapshot_dir(row.id) / SNAPSHOT_DISK)
+        except OSError as exc:  # (deleted under the copy, or the shared mount failed)
+            log.warning("could not export snapshot %s: %s", row.id, exc)
+            self.store.event("export_failed", row.sandbox_id, snapshot=row.id, reason=str(exc)[:500])
+            return
+        if self.store.get_snapshot(row.id) is not None:
+            self.store.insert_export(row.id, digest, size)
+        if self.store.get_snapshot(row.id) is None:  # a delete raced the export
+            self.store.delete_snapshot(row.id)
+            await asyncio.to_thread(shared.remove, row.id)
+            return
+        self.store.event("exported", row.sandbox_id, snapshot=row.id, size_bytes=size,
+                         seconds=round(time.perf_counter() - started, 4))
+
+    async def _snapshot_file(self, snap: SnapshotRow) -> Path:
+        """The snapshot's file on this node: its own, or a copy fetched (now, or by an earlier
+        create) from the shared directory, waiting for its export if it is under way."""
+        local = self._snapshot_dir(snap.id) / SNAPSHOT_DISK
+        if snap.edge == self.id or local.exists():
+            return local
+        if self.shared is None:
+            raise SnapshotNotFound(f"snapshot {snap.id} is on the node of edge {snap.edge}, and "
+                                   "this server shares no snapshots between nodes "
+                                   "(--shared-snapshots)", snapshot=snap.id)
+        digest, size = await self._exported(snap.id)
+        async with self._fetching.setdefault(snap.id, asyncio.Lock()):
+            if not local.exists():
+                local.parent.mkdir(parents=True, exist_ok=True)
+                started = time.perf_counter()
+                try:
+                    await asyncio.to_thread(self.shared.fetch, snap.id, digest, size, local)
+                except BaseException:
+                    await asyncio.to_thread(remove_tree, local.parent)
+                    raise
+                self.store.event("fetched", None, snapshot=snap.id, size_bytes=size,
+                                 seconds=round(time.perf_counter() - started, 4))
+        self._fetching.pop(snap.id, None)
+        return local
+
+    async def _exported(self, snapshot_id: str) -> tuple[str, int]:
+        """The export's digest and size, once its node has finished it."""
+        deadline = time.monotonic() + EXPORT_WAIT_S
+        while (export := self.store.get_export(snapshot_id)) is None:
+            if self.store.get_snapshot(snapshot_id) is None:
+                raise SnapshotNotFound(f"no snapshot {snapshot_id!r}", snapshot=snapshot_id)
+            if time.monotonic() > deadline:
+                raise SnapshotNotFound(f"snapshot {snapshot_id} was not exported within "
+                                       f"{EXPORT_WAIT_S:.0f}s (its node may have died first)",
+                                       snapshot=snapshot_id)
+            await asyncio.sleep(0.1)
+        return export
 
     async def rollback(self, sandbox_id: str, snapshot: str) -> SandboxInfo:
         """The sandbox back at one of its own snapshots: same id, processes fresh. A failed
@@ -423,14 +498,19 @@ class Edge:
         return self.info(live.row)
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
-        """Forget the snapshot, then remove its files (a create copying it already holds
-        its image open and finishes)."""
-        self._snapshot_row(snapshot_id)
+        """Forget the snapshot, then remove its files here and its exported copy (a create
+        copying it already holds its file open and finishes). Any edge may (its own is
+        asked first); copies other nodes fetched go at those edges' next sweep."""
+        row = self.store.get_snapshot(snapshot_id)
+        if row is None or row.expired(time.time()):
+            raise SnapshotNotFound(f"no snapshot {snapshot_id!r}", snapshot=snapshot_id)
         await self._remove_snapshot(snapshot_id)
 
     async def _remove_snapshot(self, snapshot_id: str) -> None:
         if self.store.delete_snapshot(snapshot_id):
             await asyncio.to_thread(remove_tree, self._snapshot_dir(snapshot_id))
+            if self.shared is not None:
+                await asyncio.to_thread(self.shared.remove, snapshot_id)
             self.store.event("snapshot_deleted", None, snapshot=snapshot_id)
             for listener in self.on_snapshot_deleted:
                 try:
@@ -738,12 +818,24 @@ class Edge:
 
     # reaper
     async def _reap_forever(self) -> None:
+        swept = time.monotonic()
         while True:
             await asyncio.sleep(self.config.reap_interval_s)
             try:
                 await self.reap()
+                if self.shared is not None and time.monotonic() - swept > FETCHED_SWEEP_S:
+                    swept = time.monotonic()
+                    await self._drop_deleted_copies()
             except Exception:  # the reaper must outlive any single failure
                 log.exception("reaper pass failed")
+
+    async def _drop_deleted_copies(self) -> None:
+        """Remove the copies this node fetched of snapshots deleted elsewhere (a delete runs
+        on the snapshot's own edge)."""
+        for d in self._snapshot_dir("-").parent.glob("sn-*"):
+            if not d.name.startswith(f"sn-{self.id}-") and not self._recorded(d.name):
+                log.info("removing the fetched copy of deleted snapshot %s", d.name)
+                await asyncio.to_thread(remove_tree, d)
 
     async def reap(self) -> None:
         """Stop expired sandboxes (deaths arrive through the substrate's watch) and delete

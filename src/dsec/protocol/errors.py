@@ -21,7 +21,7 @@ The tree (catch ``DSecError`` for all of them)::
     ├── refusals (413, 422, 429, 501, 503): PayloadTooLarge, IdempotencyKeyReused,
     │       UnsafeArchive, QuotaExceeded, NotSupported, CapacityExhausted, ServerUnavailable
     ├── fn calls (422): RemoteError (the function raised), ResultRefused (not plain data)
-    └── failures (500): SandboxError, ImageBuildError; MethodNotAllowed (405)
+    └── failures (500): SandboxError, ImageBuildError, SnapshotCorrupt; MethodNotAllowed (405)
 
 Errors pickle (they cross Ray from a cluster edge to the API replica) and round-trip through
 ``to_json``/``error_from_json``.
@@ -142,6 +142,13 @@ class SandboxError(DSecError):
     code, status = "sandbox_error", 500
 
 
+class SnapshotCorrupt(DSecError):
+    """A snapshot's copy in the shared snapshot directory is missing, truncated or altered:
+    refused, and nothing was made from it."""
+
+    code, status = "snapshot_corrupt", 500
+
+
 class TrajectoryNotFound(DSecError):
     code, status = "trajectory_not_found", 404
 
@@ -256,6 +263,7 @@ ERRORS: dict[str, type[DSecError]] = {
         NotSupported,
         ServerUnavailable,
         SandboxError,
+        SnapshotCorrupt,
         TrajectoryNotFound,
         TrajectoryExists,
         TrajectoryDiverged,

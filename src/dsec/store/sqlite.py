@@ -47,6 +47,12 @@ CREATE TABLE IF NOT EXISTS snapshots (
     created_at REAL NOT NULL,
     expires_at REAL
 );
+CREATE TABLE IF NOT EXISTS snapshot_exports (
+    id TEXT PRIMARY KEY,
+    digest TEXT NOT NULL,
+    size_bytes INTEGER NOT NULL,
+    exported_at REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS api_keys (
     id TEXT PRIMARY KEY,
     name TEXT NOT NULL,
@@ -217,8 +223,21 @@ class StateStore:
             "SELECT id FROM snapshots WHERE edge=? AND expires_at <= ?", (edge, now))]
 
     def delete_snapshot(self, snapshot_id: str) -> bool:
-        """Whether there was such a snapshot (a concurrent delete finds none)."""
+        """Whether there was such a snapshot (a concurrent delete finds none). Its export's
+        record goes with it."""
+        self._db.execute("DELETE FROM snapshot_exports WHERE id=?", (snapshot_id,))
         return self._db.execute("DELETE FROM snapshots WHERE id=?", (snapshot_id,)).rowcount > 0
+
+    # a snapshot's copy in the shared snapshot directory (edge/shared_snapshots.py)
+    def insert_export(self, snapshot_id: str, digest: str, size_bytes: int) -> None:
+        self._db.execute("INSERT INTO snapshot_exports VALUES (?,?,?,?)",
+                         (snapshot_id, digest, size_bytes, time.time()))
+
+    def get_export(self, snapshot_id: str) -> tuple[str, int] | None:
+        """The exported copy's content digest and apparent size, once it is complete."""
+        r = self._db.execute("SELECT digest, size_bytes FROM snapshot_exports WHERE id=?",
+                             (snapshot_id,)).fetchone()
+        return (r["digest"], r["size_bytes"]) if r else None
 
     # keys
     def create_key(self, name: str) -> tuple[str, str, float]:

@@ -26,7 +26,7 @@ class StartPlan:
     request: CreateRequest
     image: Image
     warm: bool = False  # for the warm pool: start at idle priority, to be claimed later
-    disk_from: Path | None = None  # a snapshot's disk image to start from (a copy of it)
+    disk_from: Path | None = None  # a snapshot's file to start from (snapshot_disk's output)
 
 
 class Substrate(ABC):
@@ -81,8 +81,10 @@ class Substrate(ABC):
     async def snapshot_disk(self, sandbox_id: str, runtime: dict[str, Any],
                             dest: Path) -> int | None:
         """Write a consistent copy of the running sandbox's writable layer to ``dest`` (a
-        new file), from which ``start`` can begin another (``StartPlan.disk_from``). Returns
-        the disk's write count as of the copy (see ``disk_writes``), or None if unknown."""
+        new file, in the substrate's own format: a container's disk image, an fn worker's
+        packed tmpfs trees), from which ``start`` can begin another (``StartPlan.disk_from``).
+        Returns the disk's write count as of the copy (see ``disk_writes``), or None if
+        unknown."""
         raise NotSupported(f"filesystem snapshots of {self.name} sandboxes are not supported "
                            "yet: their writable layer is not a disk image dsec can copy")
 

@@ -15,7 +15,8 @@ seccomp filter, mount points),
 ``<key>.log``. Nothing a worker writes is on the host's disk: its /tmp, /work, /dev/shm and
 run directory (an fn sandbox's agent socket, reached at ``/proc/<pid>/root/.dsec/run``) are
 tmpfs mounts of its own namespace, charged to its memory cgroup. Cgroups:
-``/dsec-fn-<edge>/<key>/{template,<worker>}`` in the cpu, memory and pids hierarchies.
+``/dsec-fn-<edge>/<key>/{template,<worker>}`` in the cpu, memory, pids and freezer
+hierarchies (cgroup v2: one tree, whose ``cgroup.freeze`` pauses an fn sandbox).
 
 What a worker answers is hostile data: the server passes a call's pickle through without
 unpickling it, parses its errors as plain JSON with sizes capped, and the SDK decodes results
@@ -31,8 +32,9 @@ import os
 import secrets
 import shutil
 import signal
+import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import IO, Any, Callable
 
 import cloudpickle
 
@@ -55,6 +57,7 @@ from ..host import cgroups, spawn
 from ..host.oci_spec import AGENT_SOCKET, MASKED_PATHS, READONLY_PATHS
 from ..host.seccomp import fn_filter_bpf
 from .fn_pool import START_TIMEOUT_S, Death, Template, Worker, WorkerGone
+from .fn_tree import TREES
 
 log = logging.getLogger("dsec.fn")
 LANGUAGES = {"python": "python3", "bash": "bash", "c": "gcc", "cpp": "g++"}
@@ -64,6 +67,10 @@ MAX_ERROR_FIELD = 64 << 10  # of a remote error's type, message and traceback, e
 # A call's worker's limits: also what a call holds of its project's quota while it runs.
 FN_CALL_CPU = 1.0
 FN_CALL_MEMORY_MB = 512
+FN_CONTROLLERS = ("cpu", "memory", "pids", "freezer")  # the v1 hierarchies a worker joins
+FN_TREE = Path(__file__).with_name("fn_tree.py")  # packs and unpacks a worker's tmpfs trees
+TREE_TIMEOUT_S = 120.0
+TREE_RECORD_BYTES = 512  # the most one packed record (a name of 255 bytes and headers) takes
 
 
 class FnSubstrate(Substrate):
@@ -233,29 +240,75 @@ class FnSubstrate(Substrate):
     async def start(self, plan: StartPlan) -> dict[str, Any]:
         if plan.request.runtime is not None:
             raise NotSupported("fn sandboxes have no OCI runtime to choose", runtime=plan.request.runtime)
-        template = await self.template(plan.image)
-        worker = await template.take()
-        try:
-            cgroups.set_limits(self._cgroup_of(template.key), worker.wid, plan.request.cpu,
-                               plan.request.memory_mb << 20, plan.request.pids)
-            # A sandbox's loopback works, as a container's does (a call's stays down).
-            if await spawn.run(["nsenter", f"--net=/proc/{worker.pid}/ns/net",
-                                "ip", "link", "set", "lo", "up"]) != 0:
-                raise SandboxError("could not bring up the fn sandbox's loopback")
-            await worker.send(b"A")
-            ready = await asyncio.wait_for(worker.recv_exact(1), START_TIMEOUT_S)
-            if ready != b"R":
-                raise WorkerGone
-            facts = {"pid": worker.pid, "worker": worker.wid, "template": template.key,
-                     "token": secrets.token_hex(32)}
-            await self.agent(plan.sandbox_id, facts).claim()  # before any user command can run
-        except BaseException as exc:
-            worker.kill()
-            worker.close()
-            if isinstance(exc, (WorkerGone, asyncio.TimeoutError)):
-                raise SandboxError("the fn worker did not start the agent") from None
-            raise
+        worker, facts = await self._start_worker(plan, secrets.token_hex(32))
         self._sandboxes[plan.sandbox_id] = worker
+        return facts
+
+    async def _start_worker(self, plan: StartPlan, token: str) -> tuple[Worker, dict[str, Any]]:
+        """A fresh worker running the agent, claimed with ``token``; its tmpfs trees restored
+        from ``plan.disk_from`` (a packed tree) before the agent starts."""
+        packed = open(plan.disk_from, "rb") if plan.disk_from else None  # gone: FileNotFoundError
+        try:
+            template = await self.template(plan.image)
+            worker = await template.take()
+            try:
+                parent = self._cgroup_of(template.key)
+                cgroups.set_limits(parent, worker.wid, plan.request.cpu,
+                                   plan.request.memory_mb << 20, plan.request.pids)
+                # A sandbox's loopback works, as a container's does (a call's stays down).
+                if await spawn.run(["nsenter", f"--net=/proc/{worker.pid}/ns/net",
+                                    "ip", "link", "set", "lo", "up"]) != 0:
+                    raise SandboxError("could not bring up the fn sandbox's loopback")
+                if packed is not None:
+                    procs = [str(h / parent.strip("/") / worker.wid / "cgroup.procs")
+                             for h in _hierarchies()]
+                    await _tree("restore", ["unpack", str(worker.pid), *procs], stdin=packed)
+                await worker.send(b"A")
+                ready = await asyncio.wait_for(worker.recv_exact(1), START_TIMEOUT_S)
+                if ready != b"R":
+                    raise WorkerGone
+                facts = {"pid": worker.pid, "worker": worker.wid, "template": template.key,
+                         "token": token}
+                await self.agent(plan.sandbox_id, facts).claim()  # before any user command can run
+            except BaseException as exc:
+                worker.kill()
+                worker.close()
+                if isinstance(exc, (WorkerGone, asyncio.TimeoutError)):
+                    raise SandboxError("the fn worker did not start the agent") from None
+                raise
+        finally:
+            if packed is not None:
+                packed.close()
+        return worker, facts
+
+    async def snapshot_disk(self, sandbox_id: str, runtime: dict[str, Any], dest: Path) -> None:
+        """The worker's tmpfs trees (``fn_tree.TREES``) packed into ``dest`` while it is frozen
+        (a consistent copy: nothing in it runs), by a separate process that never follows
+        the sandbox's links; at most what the trees can hold."""
+        parent, wid = self._cgroup_of(runtime["template"]), runtime["worker"]
+        await asyncio.to_thread(cgroups.set_frozen, parent, wid, True)
+        try:
+            with open(dest, "xb") as out:
+                await _tree("snapshot", ["pack", str(runtime["pid"]), str(self.max_tree_bytes)],
+                            stdout=out)
+        finally:
+            await asyncio.to_thread(cgroups.set_frozen, parent, wid, False)
+
+    @property
+    def max_tree_bytes(self) -> int:
+        """The most a packed tree can take: every tree's tmpfs full of data, and every inode
+        it allows (``nr_inodes``, one per 4 KiB) a record of a maximal name."""
+        per_tree = (self.tmp_mb << 20) + self.tmp_mb * 256 * TREE_RECORD_BYTES
+        return len(TREES) * per_tree + (1 << 20)
+
+    async def rollback(self, plan: StartPlan, runtime: dict[str, Any]) -> dict[str, Any]:
+        """A fresh worker restored from the snapshot takes the sandbox's id and token; the old
+        one (and everything it ran) is killed once the new one answers."""
+        worker, facts = await self._start_worker(plan, runtime["token"])
+        old = self._sandboxes.get(plan.sandbox_id)
+        self._sandboxes[plan.sandbox_id] = worker
+        if old is not None:
+            await self._retire(old)
         return facts
 
     async def claim(self, sandbox_id: str, runtime: dict[str, Any], request: CreateRequest) -> None:
@@ -297,20 +350,48 @@ class FnSubstrate(Substrate):
         return cgroups.oom_kills(self._cgroup_of(runtime["template"]), runtime["worker"])
 
     async def set_paused(self, sandbox_id: str, runtime: dict[str, Any], paused: bool) -> None:
-        raise NotSupported("an fn sandbox cannot pause: its worker's cgroups (cpu, memory, pids) "
-                           "have no freezer yet")
+        """The worker's freezer cgroup, as a container's: the agent and everything it started."""
+        await asyncio.to_thread(cgroups.set_frozen, self._cgroup_of(runtime["template"]),
+                                runtime["worker"], paused)
 
     async def destroy(self, sandbox_id: str) -> None:
         worker = self._sandboxes.pop(sandbox_id, None)
-        if worker is None:
-            return
+        if worker is not None:
+            await self._retire(worker)
+
+    async def _retire(self, worker: Worker) -> None:
+        """Kill a sandbox's worker, unwatched (its end is no death the edge must hear of)."""
         if worker.pidfd >= 0:
             asyncio.get_running_loop().remove_reader(worker.pidfd)
+        # a frozen task does not die of SIGKILL until thawed (cgroup v1)
+        await asyncio.to_thread(cgroups.thaw_if_frozen, self._cgroup_of(worker.template.key),
+                                worker.wid)
         worker.kill()
         worker.close()  # the template reaps it and removes its cgroup
 
     async def leftovers(self) -> set[str]:
         return set()  # fn sandboxes end with their server; prepare() sweeps what they left
+
+
+async def _tree(what: str, args: list[str], stdin: IO[bytes] | None = None,
+                stdout: IO[bytes] | None = None) -> None:
+    """Run ``fn_tree.py`` (pack or unpack a worker's trees) in a process of its own, killed
+    at TREE_TIMEOUT_S or when the caller gives up; SandboxError with its reason on failure."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-I", str(FN_TREE), *args, stdin=stdin or asyncio.subprocess.DEVNULL,
+        stdout=stdout or asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    try:
+        _, err = await asyncio.wait_for(proc.communicate(), TREE_TIMEOUT_S)
+    except BaseException as exc:
+        proc.kill()
+        await proc.wait()
+        if isinstance(exc, asyncio.TimeoutError):
+            raise SandboxError(f"the fn sandbox's {what} did not finish within "
+                               f"{TREE_TIMEOUT_S:.0f}s") from None
+        raise
+    if proc.returncode != 0:
+        reason = err.decode(errors="replace").strip()[-500:] or f"exit status {proc.returncode}"
+        raise SandboxError(f"the fn sandbox's {what} failed: {reason}", reason=reason)
 
 
 def _died(death: Death | None) -> SandboxDied:
@@ -343,7 +424,7 @@ def _remove_worker_cgroups(parents: list[Path], prefix: str) -> None:
 
 def _hierarchies() -> list[Path]:
     root = cgroups.CGROUP_ROOT
-    return [root] if cgroups.is_cgroup2_only() else [root / c for c in ("cpu", "memory", "pids")]
+    return [root] if cgroups.is_cgroup2_only() else [root / c for c in FN_CONTROLLERS]
 
 
 def _cgroup_parents(parent: str, cpu: float, memory_mb: int,
@@ -362,7 +443,7 @@ def _cgroup_parents(parent: str, cpu: float, memory_mb: int,
                                           "pids.max": str(pids)}, "oom": ["memory.events", *cgroups.OOM_KEYS["memory.events"]]}]
     limits = {"cpu": {"cpu.cfs_period_us": str(period), "cpu.cfs_quota_us": str(quota)},
               "memory": {"memory.limit_in_bytes": str(memory)},
-              "pids": {"pids.max": str(pids)}}
+              "pids": {"pids.max": str(pids)}, "freezer": {}}
     parents, specs = [], []
     for base in _hierarchies():
         d = base / rel

@@ -84,6 +84,7 @@ def remove_cgroups(dirs: list[Path]) -> None:
 
 def _kill_and_rmdir(d: Path) -> None:
     procs = d / "cgroup.procs"
+    _thaw_dir(d)  # a frozen task does not die of SIGKILL until thawed (cgroup v1)
     for _ in range(50):
         try:
             pids = [int(p) for p in procs.read_text().split()]
@@ -208,6 +209,14 @@ def is_frozen(parent: str, sandbox_id: str) -> bool:
     except OSError:
         return False
     return text == "1" if path.name == "cgroup.freeze" else text != "THAWED"
+
+
+def _thaw_dir(d: Path) -> None:
+    for name, thawed in (("freezer.state", "THAWED"), ("cgroup.freeze", "0")):
+        try:
+            (d / name).write_text(thawed)
+        except OSError:  # not a freezer cgroup, or gone
+            pass
 
 
 def thaw_if_frozen(parent: str, sandbox_id: str) -> None:
