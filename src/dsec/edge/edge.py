@@ -68,7 +68,8 @@ T = TypeVar("T")
 BASE_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
             "HOME": "/root", "LANG": "C.UTF-8"}
 ARCHIVE_LIMIT = 1 << 30
-SNAPSHOT_DISK = "disk.img"  # a filesystem snapshot's one file, in <state>/snapshots/<id>/
+SNAPSHOT_DISK = "disk.img"  # a snapshot's disk, in <state>/snapshots/<id>/
+SNAPSHOT_MEMORY = "memory.bin"  # and a `full` snapshot's saved memory and devices (VMs)
 AGENT_DEATH_GRACE_S = 5.0  # how long a dying sandbox may take to be seen dead (see _still_alive)
 
 
@@ -208,12 +209,12 @@ class Edge:
 
     async def _create(self, req: CreateRequest) -> tuple[SandboxInfo, bool]:
         """The sandbox, and whether it came from the warm pool."""
-        snap, disk_from = None, None
+        snap, disk_from, memory_from = None, None, None
         if req.snapshot is not None:  # its image, substrate and disk size are the snapshot's
             snap = self._snapshot_row(req.snapshot)
             req = req.model_copy(update={"image": snap.image, "substrate": snap.substrate,
-                                         "disk_mb": snap.disk_mb})
-            disk_from = self._snapshot_dir(snap.id) / SNAPSHOT_DISK
+                                         "disk_mb": snap.disk_mb, **self._machine_of(snap)})
+            disk_from, memory_from = self._snapshot_files(snap)
         substrate = self.substrates.get(req.substrate)
         if substrate is None:
             raise NotSupported(f"substrate {req.substrate!r} is not served by edge {self.id}",
@@ -234,7 +235,8 @@ class Edge:
             pool = self.pools.get(req.substrate)
             pooled = (pool.take(image) if pool and pool.fits(req) and disk_from is None
                       else None)
-            plan = StartPlan("", req, image, disk_from=disk_from)  # the id is _start's
+            plan = StartPlan("", req, image, disk_from=disk_from,  # the id is _start's
+                             memory_from=memory_from)
             try:
                 row = await (self._claim(substrate, req, pooled, egress) if pooled
                              else self._start(substrate, plan, egress))
@@ -328,26 +330,45 @@ class Edge:
             raise SnapshotNotFound(f"no snapshot {snapshot_id!r}", snapshot=snapshot_id)
         return row
 
+    def _snapshot_files(self, snap: SnapshotRow) -> tuple[Path, Path | None]:
+        """The snapshot's disk, and its saved memory if it is a `full` one."""
+        d = self._snapshot_dir(snap.id)
+        return d / SNAPSHOT_DISK, d / SNAPSHOT_MEMORY if snap.mode == "full" else None
+
+    def _machine_of(self, snap: SnapshotRow) -> dict[str, Any]:
+        """What a sandbox restored from a `full` snapshot must have as its parent had: the
+        saved memory and CPUs are the parent's machine (nothing for a `filesystem` one)."""
+        if snap.mode != "full":
+            return {}
+        parent = self.store.get_sandbox(snap.sandbox_id)
+        if parent is None:
+            raise SnapshotNotFound(f"snapshot {snap.id}'s sandbox record is gone",
+                                   snapshot=snap.id)
+        return {"memory_mb": parent.request["memory_mb"], "cpu": parent.request["cpu"]}
+
     async def snapshot(self, sandbox_id: str, mode: str = "filesystem") -> Snapshot:
-        """A copy of the sandbox's writable layer, kept until deleted (it outlives the
-        sandbox and restarts); ``create(snapshot=...)`` starts sandboxes from it. A paused
-        sandbox is resumed first (its file system cannot be frozen under frozen writers)."""
+        """A copy of the sandbox's writable layer (``full``: and of its memory and devices),
+        kept until deleted (it outlives the sandbox and restarts); ``create(snapshot=...)``
+        starts sandboxes from it. A paused sandbox is resumed first (its file system cannot
+        be frozen under frozen writers)."""
         live = await self._awake(sandbox_id)
-        if mode != "filesystem":
-            raise NotSupported("'full' snapshots (memory and processes too) are not supported "
-                               "yet; take mode='filesystem'", mode=mode)
         snap_id = f"sn-{self.id}-{secrets.token_hex(6)}"
         d = self._snapshot_dir(snap_id)
         d.mkdir(parents=True)
         try:
             try:
-                await live.substrate.snapshot_disk(sandbox_id, live.row.runtime, d / SNAPSHOT_DISK)
+                if mode == "full":
+                    await live.substrate.snapshot_full(sandbox_id, live.row.runtime,
+                                                       d / SNAPSHOT_DISK, d / SNAPSHOT_MEMORY)
+                else:
+                    await live.substrate.snapshot_disk(sandbox_id, live.row.runtime,
+                                                       d / SNAPSHOT_DISK)
             except OSError as exc:
                 raise SandboxError(f"could not snapshot sandbox {sandbox_id}: {exc}",
                                    sandbox_id=sandbox_id) from exc
             row = SnapshotRow(snap_id, self.id, sandbox_id, live.row.substrate, live.row.image,
                               live.row.image_digest, mode, live.row.request["disk_mb"],
-                              allocated_bytes(d / SNAPSHOT_DISK), time.time())
+                              sum(allocated_bytes(f) for f in d.iterdir()), time.time())
             self.store.insert_snapshot(row)
         except BaseException:
             await asyncio.to_thread(remove_tree, d)
@@ -356,8 +377,9 @@ class Edge:
         return snapshot_info(row)
 
     async def rollback(self, sandbox_id: str, snapshot: str) -> SandboxInfo:
-        """The sandbox back at one of its own snapshots: same id, processes fresh. A failed
-        rollback leaves no half-restored sandbox: it is stopped (died, with the cause)."""
+        """The sandbox back at one of its own snapshots: same id, processes fresh (a `full`
+        snapshot's: as they were). A failed rollback leaves no half-restored sandbox: it is
+        stopped (died, with the cause)."""
         live = await self._awake(sandbox_id)
         snap = self._snapshot_row(snapshot)
         if snap.sandbox_id != sandbox_id:
@@ -367,9 +389,10 @@ class Edge:
         if live.row.request.get("network", "none") != "none":
             raise NotSupported("rollback of a sandbox with a network policy is not supported "
                                "yet (its wiring is its init's network namespace)")
+        disk_from, memory_from = self._snapshot_files(snap)
         plan = StartPlan(sandbox_id, CreateRequest.model_validate(live.row.request),
-                         self.images.get(live.row.image),
-                         disk_from=self._snapshot_dir(snapshot) / SNAPSHOT_DISK)
+                         self.images.get(live.row.image), disk_from=disk_from,
+                         memory_from=memory_from)
         if plan.image.digest != live.row.image_digest:
             raise NotSupported(f"image {live.row.image} has been rebuilt since the sandbox "
                                "started: its layers are gone from under the snapshot")
@@ -381,12 +404,17 @@ class Edge:
             raise
         finally:
             live.rolling_back = False
-        live.row.runtime = runtime
-        live.agent = live.substrate.agent(sandbox_id, runtime)
-        self.store.mark_running(sandbox_id, runtime, live.row.expires_at)
-        live.substrate.watch(sandbox_id, runtime, lambda: self._exited(sandbox_id))
+        self._restarted(live, runtime)
         self.store.event("rollback", sandbox_id, snapshot=snapshot)
         return self.info(live.row)
+
+    def _restarted(self, live: Live, runtime: dict[str, Any]) -> None:
+        """The substrate restarted the sandbox's process (rollback, a VM's resume): its new
+        runtime facts recorded, its agent reached and its exit watched through them."""
+        live.row.runtime = runtime
+        live.agent = live.substrate.agent(live.row.id, runtime)
+        self.store.set_runtime(live.row.id, runtime)
+        live.substrate.watch(live.row.id, runtime, lambda: self._exited(live.row.id))
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         """Forget the snapshot, then remove its files (a create copying it already holds
@@ -430,13 +458,15 @@ class Edge:
 
     async def _freeze(self, live: Live, frozen: bool) -> None:
         try:
-            await live.substrate.set_paused(live.row.id, live.row.runtime, frozen)
+            runtime = await live.substrate.set_paused(live.row.id, live.row.runtime, frozen)
         except FileNotFoundError as exc:  # its cgroup is gone: the sandbox died meanwhile
             raise await self._agent_failed(live, exc) from None
         except TimeoutError as exc:
             raise SandboxError(f"sandbox {live.row.id} could not be "
                                f"{'paused' if frozen else 'resumed'}: {exc}",
                                sandbox_id=live.row.id) from None
+        if runtime != live.row.runtime:  # a VM saved to disk, or restarted from it
+            self._restarted(live, runtime)
 
     def _set_state(self, live: Live, state: str) -> None:
         live.row.state = state

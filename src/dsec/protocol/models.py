@@ -155,7 +155,8 @@ SnapshotMode = Literal["filesystem", "full"]
 
 class SnapshotRequest(_Request):
     mode: SnapshotMode = Field("filesystem", description="'filesystem': the writable layer "
-                               "(processes start fresh from it); 'full' (with memory): not yet")
+                               "(processes start fresh from it); 'full': memory and processes "
+                               "too (microvm and vm sandboxes)")
 
 
 class RollbackRequest(_Request):

@@ -27,6 +27,7 @@ class StartPlan:
     image: Image
     warm: bool = False  # for the warm pool: start at idle priority, to be claimed later
     disk_from: Path | None = None  # a snapshot's disk image to start from (a copy of it)
+    memory_from: Path | None = None  # a `full` snapshot's saved memory and devices, with disk_from
 
 
 class Substrate(ABC):
@@ -84,14 +85,25 @@ class Substrate(ABC):
         raise NotSupported(f"filesystem snapshots of {self.name} sandboxes are not supported "
                            "yet: their writable layer is not a disk image dsec can copy")
 
+    async def snapshot_full(self, sandbox_id: str, runtime: dict[str, Any], disk: Path,
+                            memory: Path) -> None:
+        """Write the running sandbox's writable layer to ``disk`` and its memory, devices and
+        processes to ``memory`` (new files), of one instant; ``start`` with both
+        (``StartPlan.disk_from``, ``memory_from``) continues another from that instant."""
+        raise NotSupported(f"'full' snapshots (memory and processes) of {self.name} sandboxes "
+                           "are not supported; take mode='filesystem'")
+
     async def rollback(self, plan: StartPlan, runtime: dict[str, Any]) -> dict[str, Any]:
         """Restart the running sandbox ``plan.sandbox_id`` from ``plan.disk_from`` (its own
-        snapshot): processes fresh, the same id and agent token; its new runtime dict."""
+        snapshot; with ``plan.memory_from`` its processes too, else fresh): the same id and
+        agent token; its new runtime dict."""
         raise NotSupported(f"rollback of {self.name} sandboxes is not supported yet")
 
-    async def set_paused(self, sandbox_id: str, runtime: dict[str, Any], paused: bool) -> None:
-        """Freeze the whole sandbox so it uses no CPU (``paused``), or let it run again; both
-        idempotent, and a paused sandbox is still ``alive``. ``destroy`` works on a paused one."""
+    async def set_paused(self, sandbox_id: str, runtime: dict[str, Any],
+                         paused: bool) -> dict[str, Any]:
+        """Stop the whole sandbox so it uses no CPU (``paused``), or let it run again; both
+        idempotent, and a paused sandbox is still ``alive``. ``destroy`` works on a paused one.
+        Its runtime dict: the same, or a new one if the substrate restarted its process."""
         raise NotSupported(f"the {self.name} substrate cannot pause a sandbox yet")
 
     @abstractmethod

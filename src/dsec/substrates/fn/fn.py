@@ -296,7 +296,8 @@ class FnSubstrate(Substrate):
     def oom_kills(self, sandbox_id: str, runtime: dict[str, Any]) -> int:
         return cgroups.oom_kills(self._cgroup_of(runtime["template"]), runtime["worker"])
 
-    async def set_paused(self, sandbox_id: str, runtime: dict[str, Any], paused: bool) -> None:
+    async def set_paused(self, sandbox_id: str, runtime: dict[str, Any],
+                         paused: bool) -> dict[str, Any]:
         raise NotSupported("an fn sandbox cannot pause: its worker's cgroups (cpu, memory, pids) "
                            "have no freezer yet")
 

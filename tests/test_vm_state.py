@@ -1,0 +1,144 @@
+"""Sandbox state of VMs (microvm, vm): filesystem and full snapshots, sandboxes made from
+them, rollback, pause saved to disk; on a real server with real QEMU (TCG here: slow, so few
+VMs, each doing several checks)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+import dsec
+from conftest import VM_ACCEL, Server, make_server, stop_server
+from dsec.agent.client import AgentClient, AgentError
+from test_hostile_vm import _runtime
+from test_vm import _traces
+
+VM = dict(substrate="microvm", image="debian-minbase", memory_mb=256, disk_mb=128, ttl_s=600)
+# A process that keeps its state in memory only: a counter, and random bytes it drew once.
+COUNTER = ("head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n' > /tmp/drawn; "
+           "i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done")
+
+
+@pytest.fixture(scope="module")
+def srv(images) -> Iterator[Server]:  # type: ignore[no-untyped-def]
+    server = make_server("--capacity", "16", "--warm-pool", "0", "--vm-accel", VM_ACCEL).start()
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture
+async def client(srv: Server) -> AsyncIterator[dsec.DSecClient]:
+    async with srv.client() as c:
+        yield c
+
+
+def snapshot_dirs(srv: Server) -> set[str]:
+    return {p.name for p in (srv.state_dir / "snapshots").glob("*")}
+
+
+async def assert_gone(srv: Server, sandbox_id: str) -> None:
+    deadline = time.monotonic() + 30
+    while _traces(srv, sandbox_id):
+        assert time.monotonic() < deadline, _traces(srv, sandbox_id)
+        await asyncio.sleep(0.1)
+
+
+async def _stop_all(client: dsec.DSecClient, *boxes: dsec.AsyncSandbox) -> None:
+    for box in boxes:
+        try:
+            await box.stop()
+        except dsec.DSecError:
+            pass
+
+
+async def _agent_run(srv: Server, sandbox_id: str, token: str, command: str) -> str:
+    """A command sent straight to the sandbox's agent (as the edge would) with ``token``."""
+    port = int(str(_runtime(srv, sandbox_id)["port"]))
+    done = await AgentClient(("127.0.0.1", port), token, peer_uid=0).run(
+        ["/.dsec/bin/sh", "-c", command], env={}, cwd="/", timeout_ms=30_000)
+    return done.stdout.decode()
+
+
+async def test_filesystem_snapshot_fork_and_rollback_of_a_vm(client: dsec.DSecClient,
+                                                             srv: Server) -> None:
+    parent = await client.create(**VM)
+    children: list[dsec.AsyncSandbox] = []
+    try:
+        await parent.write_file("/work/answer", b"v1")
+        await parent.run("echo unsynced > /work/fresh")  # in the guest's page cache only
+        await parent.start(["sh", "-c", "while :; do date >> /tmp/busy; sleep 0.1; done"])
+        snap = await parent.snapshot()
+        assert snap.mode == "filesystem" and 0 < snap.size_bytes <= 128 << 20
+        assert (await parent.run("echo alive")).stdout == "alive\n"  # continued after the copy
+
+        children = [c for c in await parent.fork(2) if isinstance(c, dsec.AsyncSandbox)]
+        assert len(children) == 2
+        for child in children:
+            assert child.id != parent.id
+            r = await child.run("cat /work/answer /work/fresh; hostname; pgrep -f busy || true")
+            assert r.stdout == f"v1unsynced\n{child.id}\n"  # the files; fresh processes
+            await child.write_file("/work/answer", b"child")
+        assert await parent.read_file("/work/answer") == b"v1"  # children never touch it
+
+        await parent.write_file("/work/answer", b"v2 (reward hacked)")
+        await parent.run("rm -rf /etc/apt; touch /work/stray")
+        pid = _runtime(srv, parent.id)["pid"]
+        info = await parent.rollback(snap)
+        assert (info.id, info.state) == (parent.id, "running")
+        assert _runtime(srv, parent.id)["pid"] != pid  # QEMU restarted on the restored disk
+        r = await parent.run("cat /work/answer; ls /work; test -d /etc/apt && echo apt")
+        assert r.stdout == "v1answer\nfresh\napt\n"
+        assert await parent.processes() == []
+        await client.delete_snapshot(snap.id)
+    finally:
+        await _stop_all(client, parent, *children)
+    for box in (parent, *children):
+        await assert_gone(srv, box.id)
+    assert snapshot_dirs(srv) == set()
+
+
+async def test_full_snapshot_children_keep_processes_and_get_their_own_identity(
+        client: dsec.DSecClient, srv: Server) -> None:
+    parent = await client.create(**VM)
+    children: list[dsec.AsyncSandbox] = []
+    try:
+        proc = await parent.start(["sh", "-c", COUNTER])
+        await asyncio.sleep(1.0)
+        parent_token = str(_runtime(srv, parent.id)["token"])
+        snap = await parent.snapshot(mode="full")
+        assert snap.mode == "full"
+        children = [await client.create(snapshot=snap.id, ttl_s=600) for _ in range(2)]
+        drawn = (await parent.run("cat /tmp/drawn")).stdout
+        seen = set()
+        for child in children:
+            info = await child.refresh()
+            assert (info.memory_mb, info.substrate) == (256, "microvm")  # the parent's machine
+            procs = await child.processes()
+            assert [p.id for p in procs if p.running] == [proc.id]  # the parent's process runs on
+            before = int((await child.run("cat /tmp/count")).stdout)
+            await asyncio.sleep(1.0)
+            after = int((await child.run("cat /tmp/count")).stdout)
+            assert after > before  # and counts on, from where the parent was
+            assert (await child.run("cat /tmp/drawn")).stdout == drawn  # the same memory
+            r = await child.run("hostname; head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'")
+            hostname, fresh = r.stdout.splitlines()
+            assert hostname == child.id
+            seen.add(fresh)
+            # hostile: the parent's token (in the guest's saved memory) does not work on the child
+            with pytest.raises(AgentError, match="bad token"):
+                await _agent_run(srv, child.id, parent_token, "echo stolen")
+            child_token = str(_runtime(srv, child.id)["token"])
+            assert child_token != parent_token
+            assert await _agent_run(srv, child.id, child_token, "echo mine") == "mine\n"
+            with pytest.raises(AgentError, match="bad token"):  # nor the child's on the parent
+                await _agent_run(srv, parent.id, child_token, "echo stolen")
+        assert len(seen) == 2  # each child's random pool was reseeded apart
+        await client.delete_snapshot(snap.id)
+    finally:
+        await _stop_all(client, parent, *children)
+    for box in (parent, *children):
+        await assert_gone(srv, box.id)
+    assert snapshot_dirs(srv) == set()
