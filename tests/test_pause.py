@@ -118,15 +118,19 @@ async def test_pause_and_resume_are_idempotent_and_typed(client: dsec.DSecClient
 
 async def test_pause_on_each_substrate(client: dsec.DSecClient, server: Server, substrate: str,
                                        shared_vms: SharedVMs) -> None:
-    """Containers and VMs (QEMU whole) freeze: no CPU used while paused; fn sandboxes say why
-    they cannot."""
+    """Containers freeze: no CPU used while paused; VMs are saved to disk and their QEMU
+    exits (tests/test_vm_state.py); fn sandboxes say why they cannot."""
     async for sb in _any_sandbox(client, substrate, shared_vms, "debian-minbase", 256):
         if substrate == "fn":
             with pytest.raises(dsec.NotSupported, match="freezer"):
                 await sb.pause()
+        elif substrate in VM_SUBSTRATES:
+            await sb.pause()
+            assert not [t for t in vm_traces(server, sb.id) if t.startswith("process")]
+            assert (server.state_dir / "vms" / sb.id / "paused.bin").exists()
         else:
             await sb.pause()
-            parent = f"/dsec-{first_edge_id(server)}" + (f"-{substrate}" if substrate in VM_SUBSTRATES else "")
+            parent = f"/dsec-{first_edge_id(server)}"
             assert cgroups.is_frozen(parent, sb.id)
             usage = _cpu_usage(parent, sb.id)
             await asyncio.sleep(1.0)

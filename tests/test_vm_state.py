@@ -5,8 +5,10 @@ VMs, each doing several checks)."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -142,3 +144,88 @@ async def test_full_snapshot_children_keep_processes_and_get_their_own_identity(
     for box in (parent, *children):
         await assert_gone(srv, box.id)
     assert snapshot_dirs(srv) == set()
+
+
+def _qemu(srv: Server, sandbox_id: str) -> list[int]:
+    return [int(t.split()[1]) for t in _traces(srv, sandbox_id) if t.startswith("process")]
+
+
+def _rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+async def test_full_rollback_restores_the_processes_too(client: dsec.DSecClient,
+                                                        srv: Server) -> None:
+    sb = await client.create(**VM)
+    try:
+        proc = await sb.start(["sh", "-c", COUNTER])
+        await asyncio.sleep(1.0)
+        await sb.write_file("/work/answer", b"v1")
+        snap = await sb.snapshot(mode="full")
+        at_snapshot = int((await sb.run("cat /tmp/count")).stdout)
+        await sb.run(f"kill {proc.pid}; echo v2 > /work/answer")
+        await asyncio.sleep(0.5)
+        assert [p for p in await sb.processes() if p.running] == []
+        await sb.rollback(snap)
+        assert [p.id for p in await sb.processes() if p.running] == [proc.id]
+        count = int((await sb.run("cat /tmp/count")).stdout)
+        assert at_snapshot - 3 <= count  # counting on from the snapshot's instant, not from 0
+        assert await sb.read_file("/work/answer") == b"v1"
+        await client.delete_snapshot(snap.id)
+    finally:
+        await _stop_all(client, sb)
+    await assert_gone(srv, sb.id)
+
+
+async def test_a_paused_vm_is_saved_to_disk_and_its_qemu_exits(client: dsec.DSecClient,
+                                                               srv: Server) -> None:
+    sb = await client.create(**VM)
+    try:
+        await sb.start(["sh", "-c", COUNTER])
+        await sb.run("head -c 100M /dev/zero > /dev/shm/fill")  # guest memory in use
+        (pid,) = _qemu(srv, sb.id)
+        rss = _rss_kb(pid)
+        await sb.pause()
+        assert (await client.get(sb.id)).info.state == "paused"
+        assert _qemu(srv, sb.id) == []  # QEMU exited: its memory went back to the host
+        assert rss > 100 << 10
+        count = int((await sb.run("cat /tmp/count")).stdout)  # any call resumes it
+        assert (await client.get(sb.id)).info.state == "running"
+        await asyncio.sleep(1.0)
+        assert int((await sb.run("cat /tmp/count")).stdout) > count  # the process counts on
+        assert (await sb.run("wc -c < /dev/shm/fill")).stdout == f"{100 << 20}\n"
+        await sb.pause()
+        await sb.pause()  # idempotent
+        await sb.resume()
+        await sb.resume()
+        assert len(_qemu(srv, sb.id)) == 1
+    finally:
+        await _stop_all(client, sb)
+    await assert_gone(srv, sb.id)
+
+
+async def test_a_paused_vm_survives_a_server_kill_and_holds_no_capacity(images) -> None:  # type: ignore[no-untyped-def]
+    srv = make_server("--capacity", "1", "--warm-pool", "0", "--vm-accel", VM_ACCEL).start()
+    try:
+        async with srv.client() as client:
+            sb = await client.create(**VM)
+            await sb.start(["sh", "-c", COUNTER])
+            await asyncio.sleep(1.0)
+            await sb.pause()
+        srv.kill(signal.SIGKILL)
+        srv.start()
+        async with srv.client() as client:
+            again = await client.get(sb.id)
+            assert again.info.state == "paused" and _qemu(srv, sb.id) == []  # adopted, not dead
+            other = await client.create(**VM)  # a paused VM holds no slot of the capacity of 1
+            assert int((await again.run("cat /tmp/count")).stdout) > 0  # resumed, never refused
+            assert (await client.get(sb.id)).info.state == "running"
+            await other.stop()
+            await again.stop()
+            for box in (sb, other):
+                await assert_gone(srv, box.id)
+    finally:
+        stop_server(srv)
