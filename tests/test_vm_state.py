@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 import dsec
 from conftest import VM_ACCEL, Server, make_server, stop_server
 from dsec.agent.client import AgentClient, AgentError
-from test_hostile_vm import _runtime
+from test_hostile_vm import NOBODY, _runtime
 from test_vm import _traces
 
 VM = dict(substrate="microvm", image="debian-minbase", memory_mb=256, disk_mb=128, ttl_s=600)
@@ -229,3 +230,38 @@ async def test_a_paused_vm_survives_a_server_kill_and_holds_no_capacity(images) 
                 await assert_gone(srv, box.id)
     finally:
         stop_server(srv)
+
+
+def _readable_by_nobody(path: Path) -> bool:
+    done = subprocess.run(["/usr/bin/python3", "-c", "import sys; open(sys.argv[1], 'rb').read(1)",
+                           str(path)], user=NOBODY, group=NOBODY, extra_groups=[], cwd="/",
+                          capture_output=True, check=False)
+    return done.returncode == 0
+
+
+async def test_saved_vms_are_out_of_reach_of_the_guest_and_local_users(
+        client: dsec.DSecClient, srv: Server) -> None:
+    """A saved VM's memory holds its agent's token: a local user of the host cannot read a
+    full snapshot's or a paused VM's files; the guest sees its own disks only, and cannot
+    open the boot port to read the next boot message (its agent holds it)."""
+    sb = await client.create(**VM)
+    try:
+        snap = await sb.snapshot(mode="full")
+        await sb.pause()
+        saved = [srv.state_dir / "snapshots" / snap.id / name for name in ("memory.bin", "disk.img")]
+        saved.append(srv.state_dir / "vms" / sb.id / "paused.bin")
+        for path in saved:
+            assert path.exists() and path.stat().st_mode & 0o077 == 0, path
+            assert not _readable_by_nobody(path), path
+        r = await sb.run("for s in /sys/block/*/serial; do cat $s; echo; done; echo --; "
+                         "for f in /dev/vport*; do cat $f; done 2>&1; find / -xdev \\( -name "
+                         "memory.bin -o -name paused.bin -o -name disk.img \\) 2>/dev/null; echo end")
+        serials, _, rest = r.stdout.partition("--\n")
+        names = serials.split()
+        assert "rw" in names and all(n == "rw" or n.startswith("layer") for n in names), names
+        assert "busy" in rest.lower() and rest.strip().endswith("end"), rest
+        assert _runtime(srv, sb.id)["token"] not in rest  # nothing of the token came out
+        await client.delete_snapshot(snap.id)
+    finally:
+        await _stop_all(client, sb)
+    await assert_gone(srv, sb.id)

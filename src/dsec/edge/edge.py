@@ -355,6 +355,7 @@ class Edge:
         snap_id = f"sn-{self.id}-{secrets.token_hex(6)}"
         d = self._snapshot_dir(snap_id)
         d.mkdir(parents=True)
+        d.chmod(0o700)  # a saved VM's memory holds its agent's token: root's alone
         try:
             try:
                 if mode == "full":

@@ -110,6 +110,8 @@ def incoming(state_file: Path) -> list[str]:
 async def save(qmp_socket: Path, state_file: Path) -> None:
     """Stop the VM behind ``qmp_socket`` and write its whole state to ``state_file``. The VM
     stays stopped, its disks flushed and released: ``cont`` runs it again."""
+    # The guest's memory holds its agent's token: root's alone, before QEMU writes a byte.
+    os.close(os.open(state_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600))
     qmp = await QMP.connect(qmp_socket)
     try:
         await qmp.call("stop")  # the disk and the memory saved are of one instant
