@@ -74,6 +74,8 @@ async def test_vm_reaches_exactly_what_its_policy_allows(vm_server: Server, dest
             slots.add(slot_of(owner, sb.id))
             assert await fetch(sb, dest.address, PORTS[0]) == f"hello-{PORTS[0]}"
             assert await fetch(sb, dest.address, PORTS[1]) is None
+            await sb.pause()  # saved to disk, QEMU gone: the resumed one is plugged again
+            assert await fetch(sb, dest.address, PORTS[0]) == f"hello-{PORTS[0]}"
             # the agent listens on its own link only: over the policy NIC, nothing answers
             # (nor could it: the guest's packets to the host are judged by its policy too)
             guest = Slot(int(next(iter(slots)).removeprefix("dsec"))).sandbox_address

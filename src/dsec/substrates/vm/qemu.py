@@ -187,6 +187,9 @@ class QemuSubstrate(Substrate):
         else:
             await self._wait_until_listening(alive, d)
         await self._boot_agent(alive, d, token, sandbox_id)
+        slot = self.network.slot(sandbox_id)
+        if slot is not None:  # restarted with a policy (a resume): its tap, plugged again
+            await vmnet.plug(d / "qmp.sock", slot)
         return {"pid": pid, "port": port, "accel": self.accel, "token": token}
 
     async def _launch(self, argv: list[str], d: Path, extra: list[str],
