@@ -17,6 +17,7 @@ import dsec
 from conftest import VM_ACCEL, Server, make_server, stop_server
 from dsec.agent.client import AgentClient, AgentError
 from test_hostile_vm import NOBODY, _runtime
+from test_projects import key_client, unique
 from test_vm import _traces
 
 VM = dict(substrate="microvm", image="debian-minbase", memory_mb=256, disk_mb=128, ttl_s=600)
@@ -265,3 +266,22 @@ async def test_saved_vms_are_out_of_reach_of_the_guest_and_local_users(
     finally:
         await _stop_all(client, sb)
     await assert_gone(srv, sb.id)
+
+
+async def test_a_full_snapshots_child_is_admitted_with_its_parents_machine(
+        client: dsec.DSecClient, srv: Server) -> None:
+    """Hostile: asking a small memory_mb for the child of a big VM's `full` snapshot does not
+    slip it under the project's quota: it is admitted (and made) with the parent's."""
+    project = unique("vmq")
+    await client.projects().create(project, sandboxes=4, cpu=4, memory_mb=600)
+    async with key_client(srv, (await client.projects().create_key(project, "k")).key) as mine:
+        parent = await mine.create(**{**VM, "memory_mb": 384})
+        try:
+            snap = await parent.snapshot(mode="full")
+            with pytest.raises(dsec.QuotaExceeded) as refused:  # 384 + 384 > 600
+                await mine.create(snapshot=snap.id, memory_mb=128, ttl_s=60)
+            assert refused.value.details["asked"] == 384 or "384" in str(refused.value)
+            await mine.delete_snapshot(snap.id)
+        finally:
+            await parent.stop()
+    await assert_gone(srv, parent.id)

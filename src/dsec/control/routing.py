@@ -14,7 +14,7 @@ import builtins
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from ..edge.edge import Edge, snapshot_info
+from ..edge.edge import Edge, restored_machine, snapshot_info
 from ..protocol.errors import NotSupported, SnapshotNotFound
 from ..protocol.fn import CodeResult, RunCodeRequest
 from ..protocol.models import CreateRequest, SandboxInfo, Snapshot
@@ -90,7 +90,11 @@ class Router:
         return await self.idempotency.create(key, kind, req, make)
 
     async def place(self, req: CreateRequest) -> SandboxInfo:
-        """Start a sandbox on an edge that takes it, once the caller's project quota admits it."""
+        """Start a sandbox on an edge that takes it, once the caller's project quota admits it
+        (a `full` snapshot's child with its parent's memory and cpu, which it will have)."""
+        if req.snapshot is not None:
+            snap = self.snapshot(req.snapshot)
+            req = req.model_copy(update=restored_machine(self._snapshots(), snap))
         if self.access is not None:
             return await self.access.admit(req, self._place)
         return await self._place(req)

@@ -213,7 +213,8 @@ class Edge:
         if req.snapshot is not None:  # its image, substrate and disk size are the snapshot's
             snap = self._snapshot_row(req.snapshot)
             req = req.model_copy(update={"image": snap.image, "substrate": snap.substrate,
-                                         "disk_mb": snap.disk_mb, **self._machine_of(snap)})
+                                         "disk_mb": snap.disk_mb,
+                                         **restored_machine(self.store, snap)})
             disk_from, memory_from = self._snapshot_files(snap)
         substrate = self.substrates.get(req.substrate)
         if substrate is None:
@@ -334,17 +335,6 @@ class Edge:
         """The snapshot's disk, and its saved memory if it is a `full` one."""
         d = self._snapshot_dir(snap.id)
         return d / SNAPSHOT_DISK, d / SNAPSHOT_MEMORY if snap.mode == "full" else None
-
-    def _machine_of(self, snap: SnapshotRow) -> dict[str, Any]:
-        """What a sandbox restored from a `full` snapshot must have as its parent had: the
-        saved memory and CPUs are the parent's machine (nothing for a `filesystem` one)."""
-        if snap.mode != "full":
-            return {}
-        parent = self.store.get_sandbox(snap.sandbox_id)
-        if parent is None:
-            raise SnapshotNotFound(f"snapshot {snap.id}'s sandbox record is gone",
-                                   snapshot=snap.id)
-        return {"memory_mb": parent.request["memory_mb"], "cpu": parent.request["cpu"]}
 
     async def snapshot(self, sandbox_id: str, mode: str = "filesystem") -> Snapshot:
         """A copy of the sandbox's writable layer (``full``: and of its memory and devices),
@@ -743,6 +733,18 @@ def sandbox_info(row: SandboxRow) -> SandboxInfo:
                        memory_mb=req["memory_mb"], labels=req.get("labels", {}),
                        reason=row.reason, trajectory=req.get("trajectory"),
                        network=req.get("network", "none"))
+
+
+def restored_machine(store: StateStore, snap: SnapshotRow) -> dict[str, Any]:
+    """What a sandbox made from a `full` snapshot must have as its parent had: the saved
+    memory and CPUs are the parent's machine, whatever the request asked (nothing for a
+    `filesystem` one). The router admits the create against a project's quota with these."""
+    if snap.mode != "full":
+        return {}
+    parent = store.get_sandbox(snap.sandbox_id)
+    if parent is None:
+        raise SnapshotNotFound(f"snapshot {snap.id}'s sandbox record is gone", snapshot=snap.id)
+    return {"memory_mb": parent.request["memory_mb"], "cpu": parent.request["cpu"]}
 
 
 def snapshot_info(row: SnapshotRow) -> Snapshot:

@@ -474,7 +474,11 @@ class QemuSubstrate(Substrate):
             return runtime
         if not saved.exists():
             raise FileNotFoundError(f"the {self.name} is neither running nor saved")
-        runtime = await self._bring_up(sandbox_id, d, runtime["token"], saved)
+        try:
+            runtime = await self._bring_up(sandbox_id, d, runtime["token"], saved)
+        except BaseException:  # still paused, on disk: the next call tries again
+            await self._kill_qemu(sandbox_id, d)
+            raise
         saved.unlink()
         return runtime
 
