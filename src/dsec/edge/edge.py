@@ -416,9 +416,10 @@ class Edge:
 
     # pause / resume
     async def pause(self, sandbox_id: str) -> SandboxInfo:
-        """Freeze every process of the sandbox; a no-op if it is paused. Recorded paused
-        before the freeze and running after the thaw, so a crash in between never leaves a
-        frozen sandbox recorded running (whose calls would hang)."""
+        """Freeze every process of the sandbox (a VM: saved to disk, its QEMU gone); a no-op
+        if it is paused. Recorded paused before the freeze and running after the thaw, so a
+        crash in between never leaves a frozen sandbox recorded running (whose calls would
+        hang)."""
         live = self._get(sandbox_id)
         async with live.pausing:
             if live.row.state != "paused":
