@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import dsec
-from conftest import VM_ACCEL, Server, make_server, stop_server
+from conftest import VM_ACCEL, VM_SUBSTRATES, Server, make_server, stop_server
 from dsec.agent.client import AgentClient, AgentError
 from test_hostile_vm import NOBODY, _runtime
 from test_projects import key_client, unique
@@ -104,9 +104,10 @@ async def test_filesystem_snapshot_fork_and_rollback_of_a_vm(client: dsec.DSecCl
     assert snapshot_dirs(srv) == set()
 
 
+@pytest.mark.parametrize("substrate", VM_SUBSTRATES)
 async def test_full_snapshot_children_keep_processes_and_get_their_own_identity(
-        client: dsec.DSecClient, srv: Server) -> None:
-    parent = await client.create(**VM)
+        client: dsec.DSecClient, srv: Server, substrate: str) -> None:
+    parent = await client.create(**{**VM, "substrate": substrate})
     children: list[dsec.AsyncSandbox] = []
     try:
         proc = await parent.start(["sh", "-c", COUNTER])
@@ -114,19 +115,22 @@ async def test_full_snapshot_children_keep_processes_and_get_their_own_identity(
         parent_token = str(_runtime(srv, parent.id)["token"])
         snap = await parent.snapshot(mode="full")
         assert snap.mode == "full"
-        children = [await client.create(snapshot=snap.id, ttl_s=600) for _ in range(2)]
+        children = [await client.create(snapshot=snap.id, ttl_s=600)]
+        forked = await parent.fork(1, mode="full", ttl_s=600)  # another snapshot, deleted after
+        children += [c for c in forked if isinstance(c, dsec.AsyncSandbox)]
+        assert len(children) == 2, forked
         drawn = (await parent.run("cat /tmp/drawn")).stdout
         seen = set()
         for child in children:
             info = await child.refresh()
-            assert (info.memory_mb, info.substrate) == (256, "microvm")  # the parent's machine
+            assert (info.memory_mb, info.substrate) == (256, substrate)  # the parent's machine
             procs = await child.processes()
             assert [p.id for p in procs if p.running] == [proc.id]  # the parent's process runs on
             before = int((await child.run("cat /tmp/count")).stdout)
             await asyncio.sleep(1.0)
             after = int((await child.run("cat /tmp/count")).stdout)
             assert after > before  # and counts on, from where the parent was
-            assert (await child.run("cat /tmp/drawn")).stdout == drawn  # the same memory
+            assert (await child.run("cat /tmp/drawn")).stdout == drawn  # the parent's memory
             r = await child.run("hostname; head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'")
             hostname, fresh = r.stdout.splitlines()
             assert hostname == child.id
