@@ -180,6 +180,12 @@ async def test_full_rollback_restores_the_processes_too(client: dsec.DSecClient,
         count = int((await sb.run("cat /tmp/count")).stdout)
         assert at_snapshot - 3 <= count  # counting on from the snapshot's instant, not from 0
         assert await sb.read_file("/work/answer") == b"v1"
+        await sb.stop()  # the snapshot outlives its sandbox: a child still continues it
+        child = await client.create(snapshot=snap.id, ttl_s=60)
+        assert [p.id for p in await child.processes() if p.running] == [proc.id]
+        assert (await child.read_file("/work/answer")) == b"v1"
+        await child.stop()
+        await assert_gone(srv, child.id)
         await client.delete_snapshot(snap.id)
     finally:
         await _stop_all(client, sb)
