@@ -76,6 +76,11 @@ async def test_vm_reaches_exactly_what_its_policy_allows(vm_server: Server, dest
             assert await fetch(sb, dest.address, PORTS[1]) is None
             await sb.pause()  # saved to disk, QEMU gone: the resumed one is plugged again
             assert await fetch(sb, dest.address, PORTS[0]) == f"hello-{PORTS[0]}"
+            snap = await sb.snapshot()  # a rollback boots again: plugged and set up again
+            await sb.rollback(snap)
+            assert await fetch(sb, dest.address, PORTS[0]) == f"hello-{PORTS[0]}"
+            assert await fetch(sb, dest.address, PORTS[1]) is None
+            await client.delete_snapshot(snap.id)
             # the agent listens on its own link only: over the policy NIC, nothing answers
             # (nor could it: the guest's packets to the host are judged by its policy too)
             guest = Slot(int(next(iter(slots)).removeprefix("dsec"))).sandbox_address

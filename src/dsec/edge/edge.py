@@ -377,9 +377,11 @@ class Edge:
             raise InvalidRequest(f"snapshot {snapshot} is of another sandbox; a rollback takes "
                                  "the sandbox's own (create(snapshot=...) starts a new one)",
                                  snapshot=snapshot, sandbox_id=sandbox_id)
-        if live.row.request.get("network", "none") != "none":
-            raise NotSupported("rollback of a sandbox with a network policy is not supported "
-                               "yet (its wiring is its init's network namespace)")
+        network = live.row.request.get("network", "none")
+        if network != "none" and not live.substrate.rollback_keeps_network:
+            raise NotSupported(f"rollback of a {live.row.substrate} sandbox with a network "
+                               "policy is not supported yet (its wiring is its init's network "
+                               "namespace)")
         disk_from, memory_from = self._snapshot_files(snap)
         plan = StartPlan(sandbox_id, CreateRequest.model_validate(live.row.request),
                          self.images.get(live.row.image), disk_from=disk_from,
@@ -396,6 +398,9 @@ class Edge:
         finally:
             live.rolling_back = False
         self._restarted(live, runtime)
+        if network != "none":  # the wiring was kept; the snapshot's /etc/hosts needs its pins
+            await self._apply_network(live.substrate, sandbox_id, runtime,
+                                      await self._egress(live.substrate, plan.request.network))
         self.store.event("rollback", sandbox_id, snapshot=snapshot)
         return self.info(live.row)
 

@@ -35,6 +35,9 @@ class Substrate(ABC):
     # Whether ``set_network`` can enforce an egress policy; the edge refuses a policy for a
     # substrate that cannot, before starting anything.
     network_policies: bool = False
+    # Whether ``rollback`` keeps the sandbox's network wiring (plugged again into the restarted
+    # sandbox); the edge refuses a rollback of a sandbox with a policy otherwise.
+    rollback_keeps_network: bool = False
 
     async def prepare(self) -> None:  # noqa: B027 (optional hook: nothing to do by default)
         """One-time host preparation when the edge starts."""

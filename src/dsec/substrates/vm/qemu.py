@@ -93,6 +93,7 @@ class QemuSubstrate(Substrate):
     serial_device: str  # the virtio-serial controller that carries the boot port
     pvh: bool  # enter the uncompressed kernel directly instead of through firmware
     network_policies = True
+    rollback_keeps_network = True  # the host's tap outlives QEMU: plugged again on restart
 
     def __init__(self, state_dir: Path, edge_id: str, accel: str = "kvm",
                  kvm_device: Path = Path("/dev/kvm"), snapshots: bool = False) -> None:
@@ -187,10 +188,13 @@ class QemuSubstrate(Substrate):
         else:
             await self._wait_until_listening(alive, d)
         await self._boot_agent(alive, d, token, sandbox_id)
+        runtime = {"pid": pid, "port": port, "accel": self.accel, "token": token}
         slot = self.network.slot(sandbox_id)
-        if slot is not None:  # restarted with a policy (a resume): its tap, plugged again
+        if slot is not None:  # restarted with a policy (resume, rollback): its tap plugged again
             await vmnet.plug(d / "qmp.sock", slot)
-        return {"pid": pid, "port": port, "accel": self.accel, "token": token}
+            if incoming is None:  # a fresh boot's eth0 is bare; a restored one kept its set-up
+                await vmnet.configure_guest(self.agent(sandbox_id, runtime), slot)
+        return runtime
 
     async def _launch(self, argv: list[str], d: Path, extra: list[str],
                       warm: bool = False) -> tuple[int, int]:
