@@ -200,7 +200,11 @@ async def test_a_paused_vm_is_saved_to_disk_and_its_qemu_exits(client: dsec.DSec
         await sb.run("head -c 100M /dev/zero > /dev/shm/fill")  # guest memory in use
         (pid,) = _qemu(srv, sb.id)
         rss = _rss_kb(pid)
+        busy = asyncio.ensure_future(sb.run("sleep 3; echo done > /work/late"))
+        await asyncio.sleep(1.0)
         await sb.pause()
+        with pytest.raises(dsec.SandboxError, match="paused during the call"):  # not died
+            await busy
         assert (await client.get(sb.id)).info.state == "paused"
         assert _qemu(srv, sb.id) == []  # QEMU exited: its memory went back to the host
         assert rss > 100 << 10
@@ -209,6 +213,9 @@ async def test_a_paused_vm_is_saved_to_disk_and_its_qemu_exits(client: dsec.DSec
         await asyncio.sleep(1.0)
         assert int((await sb.run("cat /tmp/count")).stdout) > count  # the process counts on
         assert (await sb.run("wc -c < /dev/shm/fill")).stdout == f"{100 << 20}\n"
+        late = await sb.run("for i in $(seq 100); do test -e /work/late && break; sleep 0.1; done; "
+                            "cat /work/late")
+        assert late.stdout == "done\n"  # the cut command went on
         await sb.pause()
         await sb.pause()  # idempotent
         await sb.resume()

@@ -570,6 +570,10 @@ class Edge:
         if live.rolling_back:
             return SandboxError(f"sandbox {live.row.id} was rolled back during the call: its "
                                 "processes were killed", sandbox_id=live.row.id)
+        if live.row.state == "paused":  # a VM saved to disk: QEMU, and the call's link, gone
+            return SandboxError(f"sandbox {live.row.id} was paused during the call: its "
+                                "connection was cut (its processes go on when it resumes)",
+                                sandbox_id=live.row.id)
         if await self._still_alive(live):
             return SandboxError(f"sandbox {live.row.id} is running but its agent does not "
                                 f"answer: {exc}", sandbox_id=live.row.id)
