@@ -10,14 +10,19 @@ warm pool (so a cold create is the baseline of a create from a snapshot).
   the same step logged without, alternating batches, for a step that writes nothing
   (``true``: the previous snapshot is kept, after a syncfs and a counter read) and one that
   writes a small file (a snapshot is taken).
+- a microVM (``$DSEC_BENCH_VM_ACCEL``, default ``tcg``), few rounds: a ``filesystem`` and a
+  ``full`` snapshot, create-to-first-output from a ``full`` snapshot (restored with its
+  processes) against a cold boot, and a ``full`` rollback.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 import shutil
 import time
+from pathlib import Path
 
 from rich.console import Console
 
@@ -28,10 +33,10 @@ from dsec.images.store import ImageStore
 from .bench import BENCH_ROOT, IMAGE, Sample, bench_server, compare, phase
 
 
-async def _timed_snapshot(client: DSecClient, sb: AsyncSandbox) -> float:
+async def _timed_snapshot(client: DSecClient, sb: AsyncSandbox, mode: str = "filesystem") -> float:
     """ms to snapshot ``sb`` (the snapshot is deleted after, untimed)."""
     t0 = time.perf_counter()
-    snap = await sb.snapshot()
+    snap = await sb.snapshot(mode)
     elapsed = (time.perf_counter() - t0) * 1000
     await client.delete_snapshot(snap.id)
     return elapsed
@@ -126,6 +131,51 @@ async def run_state(console: Console, quick: bool = False) -> list[Sample]:
             finally:
                 await parent.stop()
             samples += await checkpoint_series(console, client, 100 if quick else 400)
+        samples += await _vm_series(console, root / "vm", 3 if quick else 10)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    return samples
+
+
+async def _vm_series(console: Console, state: Path, rounds: int) -> list[Sample]:
+    accel = os.environ.get("DSEC_BENCH_VM_ACCEL", "tcg")
+    vm = dict(substrate="microvm", image=IMAGE, memory_mb=256, ttl_s=1800)
+    samples: list[Sample] = []
+    async with bench_server(state, "--warm-pool", "0", "--vm-accel", accel) as created:
+        client = created.client
+        parent = await client.create(**vm)  # type: ignore[arg-type]
+        try:
+            await parent.start(["sh", "-c", "while :; do date > /tmp/now; sleep 0.1; done"])
+            for mode in ("filesystem", "full"):
+                with phase(console, f"microvm ({accel}) {mode} snapshot, {rounds} times"):
+                    taken = Sample(f"microvm ({accel}) {mode} snapshot", [])
+                    for _ in range(rounds):
+                        taken.values_ms.append(await _timed_snapshot(client, parent, mode))
+                    samples.append(taken)
+            snap = await parent.snapshot("full")
+
+            async def first_output(**options: object) -> float:
+                t0 = time.perf_counter()
+                sb = await client.create(**{**vm, **options})  # type: ignore[arg-type]
+                try:
+                    await sb.run("true")
+                    return (time.perf_counter() - t0) * 1000
+                finally:
+                    await sb.stop()
+
+            with phase(console, f"microvm ({accel}) create from a full snapshot vs a cold boot"):
+                samples += await compare(
+                    Sample(f"microvm ({accel}) cold boot: first output", []), first_output,
+                    Sample(f"microvm ({accel}) from a full snapshot: first output", []),
+                    lambda: first_output(snapshot=snap.id), 1, rounds)
+            with phase(console, f"microvm ({accel}) full rollback, {rounds} times"):
+                back = Sample(f"microvm ({accel}) rollback to a full snapshot", [])
+                for _ in range(rounds):
+                    t0 = time.perf_counter()
+                    await parent.rollback(snap)
+                    back.values_ms.append((time.perf_counter() - t0) * 1000)
+                samples.append(back)
+            await client.delete_snapshot(snap.id)
+        finally:
+            await parent.stop()
     return samples

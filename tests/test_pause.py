@@ -131,19 +131,24 @@ def sandbox_cgroup(server: Server, substrate: str, sandbox_id: str) -> tuple[str
 
 async def test_pause_on_each_substrate(client: dsec.DSecClient, server: Server, substrate: str,
                                        shared_vms: SharedVMs) -> None:
-    """Containers, fn workers and VMs (QEMU whole) freeze: no CPU used while paused, even by a
-    busy loop; any call resumes."""
+    """Containers and fn workers freeze: no CPU used while paused, even by a busy loop; VMs
+    are saved to disk and their QEMU exits (tests/test_vm_state.py); any call resumes."""
     async for sb in _any_sandbox(client, substrate, shared_vms, "debian-minbase", 256):
-        if substrate not in VM_SUBSTRATES:  # (the VMs are shared with other tests)
+        if substrate in VM_SUBSTRATES:
+            await sb.pause()
+            assert not [t for t in vm_traces(server, sb.id) if t.startswith("process")]
+            assert (server.state_dir / "vms" / sb.id / "paused.bin").exists()
+        else:
             await sb.start(["sh", "-c", "while :; do :; done"])
-        await sb.pause()
-        parent, name = sandbox_cgroup(server, substrate, sb.id)
-        assert cgroups.is_frozen(parent, name)
-        usage = _cpu_usage(parent, name)
-        await asyncio.sleep(1.0)
-        assert _cpu_usage(parent, name) - usage < 0.005
+            await sb.pause()
+            parent, name = sandbox_cgroup(server, substrate, sb.id)
+            assert cgroups.is_frozen(parent, name)
+            usage = _cpu_usage(parent, name)
+            await asyncio.sleep(1.0)
+            assert _cpu_usage(parent, name) - usage < 0.005
         assert (await sb.run("echo still", timeout_s=60)).stdout == "still\n"
-        assert not cgroups.is_frozen(parent, name)
+        if substrate not in VM_SUBSTRATES:
+            assert not cgroups.is_frozen(parent, name)
         assert (await client.get(sb.id)).info.state == "running"
         if substrate == "fn":  # stopped while paused: the worker and its cgroups go
             await sb.pause()

@@ -74,9 +74,30 @@ async def test_vm_reaches_exactly_what_its_policy_allows(vm_server: Server, dest
             slots.add(slot_of(owner, sb.id))
             assert await fetch(sb, dest.address, PORTS[0]) == f"hello-{PORTS[0]}"
             assert await fetch(sb, dest.address, PORTS[1]) is None
+            await sb.pause()  # saved to disk, QEMU gone: the resumed one is plugged again
+            assert await fetch(sb, dest.address, PORTS[0]) == f"hello-{PORTS[0]}"
+            snap = await sb.snapshot()  # a rollback boots again: plugged and set up again
+            await sb.rollback(snap)
+            assert await fetch(sb, dest.address, PORTS[0]) == f"hello-{PORTS[0]}"
+            assert await fetch(sb, dest.address, PORTS[1]) is None
+            await client.delete_snapshot(snap.id)
+            # A `full` snapshot's child (the parent's eth0 set-up in its memory) is wired in
+            # its own slot, to its own policy.
+            snap = await sb.snapshot(mode="full")
+            child = await client.create(snapshot=snap.id, ttl_s=300,
+                                        network={"allow": [f"{other.address}:{PORTS[0]}"]})
+            try:
+                slots.add(slot_of(owner, child.id))
+                assert slot_of(owner, child.id) != slot_of(owner, sb.id)
+                assert await fetch(child, other.address, PORTS[0]) == f"hello-{PORTS[0]}"
+                assert await fetch(child, dest.address, PORTS[0]) is None
+                assert await fetch(sb, dest.address, PORTS[0]) == f"hello-{PORTS[0]}"
+            finally:
+                await child.stop()
+            await client.delete_snapshot(snap.id)
             # the agent listens on its own link only: over the policy NIC, nothing answers
             # (nor could it: the guest's packets to the host are judged by its policy too)
-            guest = Slot(int(next(iter(slots)).removeprefix("dsec"))).sandbox_address
+            guest = Slot(int(slot_of(owner, sb.id).removeprefix("dsec"))).sandbox_address
             listening = await tcp_listeners(sb, AGENT_PORT)
             assert listening and {"0.0.0.0", guest}.isdisjoint(listening), listening
             with pytest.raises(OSError):

@@ -22,6 +22,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <linux/capability.h>
+#include <linux/random.h>
+#include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/reboot.h>
 #include <sys/syscall.h>
@@ -883,22 +885,49 @@ static void do_claim(struct conn *c, const struct req *r)
 
 /* --token-from DEVICE (a VM guest): the edge's boot message comes over a virtio-serial port
  * whose host end only root on the host can reach (a Unix socket in a 0700 directory), never
- * over the network: "TOKEN HOSTNAME SECONDS NANOSECONDS\n". The agent takes the token as if
- * claimed (so a `C` over TCP is refused), sets the guest's name and clock (a snapshot-restored
- * guest has its template's), answers "OK\n" (or "ERR reason\n" and exits), and closes the port
- * for good. No connection is served before. A read returns 0 while nothing is connected on
- * the host side (a template saved for snapshots waits here; each restore gets its own). */
+ * over the network: "TOKEN HOSTNAME SECONDS NANOSECONDS SEED\n". The agent takes the token as
+ * if claimed (so a `C` over TCP is refused), sets the guest's name and clock (a
+ * snapshot-restored guest has its template's), mixes SEED (64 random bytes of the host, in
+ * hex) into the kernel's random pool and reseeds it (RNDADDENTROPY, RNDRESEEDCRNG), answers
+ * "OK\n" (or "ERR reason\n" and exits). No connection is served before. A read returns 0
+ * while nothing is connected on the host side (a template saved for snapshots waits here;
+ * each restore gets its own).
+ * The port stays open afterwards: a guest restored from a saved state (a `full` snapshot's
+ * child, a rollback, a resume from disk) holds the token, name, clock and random state of
+ * the moment it was saved, so the edge sends a new message, which replaces all four at once:
+ * from then on the old token is refused. SIGIO says the host end connected or sent data. */
 #define BOOT_LINE 512
+#define SEED_BYTES 64
+static int boot_fd = -1, random_fd = -1;
+static char boot_line[BOOT_LINE + 1];
+static size_t boot_len;
+
+static int unhex(const char *hex, unsigned char *out, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (sscanf(hex + 2 * i, "%2hhx", &out[i]) != 1)
+            return -1;
+    return hex[2 * n] ? -1 : 0;
+}
+
 static const char *boot_error(char *line)
 {
-    char got[TOKEN_MAX + 2], host[65];
+    char got[TOKEN_MAX + 2], host[65], seed_hex[2 * SEED_BYTES + 2];
     long long sec;
     long nsec;
     int used = 0;
-    if (sscanf(line, "%257s %64s %lld %ld%n", got, host, &sec, &nsec, &used) != 4 || line[used])
+    struct { struct rand_pool_info info; unsigned char bytes[SEED_BYTES]; } seed;
+    if (sscanf(line, "%257s %64s %lld %ld %129s%n", got, host, &sec, &nsec, seed_hex, &used) != 5
+        || line[used])
         return "malformed boot message";
     if (strlen(got) < TOKEN_MIN || strlen(got) > TOKEN_MAX)
         return "the token must be 16 to 256 bytes";
+    if (unhex(seed_hex, seed.bytes, SEED_BYTES))
+        return "the seed must be 64 bytes in hex";
+    seed.info.entropy_count = SEED_BYTES * 8;
+    seed.info.buf_size = SEED_BYTES;
+    if (ioctl(random_fd, RNDADDENTROPY, &seed) || ioctl(random_fd, RNDRESEEDCRNG))
+        return "reseeding the random pool failed";
     token_len = strlen(got);
     memcpy(token, got, token_len);
     if (sethostname(host, strlen(host)))
@@ -910,7 +939,7 @@ static const char *boot_error(char *line)
 }
 
 /* The guest stops (as PID 1, powered off: a clean console, not a panic) rather than ever
- * serve unclaimed. */
+ * serve unclaimed, or with a token it was not given. */
 static void __attribute__((noreturn)) boot_failed(const char *what, const char *why)
 {
     fprintf(stderr, "dsec-agent: %s: %s\n", what, why);
@@ -919,31 +948,60 @@ static void __attribute__((noreturn)) boot_failed(const char *what, const char *
     exit(1);
 }
 
+/* The port's data can reach the guest before its news that the host end connected, and
+ * until then a non-blocking write fails with EAGAIN: retried for a while. */
+#define BOOT_REPLY_TRIES 5000
+static int boot_reply(const char *reply, int n)
+{
+    for (int i = 0; i < BOOT_REPLY_TRIES; i++) {
+        if (write(boot_fd, reply, n) == n)
+            return 0;
+        if (errno != EAGAIN && errno != EINTR)
+            return -1;
+        usleep(1000);
+    }
+    return -1;
+}
+
+/* Reads what the port has; once a whole line (or too much) came, obeys it and answers.
+ * Returns whether it answered. */
+static int boot_read(void)
+{
+    for (;;) {
+        char *nl = memchr(boot_line, '\n', boot_len);
+        if (nl || boot_len == BOOT_LINE) {
+            const char *err = nl ? (*nl = 0, boot_error(boot_line)) : "boot message too long";
+            char reply[128];
+            int n = snprintf(reply, sizeof reply, err ? "ERR %s\n" : "OK\n", err);
+            boot_len = 0; /* one message per connection: anything after it is dropped */
+            if (boot_reply(reply, n) || err)
+                boot_failed("boot message", err ? err : strerror(errno));
+            return 1;
+        }
+        ssize_t n = read(boot_fd, boot_line + boot_len, BOOT_LINE - boot_len);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0 && errno != EAGAIN)
+            boot_failed("boot port", strerror(errno));
+        if (n <= 0) /* EAGAIN: no more yet; 0: nothing connected on the host side */
+            return 0;
+        boot_len += n;
+    }
+}
+
 static void boot_from(const char *device)
 {
-    char line[BOOT_LINE + 1];
-    size_t len = 0;
-    int fd = open(device, O_RDWR | O_CLOEXEC | O_NOCTTY);
-    if (fd < 0)
+    boot_fd = open(device, O_RDWR | O_CLOEXEC | O_NOCTTY);
+    if (boot_fd < 0)
         boot_failed(device, strerror(errno));
-    while (len < BOOT_LINE && !memchr(line, '\n', len)) {
-        ssize_t n = read(fd, line + len, BOOT_LINE - len);
-        if (n < 0 && errno != EINTR)
-            boot_failed(device, strerror(errno));
-        if (n <= 0) { /* nothing connected on the host side yet */
-            usleep(10000);
-            continue;
-        }
-        len += n;
-    }
-    line[len] = 0;
-    char *nl = strchr(line, '\n');
-    const char *err = nl ? (*nl = 0, boot_error(line)) : "boot message too long";
-    char reply[128];
-    int n = snprintf(reply, sizeof reply, err ? "ERR %s\n" : "OK\n", err);
-    if (write(fd, reply, n) != n || err)
-        boot_failed("boot message", err ? err : strerror(errno));
-    close(fd);
+    random_fd = open("/dev/urandom", O_WRONLY | O_CLOEXEC | O_NOFOLLOW);
+    if (random_fd < 0) /* opened before any command runs: no command can swap it */
+        boot_failed("/dev/urandom", strerror(errno));
+    while (!boot_read())
+        usleep(10000);
+    if (fcntl(boot_fd, F_SETOWN, getpid()) ||
+        fcntl(boot_fd, F_SETFL, fcntl(boot_fd, F_GETFL) | O_NONBLOCK | O_ASYNC))
+        boot_failed("boot port", strerror(errno));
 }
 
 /* Constant time in the token's bytes: a wrong guess says nothing about how close it was. */
@@ -1145,7 +1203,10 @@ static void handle_signals(void)
 {
     struct signalfd_siginfo si;
     while (read(sig_fd, &si, sizeof si) == sizeof si)
-        if (si.ssi_signo != SIGCHLD) { /* SIGTERM/SIGINT: take every process group down */
+        if (si.ssi_signo == SIGIO) { /* the edge restored the guest: a new boot message */
+            if (boot_fd >= 0)
+                boot_read();
+        } else if (si.ssi_signo != SIGCHLD) { /* SIGTERM/SIGINT: take every process group down */
             for (struct proc *p = procs; p; p = p->next)
                 if (p->running)
                     signal_group(p, SIGKILL);
@@ -1287,6 +1348,7 @@ int main(int argc, char **argv)
     sigaddset(&set, SIGCHLD);
     sigaddset(&set, SIGTERM);
     sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGIO);
     sigprocmask(SIG_BLOCK, &set, NULL);
     sig_fd = signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC);
     prctl(PR_SET_CHILD_SUBREAPER, 1); /* when not PID 1, orphans still come back to us */

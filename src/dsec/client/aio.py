@@ -490,14 +490,16 @@ class Sandbox:
             *self._route("rollback", {}), json={"snapshot": snapshot_id}))
         return self.info
 
-    async def fork(self, n: int, *, concurrency: int = 32, keep_snapshot: bool = False,
+    async def fork(self, n: int, *, mode: str = "filesystem", concurrency: int = 32,
+                   keep_snapshot: bool = False,
                    **options: Unpack[CreateOptions]) -> builtins.list[Sandbox | DSecError]:
-        """``n`` new sandboxes starting from this one's file system now (one snapshot, then
-        ``n`` creates from it, ``concurrency`` at a time; ``options`` as for ``create``, the
-        image and disk size are this sandbox's). One entry per child in order: the Sandbox or
-        the typed error that stopped it. The snapshot is deleted afterwards unless
-        ``keep_snapshot``."""
-        snap = await self.snapshot()
+        """``n`` new sandboxes starting from this one's file system now (``mode="full"``, VMs:
+        its memory and processes too): one snapshot, then ``n`` creates from it,
+        ``concurrency`` at a time; ``options`` as for ``create``, the image and disk size
+        (and for ``full`` the memory and cpu) are this sandbox's. One entry per child in
+        order: the Sandbox or the typed error that stopped it. The snapshot is deleted
+        afterwards unless ``keep_snapshot``."""
+        snap = await self.snapshot(mode)
         gate = asyncio.Semaphore(concurrency)
         fields = {**options, "snapshot": snap.id, "substrate": self.info.substrate,
                   "image": self.info.image}

@@ -278,11 +278,13 @@ class Sandbox:
         """This sandbox back at one of its own snapshots (see ``AsyncSandbox.rollback``)."""
         return self._loop.call(self._async.rollback(snapshot))
 
-    def fork(self, n: int, *, concurrency: int = 32, keep_snapshot: bool = False,
+    def fork(self, n: int, *, mode: str = "filesystem", concurrency: int = 32,
+             keep_snapshot: bool = False,
              **options: Unpack[CreateOptions]) -> builtins.list[Sandbox | DSecError]:
-        """``n`` new sandboxes starting from this one's file system now: one entry per child
-        in order, the Sandbox or the typed error that stopped it (see ``AsyncSandbox.fork``)."""
-        made = self._loop.call(self._async.fork(n, concurrency=concurrency,
+        """``n`` new sandboxes starting from this one's file system now (``mode="full"``: and
+        its processes): one entry per child in order, the Sandbox or the typed error that
+        stopped it (see ``AsyncSandbox.fork``)."""
+        made = self._loop.call(self._async.fork(n, mode=mode, concurrency=concurrency,
                                                 keep_snapshot=keep_snapshot, **options))
         return [Sandbox(self._loop, s) if isinstance(s, aio.Sandbox) else s for s in made]
 

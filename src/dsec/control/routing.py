@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from ..edge.edge import Edge, snapshot_info
+from ..edge.edge import Edge, restored_machine, snapshot_info
 from ..protocol.errors import (
     CapacityExhausted,
     NotSupported,
@@ -101,7 +101,11 @@ class Router:
         return await self.idempotency.create(key, kind, req, make)
 
     async def place(self, req: CreateRequest) -> SandboxInfo:
-        """Start a sandbox on an edge that takes it, once the caller's project quota admits it."""
+        """Start a sandbox on an edge that takes it, once the caller's project quota admits it
+        (a `full` snapshot's child with its parent's memory and cpu, which it will have)."""
+        if req.snapshot is not None:
+            snap = self.visible_snapshot(req.snapshot)
+            req = req.model_copy(update=restored_machine(self._snapshots(), snap))
         if self.access is not None:
             return await self.access.admit(req, self._place)
         return await self._place(req)
@@ -114,11 +118,14 @@ class Router:
     async def _place_from_snapshot(self, req: CreateRequest, snap: SnapshotRow) -> SandboxInfo:
         """On the snapshot's own edge, where its file is, if that edge is alive and has room;
         else on any edge serving its substrate and image (which fetches the snapshot's
-        exported copy, or says it cannot reach it)."""
+        exported copy, or says it cannot reach it). A `full` snapshot's saved memory is not
+        exported: it starts on its own edge or not at all."""
         req = req.model_copy(update={"substrate": snap.substrate, "image": snap.image})
         try:
             return await self.directory.owner(snap.sandbox_id).create(req)
         except (CapacityExhausted, SandboxDied, SandboxNotFound) as exc:
+            if snap.mode == "full":
+                raise
             log.info("snapshot %s: its edge cannot start it (%s); placing elsewhere",
                      snap.id, exc.code)
         return await self.directory.place(req.substrate, req.image, lambda edge: edge.create(req))
@@ -157,7 +164,8 @@ class Router:
     async def snapshot(self, sandbox_id: str, mode: str = "filesystem",
                        previous: str | None = None, ttl_s: int | None = None) -> Snapshot:
         """A snapshot of a sandbox the caller may see, held against its project's snapshot
-        room (``Projects.admit_snapshot``) at its disk size: the most its image can hold,
+        room (``Projects.admit_snapshot``) at its disk size (and memory size for a `full`
+        one): the most its files can hold,
         known before a byte is copied and the same wherever the image lives (a reflinked
         copy's allocated blocks count extents it shares). ``previous`` must be a snapshot
         the caller may see; answered again (nothing written since), it holds nothing more."""
@@ -169,8 +177,9 @@ class Router:
             return await edge.snapshot(sandbox_id, mode, previous, ttl_s)
         if self.access is None:
             return await take()
-        disk_mb = int(edge.get_row(sandbox_id).request["disk_mb"])
-        return await self.access.admit_snapshot(sandbox_id, disk_mb << 20, take)
+        request = edge.get_row(sandbox_id).request
+        size_mb = int(request["disk_mb"]) + (int(request["memory_mb"]) if mode == "full" else 0)
+        return await self.access.admit_snapshot(sandbox_id, size_mb << 20, take)
 
     def snapshots(self) -> builtins.list[Snapshot]:
         """The snapshots the caller's key may see."""

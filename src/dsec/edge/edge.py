@@ -69,7 +69,8 @@ T = TypeVar("T")
 BASE_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
             "HOME": "/root", "LANG": "C.UTF-8"}
 ARCHIVE_LIMIT = 1 << 30
-SNAPSHOT_DISK = "disk.img"  # a filesystem snapshot's one file, in <state>/snapshots/<id>/
+SNAPSHOT_DISK = "disk.img"  # a snapshot's disk (or packed trees), in <state>/snapshots/<id>/
+SNAPSHOT_MEMORY = "memory.bin"  # and a `full` snapshot's saved memory and devices (VMs)
 EXPORT_WAIT_S = 60.0  # how long a create elsewhere waits for a snapshot's export to finish
 FETCHED_SWEEP_S = 10.0  # how often an edge drops its copies of snapshots deleted elsewhere
 AGENT_DEATH_GRACE_S = 5.0  # how long a dying sandbox may take to be seen dead (see _still_alive)
@@ -222,13 +223,14 @@ class Edge:
 
     async def _create(self, req: CreateRequest) -> tuple[SandboxInfo, bool]:
         """The sandbox, and whether it came from the warm pool."""
-        snap, disk_from = None, None
+        snap, disk_from, memory_from = None, None, None
         if req.snapshot is not None:  # its image, substrate and disk size are the snapshot's
             snap = self.store.get_snapshot(req.snapshot)  # any edge's: fetched if not here
             if snap is None or snap.expired(time.time()):
                 raise SnapshotNotFound(f"no snapshot {req.snapshot!r}", snapshot=req.snapshot)
             req = req.model_copy(update={"image": snap.image, "substrate": snap.substrate,
-                                         "disk_mb": snap.disk_mb})
+                                         "disk_mb": snap.disk_mb,
+                                         **restored_machine(self.store, snap)})
         substrate = self.substrates.get(req.substrate)
         if substrate is None:
             raise NotSupported(f"substrate {req.substrate!r} is not served by edge {self.id}",
@@ -246,12 +248,14 @@ class Edge:
                                    snapshot=snap.id)
             if snap is not None:
                 disk_from = await self._snapshot_file(snap)
+                memory_from = self._snapshot_files(snap)[1]
             image_env = dict(kv.partition("=")[::2] for kv in image.config.env)
             req = req.model_copy(update={"env": {**BASE_ENV, **image_env, **req.env}})
             pool = self.pools.get(req.substrate)
             pooled = (pool.take(image) if pool and pool.fits(req) and disk_from is None
                       else None)
-            plan = StartPlan("", req, image, disk_from=disk_from)  # the id is _start's
+            plan = StartPlan("", req, image, disk_from=disk_from,  # the id is _start's
+                             memory_from=memory_from)
             try:
                 row = await (self._claim(substrate, req, pooled, egress) if pooled
                              else self._start(substrate, plan, egress))
@@ -339,6 +343,11 @@ class Edge:
     def _snapshot_dir(self, snapshot_id: str) -> Path:
         return self.config.state_dir / "snapshots" / snapshot_id
 
+    def _snapshot_files(self, snap: SnapshotRow) -> tuple[Path, Path | None]:
+        """The snapshot's disk on this node, and its saved memory if it is a `full` one."""
+        d = self._snapshot_dir(snap.id)
+        return d / SNAPSHOT_DISK, d / SNAPSHOT_MEMORY if snap.mode == "full" else None
+
     def _recorded(self, snapshot_id: str) -> bool:
         return self.store.get_snapshot(snapshot_id) is not None
 
@@ -350,34 +359,38 @@ class Edge:
 
     async def snapshot(self, sandbox_id: str, mode: str = "filesystem",
                        previous: str | None = None, ttl_s: int | None = None) -> Snapshot:
-        """A copy of the sandbox's writable layer, kept until deleted, or until ``ttl_s``
-        seconds pass (then the reaper deletes it); it outlives the sandbox and restarts.
-        ``create(snapshot=...)`` starts sandboxes from it. A paused sandbox is resumed first
-        (its file system cannot be frozen under frozen writers). With ``previous`` (one of
-        this sandbox's snapshots): that snapshot, if nothing has been written to the disk
-        since it was taken (a trajectory's checkpoints)."""
+        """A copy of the sandbox's writable layer (``full``: and of its memory and devices),
+        kept until deleted, or until ``ttl_s`` seconds pass (then the reaper deletes it); it
+        outlives the sandbox and restarts. ``create(snapshot=...)`` starts sandboxes from it.
+        A paused sandbox is resumed first (its file system cannot be frozen under frozen
+        writers). With ``previous`` (one of this sandbox's snapshots): that snapshot, if
+        nothing has been written to the disk since it was taken (a trajectory's checkpoints;
+        `filesystem` ones only)."""
         live = await self._awake(sandbox_id)
-        if mode != "filesystem":
-            raise NotSupported("'full' snapshots (memory and processes too) are not supported "
-                               "yet; take mode='filesystem'", mode=mode)
-        if previous is not None:
+        if previous is not None and mode == "filesystem":
             unchanged = await self._unchanged_since(live, previous)
             if unchanged is not None:
                 return snapshot_info(unchanged)
         snap_id = f"sn-{self.id}-{secrets.token_hex(6)}"
         d = self._snapshot_dir(snap_id)
         d.mkdir(parents=True)
+        d.chmod(0o700)  # a saved VM's memory holds its agent's token: root's alone
         try:
             try:
-                async with live.snapshotting:  # a second FIFREEZE of a frozen disk is EBUSY
-                    count = await live.substrate.snapshot_disk(sandbox_id, live.row.runtime,
-                                                               d / SNAPSHOT_DISK)
+                async with live.snapshotting:  # one freeze of its disk at a time
+                    if mode == "full":
+                        await live.substrate.snapshot_full(sandbox_id, live.row.runtime,
+                                                           d / SNAPSHOT_DISK, d / SNAPSHOT_MEMORY)
+                        count = None
+                    else:
+                        count = await live.substrate.snapshot_disk(sandbox_id, live.row.runtime,
+                                                                   d / SNAPSHOT_DISK)
             except OSError as exc:
                 raise SandboxError(f"could not snapshot sandbox {sandbox_id}: {exc}",
                                    sandbox_id=sandbox_id) from exc
             row = SnapshotRow(snap_id, self.id, sandbox_id, live.row.substrate, live.row.image,
                               live.row.image_digest, mode, live.row.request["disk_mb"],
-                              allocated_bytes(d / SNAPSHOT_DISK), time.time())
+                              sum(allocated_bytes(f) for f in d.iterdir()), time.time())
             if ttl_s is not None:
                 row.expires_at = row.created_at + ttl_s
             self.store.insert_snapshot(row)
@@ -386,7 +399,7 @@ class Edge:
             raise
         live.last_snapshot = None if count is None else (snap_id, count)
         self.store.event("snapshot", sandbox_id, snapshot=snap_id, size_bytes=row.size_bytes)
-        if self.shared is not None:
+        if self.shared is not None and mode == "filesystem":  # a `full` one stays on its node
             self._background(self._export(row, self.shared))
         return snapshot_info(row)
 
@@ -431,6 +444,10 @@ class Edge:
         local = self._snapshot_dir(snap.id) / SNAPSHOT_DISK
         if snap.edge == self.id or local.exists():
             return local
+        if snap.mode == "full":
+            raise SnapshotNotFound(f"snapshot {snap.id} is a `full` one on the node of edge "
+                                   f"{snap.edge}: its saved memory is not shared between nodes",
+                                   snapshot=snap.id)
         if self.shared is None:
             raise SnapshotNotFound(f"snapshot {snap.id} is on the node of edge {snap.edge}, and "
                                    "this server shares no snapshots between nodes "
@@ -464,20 +481,24 @@ class Edge:
         return export
 
     async def rollback(self, sandbox_id: str, snapshot: str) -> SandboxInfo:
-        """The sandbox back at one of its own snapshots: same id, processes fresh. A failed
-        rollback leaves no half-restored sandbox: it is stopped (died, with the cause)."""
+        """The sandbox back at one of its own snapshots: same id, processes fresh (a `full`
+        snapshot's: as they were). A failed rollback leaves no half-restored sandbox: it is
+        stopped (died, with the cause)."""
         live = await self._awake(sandbox_id)
         snap = self._snapshot_row(snapshot)
         if snap.sandbox_id != sandbox_id:
             raise InvalidRequest(f"snapshot {snapshot} is of another sandbox; a rollback takes "
                                  "the sandbox's own (create(snapshot=...) starts a new one)",
                                  snapshot=snapshot, sandbox_id=sandbox_id)
-        if live.row.request.get("network", "none") != "none":
-            raise NotSupported("rollback of a sandbox with a network policy is not supported "
-                               "yet (its wiring is its init's network namespace)")
+        network = live.row.request.get("network", "none")
+        if network != "none" and not live.substrate.rollback_keeps_network:
+            raise NotSupported(f"rollback of a {live.row.substrate} sandbox with a network "
+                               "policy is not supported yet (its wiring is its init's network "
+                               "namespace)")
+        disk_from, memory_from = self._snapshot_files(snap)
         plan = StartPlan(sandbox_id, CreateRequest.model_validate(live.row.request),
-                         self.images.get(live.row.image),
-                         disk_from=self._snapshot_dir(snapshot) / SNAPSHOT_DISK)
+                         self.images.get(live.row.image), disk_from=disk_from,
+                         memory_from=memory_from)
         if plan.image.digest != live.row.image_digest:
             raise NotSupported(f"image {live.row.image} has been rebuilt since the sandbox "
                                "started: its layers are gone from under the snapshot")
@@ -489,13 +510,21 @@ class Edge:
             raise
         finally:
             live.rolling_back = False
-        live.row.runtime = runtime
+        self._restarted(live, runtime)
         live.last_snapshot = None  # a new disk (and loop device): counts start afresh
-        live.agent = live.substrate.agent(sandbox_id, runtime)
-        self.store.mark_running(sandbox_id, runtime, live.row.expires_at)
-        live.substrate.watch(sandbox_id, runtime, lambda: self._exited(sandbox_id))
+        if network != "none":  # the wiring was kept; the snapshot's /etc/hosts needs its pins
+            await self._apply_network(live.substrate, sandbox_id, runtime,
+                                      await self._egress(live.substrate, plan.request.network))
         self.store.event("rollback", sandbox_id, snapshot=snapshot)
         return self.info(live.row)
+
+    def _restarted(self, live: Live, runtime: dict[str, Any]) -> None:
+        """The substrate restarted the sandbox's process (rollback, a VM's resume): its new
+        runtime facts recorded, its agent reached and its exit watched through them."""
+        live.row.runtime = runtime
+        live.agent = live.substrate.agent(live.row.id, runtime)
+        self.store.set_runtime(live.row.id, runtime)
+        live.substrate.watch(live.row.id, runtime, lambda: self._exited(live.row.id))
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         """Forget the snapshot, then remove its files here and its exported copy (a create
@@ -520,9 +549,10 @@ class Edge:
 
     # pause / resume
     async def pause(self, sandbox_id: str) -> SandboxInfo:
-        """Freeze every process of the sandbox; a no-op if it is paused. Recorded paused
-        before the freeze and running after the thaw, so a crash in between never leaves a
-        frozen sandbox recorded running (whose calls would hang)."""
+        """Freeze every process of the sandbox (a VM: saved to disk, its QEMU gone); a no-op
+        if it is paused. Recorded paused before the freeze and running after the thaw, so a
+        crash in between never leaves a frozen sandbox recorded running (whose calls would
+        hang)."""
         live = self._get(sandbox_id)
         async with live.pausing:
             if live.row.state != "paused":
@@ -553,13 +583,15 @@ class Edge:
 
     async def _freeze(self, live: Live, frozen: bool) -> None:
         try:
-            await live.substrate.set_paused(live.row.id, live.row.runtime, frozen)
+            runtime = await live.substrate.set_paused(live.row.id, live.row.runtime, frozen)
         except FileNotFoundError as exc:  # its cgroup is gone: the sandbox died meanwhile
             raise await self._agent_failed(live, exc) from None
         except TimeoutError as exc:
             raise SandboxError(f"sandbox {live.row.id} could not be "
                                f"{'paused' if frozen else 'resumed'}: {exc}",
                                sandbox_id=live.row.id) from None
+        if runtime != live.row.runtime:  # a VM saved to disk, or restarted from it
+            self._restarted(live, runtime)
 
     def _set_state(self, live: Live, state: str) -> None:
         live.row.state = state
@@ -673,6 +705,10 @@ class Edge:
         if live.rolling_back:
             return SandboxError(f"sandbox {live.row.id} was rolled back during the call: its "
                                 "processes were killed", sandbox_id=live.row.id)
+        if live.row.state == "paused":  # a VM saved to disk: QEMU, and the call's link, gone
+            return SandboxError(f"sandbox {live.row.id} was paused during the call: its "
+                                "connection was cut (its processes go on when it resumes)",
+                                sandbox_id=live.row.id)
         if await self._still_alive(live):
             return SandboxError(f"sandbox {live.row.id} is running but its agent does not "
                                 f"answer: {exc}", sandbox_id=live.row.id)
@@ -861,6 +897,18 @@ def sandbox_info(row: SandboxRow) -> SandboxInfo:
                        memory_mb=req["memory_mb"], labels=req.get("labels", {}),
                        reason=row.reason, trajectory=req.get("trajectory"),
                        network=req.get("network", "none"))
+
+
+def restored_machine(store: StateStore, snap: SnapshotRow) -> dict[str, Any]:
+    """What a sandbox made from a `full` snapshot must have as its parent had: the saved
+    memory and CPUs are the parent's machine, whatever the request asked (nothing for a
+    `filesystem` one). The router admits the create against a project's quota with these."""
+    if snap.mode != "full":
+        return {}
+    parent = store.get_sandbox(snap.sandbox_id)
+    if parent is None:
+        raise SnapshotNotFound(f"snapshot {snap.id}'s sandbox record is gone", snapshot=snap.id)
+    return {"memory_mb": parent.request["memory_mb"], "cpu": parent.request["cpu"]}
 
 
 def snapshot_info(row: SnapshotRow) -> Snapshot:

@@ -29,6 +29,10 @@ class WiredSandboxes:
     def ids(self) -> set[str]:
         return set(self._slots)
 
+    def slot(self, sandbox_id: str) -> Slot | None:
+        """The sandbox's slot while it has a policy."""
+        return self._slots.get(sandbox_id)
+
     async def run(self, work: Callable[..., T], *args: object) -> T:
         """Blocking wiring work, off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._io, work, *args)

@@ -181,7 +181,8 @@ MAX_SNAPSHOT_TTL_S = 365 * 86400
 
 class SnapshotRequest(_Request):
     mode: SnapshotMode = Field("filesystem", description="'filesystem': the writable layer "
-                               "(processes start fresh from it); 'full' (with memory): not yet")
+                               "(processes start fresh from it); 'full': memory and processes "
+                               "too (microvm and vm sandboxes)")
     previous: str | None = Field(None, max_length=64, pattern=SNAPSHOT_ID,
                                  description="a snapshot of this sandbox: if nothing was "
                                              "written to its disk since, it is the answer "

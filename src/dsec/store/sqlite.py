@@ -152,6 +152,11 @@ class StateStore:
         self._db.execute("UPDATE sandboxes SET state='running', runtime=?, expires_at=? WHERE id=?",
                          (json.dumps(runtime), expires_at, sandbox_id))
 
+    def set_runtime(self, sandbox_id: str, runtime: dict[str, Any]) -> None:
+        """A live sandbox's runtime facts after its substrate restarted it (a VM's resume)."""
+        self._db.execute("UPDATE sandboxes SET runtime=? WHERE id=?",
+                         (json.dumps(runtime), sandbox_id))
+
     def mark_ended(self, sandbox_id: str, state: str, reason: str) -> None:
         """Record the end of a sandbox once; the first recorded reason wins."""
         self._db.execute(

@@ -27,6 +27,7 @@ class StartPlan:
     image: Image
     warm: bool = False  # for the warm pool: start at idle priority, to be claimed later
     disk_from: Path | None = None  # a snapshot's file to start from (snapshot_disk's output)
+    memory_from: Path | None = None  # a `full` snapshot's saved memory and devices, with disk_from
 
 
 class Substrate(ABC):
@@ -34,6 +35,9 @@ class Substrate(ABC):
     # Whether ``set_network`` can enforce an egress policy; the edge refuses a policy for a
     # substrate that cannot, before starting anything.
     network_policies: bool = False
+    # Whether ``rollback`` keeps the sandbox's network wiring (plugged again into the restarted
+    # sandbox); the edge refuses a rollback of a sandbox with a policy otherwise.
+    rollback_keeps_network: bool = False
 
     async def prepare(self) -> None:  # noqa: B027 (optional hook: nothing to do by default)
         """One-time host preparation when the edge starts."""
@@ -94,14 +98,25 @@ class Substrate(ABC):
         is the snapshot's. None where the substrate cannot tell (a snapshot is then taken)."""
         return None
 
+    async def snapshot_full(self, sandbox_id: str, runtime: dict[str, Any], disk: Path,
+                            memory: Path) -> None:
+        """Write the running sandbox's writable layer to ``disk`` and its memory, devices and
+        processes to ``memory`` (new files), of one instant; ``start`` with both
+        (``StartPlan.disk_from``, ``memory_from``) continues another from that instant."""
+        raise NotSupported(f"'full' snapshots (memory and processes) of {self.name} sandboxes "
+                           "are not supported; take mode='filesystem'")
+
     async def rollback(self, plan: StartPlan, runtime: dict[str, Any]) -> dict[str, Any]:
         """Restart the running sandbox ``plan.sandbox_id`` from ``plan.disk_from`` (its own
-        snapshot): processes fresh, the same id and agent token; its new runtime dict."""
+        snapshot; with ``plan.memory_from`` its processes too, else fresh): the same id and
+        agent token; its new runtime dict."""
         raise NotSupported(f"rollback of {self.name} sandboxes is not supported yet")
 
-    async def set_paused(self, sandbox_id: str, runtime: dict[str, Any], paused: bool) -> None:
-        """Freeze the whole sandbox so it uses no CPU (``paused``), or let it run again; both
-        idempotent, and a paused sandbox is still ``alive``. ``destroy`` works on a paused one."""
+    async def set_paused(self, sandbox_id: str, runtime: dict[str, Any],
+                         paused: bool) -> dict[str, Any]:
+        """Stop the whole sandbox so it uses no CPU (``paused``), or let it run again; both
+        idempotent, and a paused sandbox is still ``alive``. ``destroy`` works on a paused one.
+        Its runtime dict: the same, or a new one if the substrate restarted its process."""
         raise NotSupported(f"the {self.name} substrate cannot pause a sandbox yet")
 
     @abstractmethod

@@ -32,7 +32,7 @@ from ...network.wiring import Slot
 from ...protocol.errors import NotSupported, SandboxError
 from ...protocol.models import DEFAULT_DISK_MB, CreateRequest
 from ..base import StartPlan, Substrate
-from ..host import cgroups, disk_writes, spawn
+from ..host import cgroups, criu, disk_writes, spawn
 from ..host.disk import DiskPool, loop_mount, release
 from ..host.image_copy import copy_image
 from ..host.oci_spec import container_config
@@ -301,11 +301,20 @@ class ContainerSubstrate(Substrate):
     def oom_kills(self, sandbox_id: str, runtime: dict[str, Any]) -> int:
         return cgroups.oom_kills(self.cgroup_parent, sandbox_id)
 
-    async def set_paused(self, sandbox_id: str, runtime: dict[str, Any], paused: bool) -> None:
+    async def set_paused(self, sandbox_id: str, runtime: dict[str, Any],
+                         paused: bool) -> dict[str, Any]:
         """The cgroup freezer, written directly (``crun pause`` does the same write, plus a
         fork and its state files). Under gVisor it freezes the sentry with the sandbox."""
         await asyncio.get_running_loop().run_in_executor(
             self._io, cgroups.set_frozen, self.cgroup_parent, sandbox_id, paused)
+        return runtime
+
+    async def snapshot_full(self, sandbox_id: str, runtime: dict[str, Any], disk: Path,
+                            memory: Path) -> None:
+        why = await asyncio.to_thread(criu.why_not)
+        raise NotSupported("'full' snapshots of container sandboxes (memory and processes) "
+                           f"need process checkpointing with CRIU, which this host cannot do: "
+                           f"{why}; take mode='filesystem', or a microvm/vm sandbox")
 
     async def destroy(self, sandbox_id: str) -> None:
         d = self._dir(sandbox_id)

@@ -349,10 +349,12 @@ class FnSubstrate(Substrate):
     def oom_kills(self, sandbox_id: str, runtime: dict[str, Any]) -> int:
         return cgroups.oom_kills(self._cgroup_of(runtime["template"]), runtime["worker"])
 
-    async def set_paused(self, sandbox_id: str, runtime: dict[str, Any], paused: bool) -> None:
+    async def set_paused(self, sandbox_id: str, runtime: dict[str, Any],
+                         paused: bool) -> dict[str, Any]:
         """The worker's freezer cgroup, as a container's: the agent and everything it started."""
         await asyncio.to_thread(cgroups.set_frozen, self._cgroup_of(runtime["template"]),
                                 runtime["worker"], paused)
+        return runtime
 
     async def destroy(self, sandbox_id: str) -> None:
         worker = self._sandboxes.pop(sandbox_id, None)

@@ -17,6 +17,18 @@ which only root can enter (``_boot_agent``); the agent serves nothing before, an
 every request without the token after. Nothing secret is in QEMU's argv or environment.
 A snapshot template is saved with its agent still waiting for that message, so each restore
 gets its own token.
+State (snapshots, rollback, pause): a ``filesystem`` snapshot runs ``sync`` in the guest
+(dsec's busybox, through the agent: the guest's page cache reaches its disk), stops QEMU's
+CPUs (QMP ``stop``: QEMU flushes its writes to ``disk.ext4``), copies the disk
+(``host/image_copy.py``) and continues. A ``full`` snapshot saves the whole VM
+(``vmsnapshot.save``: memory and devices) beside the disk copy. A sandbox made from either
+starts on a copy of the disk (booting, or ``-incoming`` from the saved state), and its agent
+gets its own token, name, clock and random seed over the boot port, which the agent keeps
+open for exactly that (a restored guest holds the saved one's until then). A rollback kills
+QEMU and starts it again the same way, under the same id and token. A pause saves the VM to
+``paused.bin`` and lets QEMU exit (its memory goes back to the host); a resume (any call)
+starts QEMU on it. QEMU's command line is kept in ``qemu.json`` for these restarts (with
+``@PORT@`` for the agent's port, chosen anew each time).
 Network policies use a second NIC, connected to the host only while a policy is set
 (``substrates/vm/vmnet.py``); QEMU's QMP socket, ``qmp.sock``, is how it is plugged in and out.
 Acceleration is KVM, or TCG (full emulation: slower, still a hardware-level VM boundary) by
@@ -28,17 +40,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import math
 import os
 import secrets
+import select
 import shutil
 import socket
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ...agent.client import AgentClient
+from ...agent.client import AgentClient, AgentUnavailable
+from ...agent.tools import BUSYBOX
 from ...network.policy import Egress
 from ...network.wired import WiredSandboxes
 from ...network.wiring import Slot
@@ -46,6 +61,7 @@ from ...protocol.errors import InvalidRequest, NotSupported, SandboxError
 from ...protocol.models import CreateRequest
 from ..base import StartPlan, Substrate
 from ..host import cgroups, spawn
+from ..host.image_copy import copy_image
 from ..host.pidwatch import PidWatch
 from ..host.spawn import Spawned
 from . import vmnet, vmsnapshot
@@ -60,6 +76,12 @@ PORT_ATTEMPTS = 5  # a freshly chosen free port can be taken before QEMU binds i
 BOOT_SOCKET = "boot.sock"  # QEMU's end of the guest's boot port (guest.BOOT_PORT)
 HOSTNAME_MAX = 64  # the kernel's limit
 MIN_MEMORY_MB = 128  # the guest kernel and its initramfs do not boot in less
+SEED_BYTES = 64  # random bytes for the guest's pool in each boot message (agent.c SEED_BYTES)
+DISK = "disk.ext4"  # the writable disk, raw
+ARGV_FILE = "qemu.json"  # QEMU's command line, for restarts (rollback, resume)
+PAUSED_STATE = "paused.bin"  # a paused VM, saved
+PORT = "@PORT@"  # in ARGV_FILE: the agent's host port, chosen at each launch
+EXIT_TIMEOUT_S = 10.0
 
 
 class QemuSubstrate(Substrate):
@@ -71,6 +93,7 @@ class QemuSubstrate(Substrate):
     serial_device: str  # the virtio-serial controller that carries the boot port
     pvh: bool  # enter the uncompressed kernel directly instead of through firmware
     network_policies = True
+    rollback_keeps_network = True  # the host's tap outlives QEMU: plugged again on restart
 
     def __init__(self, state_dir: Path, edge_id: str, accel: str = "kvm",
                  kvm_device: Path = Path("/dev/kvm"), snapshots: bool = False) -> None:
@@ -125,40 +148,61 @@ class QemuSubstrate(Substrate):
 
     async def _start(self, plan: StartPlan, boot: GuestBoot, d: Path) -> dict[str, Any]:
         d.mkdir(mode=0o700)  # QEMU's sockets in it (QMP, the boot port) are root's alone
-        if self.snapshots:
+        incoming = plan.memory_from
+        if plan.disk_from is not None:  # a snapshot's: a copy of its disk (and its saved state)
+            await asyncio.to_thread(copy_image, plan.disk_from, d / DISK)
+            disk = (d / DISK, "raw")
+        elif self.snapshots:
             template = await self._template(plan, boot, d)
             await vmsnapshot.overlay(template, d / "disk.qcow2")
-            disk, extra = (d / "disk.qcow2", "qcow2"), ["-incoming", f"exec:cat {template / 'state.bin'}"]
+            disk, incoming = (d / "disk.qcow2", "qcow2"), template / "state.bin"
         else:
-            await _mkfs(d / "disk.ext4", plan.request.disk_mb)
-            disk, extra = (d / "disk.ext4", "raw"), []
-        pid, port = await self._launch(plan, boot, d, disk, extra)
+            await _mkfs(d / DISK, plan.request.disk_mb)
+            disk = (d / DISK, "raw")
+        (d / ARGV_FILE).write_text(json.dumps(self._argv(plan, boot, d, PORT, disk)))
+        return await self._bring_up(plan.sandbox_id, d, secrets.token_hex(32), incoming,
+                                    plan.request, plan.warm)
+
+    async def _bring_up(self, sandbox_id: str, d: Path, token: str, incoming: Path | None,
+                        limits: CreateRequest | None = None, warm: bool = False) -> dict[str, Any]:
+        """Launch QEMU from ``d``'s command line (booting, or loading the saved state
+        ``incoming``), put it in the sandbox's cgroups (``limits`` set on them, when given)
+        and give its agent ``token``; the runtime dict."""
+        argv = json.loads((d / ARGV_FILE).read_text())
+        extra = vmsnapshot.incoming(incoming) if incoming is not None else []
+        pid, port = await self._launch(argv, d, extra, warm)
         try:
-            self._pids.adopt(plan.sandbox_id, pid)
-            cgroups.create_for_process(self.cgroup_parent, plan.sandbox_id, pid)
+            self._pids.adopt(sandbox_id, pid)
+            cgroups.create_for_process(self.cgroup_parent, sandbox_id, pid)
         except ProcessLookupError:  # adopt: QEMU exited already
             raise self._stopped_booting(d) from None
         except OSError as exc:  # the cgroup refuses a pid that exited
-            if self._pids.alive(plan.sandbox_id, pid):
+            if self._pids.alive(sandbox_id, pid):
                 raise
             raise self._stopped_booting(d) from exc
-        self._set_limits(plan.sandbox_id, plan.request)
-        if self.snapshots:
+        if limits is not None:
+            self._set_limits(sandbox_id, limits)
+        alive = functools.partial(self._pids.alive, sandbox_id, pid)
+        if incoming is not None:  # a restored agent listens already
             await vmsnapshot.resume(d / "qmp.sock")
-        alive = functools.partial(self._pids.alive, plan.sandbox_id, pid)
-        if not self.snapshots:  # a restored agent listens already: it was saved waiting
+        else:
             await self._wait_until_listening(alive, d)
-        token = secrets.token_hex(32)
-        await self._boot_agent(alive, d, token, plan.sandbox_id)
-        return {"pid": pid, "port": port, "accel": self.accel, "token": token}
+        await self._boot_agent(alive, d, token, sandbox_id)
+        runtime = {"pid": pid, "port": port, "accel": self.accel, "token": token}
+        slot = self.network.slot(sandbox_id)
+        if slot is not None:  # restarted with a policy (resume, rollback): its tap plugged again
+            await vmnet.plug(d / "qmp.sock", slot)
+            if incoming is None:  # a fresh boot's eth0 is bare; a restored one kept its set-up
+                await vmnet.configure_guest(self.agent(sandbox_id, runtime), slot)
+        return runtime
 
-    async def _launch(self, plan: StartPlan, boot: GuestBoot, d: Path, disk: tuple[Path, str],
-                      extra: list[str]) -> tuple[int, int]:
+    async def _launch(self, argv: list[str], d: Path, extra: list[str],
+                      warm: bool = False) -> tuple[int, int]:
         """Start QEMU (it daemonizes once set up); its pid and the host port of the agent."""
         for _ in range(PORT_ATTEMPTS):
             port = _free_port()
-            qemu = Spawned([*self._argv(plan, boot, d, port, disk), *extra], capture_stdout=False,
-                           stderr=d / "qemu.log", idle_priority=plan.warm)
+            qemu = Spawned([*(a.replace(PORT, str(port)) for a in argv), *extra],
+                           capture_stdout=False, stderr=d / "qemu.log", idle_priority=warm)
             code = await qemu.wait()
             log = (d / "qemu.log").read_text(errors="replace").strip()
             if code == 0 or "host forwarding rule" not in log:
@@ -183,8 +227,9 @@ class QemuSubstrate(Substrate):
                 return target
             scratch = vmsnapshot.scratch_for(target)
             try:
-                await _mkfs(scratch / "disk.ext4", req.disk_mb)
-                pid, _ = await self._launch(plan, boot, scratch, (scratch / "disk.ext4", "raw"), [])
+                await _mkfs(scratch / DISK, req.disk_mb)
+                argv = self._argv(plan, boot, scratch, PORT, (scratch / DISK, "raw"))
+                pid, _ = await self._launch(argv, scratch, [])
                 (d / "template.pid").write_text(str(pid))
                 try:  # saved unclaimed: its agent waits for a boot message, one per restore
                     await self._wait_until_listening(lambda: _is_our_qemu(pid, plan.sandbox_id), scratch)
@@ -198,7 +243,7 @@ class QemuSubstrate(Substrate):
                 raise
         return target
 
-    def _argv(self, plan: StartPlan, boot: GuestBoot, d: Path, port: int,
+    def _argv(self, plan: StartPlan, boot: GuestBoot, d: Path, port: str,
               disk: tuple[Path, str]) -> list[str]:
         req, layers = plan.request, plan.image.layers
         if any(layer.format != "erofs" for layer in layers):
@@ -239,12 +284,14 @@ class QemuSubstrate(Substrate):
             await asyncio.sleep(0.02)
 
     async def _boot_agent(self, alive: Callable[[], bool], d: Path, token: str, hostname: str) -> None:
-        """Claim the agent out of band: its token, the guest's name and the time, over the
-        guest's boot port (a virtio-serial port whose host end only root can open). The
-        agent serves nothing before it has them, and answers ``OK`` or ``ERR reason`` (and
-        then stops the guest)."""
+        """Claim the agent out of band: its token, the guest's name, the time and a random
+        seed, over the guest's boot port (a virtio-serial port whose host end only root can
+        open). The agent serves nothing before it has them, and answers ``OK`` or ``ERR
+        reason`` (and then stops the guest). A restored guest's agent takes a new message
+        the same way, in place of the saved one's token (agent.c ``boot_read``)."""
         now = time.time_ns()
-        message = f"{token} {hostname[:HOSTNAME_MAX]} {now // 10**9} {now % 10**9}\n"
+        seed = secrets.token_hex(SEED_BYTES)  # the guest's random pool is reseeded with it
+        message = f"{token} {hostname[:HOSTNAME_MAX]} {now // 10**9} {now % 10**9} {seed}\n"
         deadline = time.monotonic() + START_TIMEOUT_S
         try:
             reader, writer = await asyncio.open_unix_connection(str(d / BOOT_SOCKET))
@@ -296,9 +343,16 @@ class QemuSubstrate(Substrate):
         return AgentClient(("127.0.0.1", runtime["port"]), runtime.get("token"), peer_uid=os.geteuid())
 
     def alive(self, sandbox_id: str, runtime: dict[str, Any]) -> bool:
-        return self._pids.alive(sandbox_id, runtime.get("pid"))
+        """QEMU runs, or the VM is paused on disk (saved whole; no QEMU until it resumes)."""
+        return self._pids.alive(sandbox_id, runtime.get("pid")) or self._saved(sandbox_id)
+
+    def _saved(self, sandbox_id: str) -> bool:
+        return (self._dir(sandbox_id) / PAUSED_STATE).exists()
 
     def watch(self, sandbox_id: str, runtime: dict[str, Any], on_exit: Callable[[], None]) -> None:
+        """QEMU's exit; nothing to watch while the VM is saved (its resume watches again)."""
+        if self._saved(sandbox_id) and not self._pids.alive(sandbox_id, runtime.get("pid")):
+            return
         self._pids.watch(sandbox_id, runtime.get("pid"), on_exit)
 
     def death_cause(self, sandbox_id: str, runtime: dict[str, Any]) -> str:
@@ -339,10 +393,103 @@ class QemuSubstrate(Substrate):
 
         await self.network.set(sandbox_id, egress, wire, unwire)
 
-    async def set_paused(self, sandbox_id: str, runtime: dict[str, Any], paused: bool) -> None:
-        """QEMU frozen whole by its cgroup's freezer: no CPU, its memory kept (saving the VM
-        to disk and letting QEMU exit, as vmsnapshot.py does for templates, is not done yet)."""
-        await asyncio.to_thread(cgroups.set_frozen, self.cgroup_parent, sandbox_id, paused)
+    # state: snapshots, rollback, pause
+    def _own_disk(self, sandbox_id: str) -> Path:
+        disk = self._dir(sandbox_id) / DISK
+        if not disk.exists():
+            raise NotSupported(f"snapshots of a {self.name} restored from a boot template "
+                               "(--vm-snapshots) are not supported: its disk is an overlay "
+                               "over the template's")
+        return disk
+
+    async def snapshot_disk(self, sandbox_id: str, runtime: dict[str, Any], dest: Path) -> None:
+        """The guest's writes synced to its disk, QEMU stopped (its own writes flushed), the
+        disk copied, QEMU continued: a copy of one instant, taken while processes run."""
+        disk, qmp = self._own_disk(sandbox_id), self._dir(sandbox_id) / "qmp.sock"
+        await self._guest_sync(sandbox_id, runtime)
+        await vmsnapshot.stop(qmp)
+        try:
+            await asyncio.to_thread(copy_image, disk, dest)
+        finally:
+            await vmsnapshot.cont(qmp)
+
+    async def _guest_sync(self, sandbox_id: str, runtime: dict[str, Any]) -> None:
+        """``sync`` in the guest, with dsec's busybox: its page cache onto its disk (the disk
+        has no journal, so an unsynced copy could be torn)."""
+        try:
+            done = await self.agent(sandbox_id, runtime).run(
+                [BUSYBOX, "sync"], env={}, cwd="/", timeout_ms=int(START_TIMEOUT_S * 1000))
+        except AgentUnavailable as exc:
+            raise SandboxError(f"could not sync the {self.name}'s disk: {exc}") from None
+        if done.exit_code != 0:
+            raise SandboxError(f"sync in the {self.name} failed (exit {done.exit_code}, "
+                               f"{'timed out' if done.timed_out else done.stderr[-200:]!r})")
+
+    async def snapshot_full(self, sandbox_id: str, runtime: dict[str, Any], disk: Path,
+                            memory: Path) -> None:
+        """The whole VM saved (memory, devices: every process, mid-instruction) and its disk
+        copied while QEMU is stopped, then continued."""
+        own, qmp = self._own_disk(sandbox_id), self._dir(sandbox_id) / "qmp.sock"
+        try:
+            await vmsnapshot.save(qmp, memory)
+            await asyncio.to_thread(copy_image, own, disk)
+        finally:
+            await vmsnapshot.cont(qmp)
+
+    async def rollback(self, plan: StartPlan, runtime: dict[str, Any]) -> dict[str, Any]:
+        """QEMU killed, the disk swapped for a copy of the snapshot's, QEMU started again:
+        booting (``filesystem``) or loading the snapshot's saved state (``full``). Same id
+        and token; a new pid and port."""
+        assert plan.disk_from is not None
+        d = self._dir(plan.sandbox_id)
+        disk = self._own_disk(plan.sandbox_id)
+        await self._kill_qemu(plan.sandbox_id, d)
+        (d / PAUSED_STATE).unlink(missing_ok=True)
+        disk.unlink()
+        await asyncio.to_thread(copy_image, plan.disk_from, disk)
+        return await self._bring_up(plan.sandbox_id, d, runtime["token"], plan.memory_from)
+
+    async def set_paused(self, sandbox_id: str, runtime: dict[str, Any],
+                         paused: bool) -> dict[str, Any]:
+        """Paused: the VM saved to ``paused.bin`` and QEMU gone (the guest's memory goes back
+        to the host). Resumed: QEMU started on that file, its agent given its own token again
+        (with the time, which stood still while saved). The file appears whole (renamed once
+        the save completed), so a crash leaves either a running QEMU or a saved VM."""
+        d = self._dir(sandbox_id)
+        saved, pid = d / PAUSED_STATE, runtime.get("pid")
+        if paused:
+            if saved.exists():
+                return runtime
+            part = d / f"{PAUSED_STATE}.part"
+            try:
+                await vmsnapshot.save(d / "qmp.sock", part)
+            except BaseException:
+                part.unlink(missing_ok=True)
+                await vmsnapshot.cont(d / "qmp.sock")
+                raise
+            self._pids.forget(sandbox_id)  # QEMU's exit below is no death
+            os.rename(part, saved)
+            await self._kill_qemu(sandbox_id, d)
+            return {**runtime, "pid": None}
+        if self._pids.alive(sandbox_id, pid):  # still in RAM: a crash mid-pause (or frozen)
+            await asyncio.to_thread(cgroups.thaw_if_frozen, self.cgroup_parent, sandbox_id)
+            await vmsnapshot.cont(d / "qmp.sock")
+            saved.unlink(missing_ok=True)
+            return runtime
+        if not saved.exists():
+            raise FileNotFoundError(f"the {self.name} is neither running nor saved")
+        try:
+            runtime = await self._bring_up(sandbox_id, d, runtime["token"], saved)
+        except BaseException:  # still paused, on disk: the next call tries again
+            await self._kill_qemu(sandbox_id, d)
+            raise
+        saved.unlink()
+        return runtime
+
+    async def _kill_qemu(self, sandbox_id: str, d: Path) -> None:
+        """Kill the sandbox's QEMU and wait until it is gone (its cgroups and files stay)."""
+        self._pids.forget(sandbox_id)
+        await asyncio.to_thread(self._kill, sandbox_id, d, ("qemu.pid",), True)
 
     # teardown
     async def destroy(self, sandbox_id: str) -> None:
@@ -355,16 +502,27 @@ class QemuSubstrate(Substrate):
         """Kill QEMU (through its cgroup, or its pid file if it never got one; also a
         snapshot template's QEMU that this sandbox's start was booting), then remove its
         cgroups and directory."""
-        cgroups.thaw_if_frozen(self.cgroup_parent, sandbox_id)
-        for pid_file in ("qemu.pid", "template.pid"):
-            try:
-                pid = int((d / pid_file).read_text())
-                if _is_our_qemu(pid, sandbox_id):
-                    os.kill(pid, 9)
-            except (OSError, ValueError):
-                pass
+        self._kill(sandbox_id, d, ("qemu.pid", "template.pid"), False)
         cgroups.remove_cgroups(cgroups.sandbox_dirs(self.cgroup_parent, sandbox_id))
         shutil.rmtree(d, ignore_errors=True)
+
+    def _kill(self, sandbox_id: str, d: Path, pid_files: tuple[str, ...], wait: bool) -> None:
+        cgroups.thaw_if_frozen(self.cgroup_parent, sandbox_id)  # frozen tasks ignore SIGKILL
+        for pid_file in pid_files:
+            try:
+                pid = int((d / pid_file).read_text())
+                if not _is_our_qemu(pid, sandbox_id):
+                    continue
+                fd = os.pidfd_open(pid)
+            except (OSError, ValueError):
+                continue
+            try:
+                os.kill(pid, 9)
+                if wait and not select.select([fd], [], [], EXIT_TIMEOUT_S)[0]:
+                    raise SandboxError(f"the {self.name}'s QEMU did not exit on SIGKILL "
+                                       f"within {EXIT_TIMEOUT_S:.0f}s")
+            finally:
+                os.close(fd)
 
     async def leftovers(self) -> set[str]:
         ids = {p.name for p in self.root.iterdir()} if self.root.exists() else set()

@@ -29,7 +29,7 @@ POLICY_MAC = "52:54:00:d5:ec:00"
 HUB, TAP_ID, PORT_ID = 0, "policy-tap", "policy-port"
 
 
-def nic_args(net_device: str, host_port: int, agent_port: int) -> list[str]:
+def nic_args(net_device: str, host_port: int | str, agent_port: int) -> list[str]:
     """QEMU's options for the two NICs: the agent's link, and the policy NIC's empty hub."""
     return ["-netdev", f"user,id=agent,restrict=on,hostfwd=tcp:127.0.0.1:{host_port}-:{agent_port}",
             "-device", f"{net_device},netdev=agent,mac={AGENT_MAC}",

@@ -7,11 +7,13 @@ disk, under ``$DSEC_CACHE/vm-snapshots/<key>/``. A sandbox then starts a QEMU wi
 devices, ``-incoming`` from that file, and a qcow2 overlay over the template's disk, and
 continues the guest (QMP ``cont``) once the state is loaded.
 
-Caveats, why this is opt-in: every restored guest starts from the same memory, so its
-kernel's random pool is the template's until it reseeds (this kernel has no vmgenid driver
-to force that). Each restored guest gets its own token, hostname and clock from the edge's
-boot message (the template is saved with its agent waiting for one: ``qemu._boot_agent``);
-programs that need fresh randomness must reseed.
+Every restored guest starts from the same memory, so its kernel's random pool is the saved
+one; this kernel has no vmgenid driver to force a reseed, so the edge's boot message (which
+gives each restored guest its own token, hostname and clock: ``qemu._boot_agent``) carries 64
+random bytes of the host that the agent mixes into the pool and reseeds the kernel's CRNG
+with (``RNDADDENTROPY``, ``RNDRESEEDCRNG``) before it answers. Values a program drew from
+the pool before the save stay in its memory: programs that keep their own generator state
+must reseed themselves.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import tempfile
 from pathlib import Path
@@ -30,6 +33,7 @@ from ...protocol.errors import SandboxError
 from ..host import spawn
 
 SAVE_TIMEOUT_S = 120.0
+MAX_BANDWIDTH = 1 << 40  # bytes/s: a save to a local file is never throttled (QEMU's default is)
 
 
 def snapshot_dir(parts: list[str]) -> Path:
@@ -98,12 +102,21 @@ class QMP:
         self.writer.close()
 
 
+def incoming(state_file: Path) -> list[str]:
+    """QEMU's options to start from a saved state (it waits, stopped, once loaded)."""
+    return ["-incoming", f"exec:cat {shlex.quote(str(state_file))}"]
+
+
 async def save(qmp_socket: Path, state_file: Path) -> None:
-    """Pause the VM behind ``qmp_socket`` and write its whole state to ``state_file``."""
+    """Stop the VM behind ``qmp_socket`` and write its whole state to ``state_file``. The VM
+    stays stopped, its disks flushed and released: ``cont`` runs it again."""
+    # The guest's memory holds its agent's token: root's alone, before QEMU writes a byte.
+    os.close(os.open(state_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600))
     qmp = await QMP.connect(qmp_socket)
     try:
         await qmp.call("stop")  # the disk and the memory saved are of one instant
-        await qmp.call("migrate", uri=f"exec:cat > {state_file}")
+        await qmp.call("migrate-set-parameters", **{"max-bandwidth": MAX_BANDWIDTH})
+        await qmp.call("migrate", uri=f"exec:cat > {shlex.quote(str(state_file))}")
         for _ in range(int(SAVE_TIMEOUT_S / 0.05)):
             status = (await qmp.call("query-migrate")).get("status")
             if status == "completed":
@@ -112,6 +125,24 @@ async def save(qmp_socket: Path, state_file: Path) -> None:
                 raise SandboxError(f"saving the VM failed: migration {status}")
             await asyncio.sleep(0.05)
         raise SandboxError(f"saving the VM took more than {SAVE_TIMEOUT_S:.0f}s")
+    finally:
+        qmp.close()
+
+
+async def cont(qmp_socket: Path) -> None:
+    """Run a stopped VM again (after ``save``, or a stop); a no-op on a running one."""
+    qmp = await QMP.connect(qmp_socket)
+    try:
+        await qmp.call("cont")
+    finally:
+        qmp.close()
+
+
+async def stop(qmp_socket: Path) -> None:
+    """Stop the VM's CPUs; QEMU flushes its disks' writes to the host files first."""
+    qmp = await QMP.connect(qmp_socket)
+    try:
+        await qmp.call("stop")
     finally:
         qmp.close()
 
