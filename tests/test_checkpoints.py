@@ -239,17 +239,23 @@ async def test_a_trajectory_without_checkpoints_cannot_be_forked(client: dsec.DS
         await client.create(checkpoint="every_step")  # checkpoints are a trajectory's
 
 
-async def test_checkpoints_where_no_snapshot_can_be_taken_are_refused_at_create(
-        client: dsec.DSecClient) -> None:
-    """fn sandboxes have no disk image to snapshot: the create says so, typed, and leaves
-    neither a sandbox nor a trajectory behind."""
+async def test_fn_sandboxes_checkpoint_their_tmpfs_trees(client: dsec.DSecClient) -> None:
+    """An fn sandbox's checkpoints are its packed /tmp and /work: a fork at a step holds what
+    that step wrote, and nothing a later step did."""
     trajectory = new_id("fn")
-    with pytest.raises(dsec.NotSupported):
-        await client.create(substrate="fn", image="python-3.11", trajectory=trajectory,
-                            checkpoint="every_step")
-    with pytest.raises(dsec.TrajectoryNotFound):
-        await client.trajectory(trajectory)
-    assert [i for i in await client.list() if i.substrate == "fn"] == []
+    sb = await client.create(substrate="fn", image="python-3.11", trajectory=trajectory,
+                             checkpoint="every_step", ttl_s=300)
+    try:
+        await sb.run("echo one > /work/steps")
+        await sb.run("echo two >> /work/steps")
+        (child,) = await client.fork_trajectory(trajectory, at_step=1)
+        try:
+            assert (await child.read_file("/work/steps")).decode() == "one\n"
+        finally:
+            await child.stop()
+        assert (await sb.read_file("/work/steps")).decode() == "one\ntwo\n"
+    finally:
+        await sb.stop()
 
 
 async def test_hostile_a_writer_during_checkpoints(client: dsec.DSecClient) -> None:

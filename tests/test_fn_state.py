@@ -144,9 +144,9 @@ async def test_a_hostile_tree_packs_within_bound_and_time(client: dsec.DSecClien
 async def test_another_fn_sandbox_or_project_cannot_reach_a_snapshot(client: dsec.DSecClient,
                                                                      srv: Server) -> None:
     theirs = unique("theirs")
-    await client.projects().create(theirs, sandboxes=4, cpu=4, memory_mb=4096)
+    await client.projects().create(theirs, sandboxes=4, cpu=4, memory_mb=4096, snapshot_bytes=8 << 30)
     mine = unique("mine")
-    await client.projects().create(mine, sandboxes=4, cpu=4, memory_mb=4096)
+    await client.projects().create(mine, sandboxes=4, cpu=4, memory_mb=4096, snapshot_bytes=8 << 30)
     async with key_client(srv, (await client.projects().create_key(theirs, "a")).key) as them, \
             key_client(srv, (await client.projects().create_key(mine, "b")).key) as me:
         victim = await them.create(substrate="fn", image=IMAGE, ttl_s=120)

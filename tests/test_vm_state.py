@@ -290,7 +290,8 @@ async def test_a_full_snapshots_child_is_admitted_with_its_parents_machine(
     """Hostile: asking a small memory_mb for the child of a big VM's `full` snapshot does not
     slip it under the project's quota: it is admitted (and made) with the parent's."""
     project = unique("vmq")
-    await client.projects().create(project, sandboxes=4, cpu=4, memory_mb=600)
+    await client.projects().create(project, sandboxes=4, cpu=4, memory_mb=600,
+                                   snapshot_bytes=8 << 30)
     async with key_client(srv, (await client.projects().create_key(project, "k")).key) as mine:
         parent = await mine.create(**{**VM, "memory_mb": 384})
         try:
