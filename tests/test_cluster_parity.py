@@ -405,6 +405,7 @@ def test_e2b_snapshot_and_fork_under_ray(replica: Server) -> None:
             assert forks.status_code == 201 and len(forks.json()) == 2
             for fork in forks.json():
                 http.delete(f"/e2b/sandboxes/{fork['sandbox']['sandboxID']}", headers=key)
-            assert http.get("/e2b/snapshots", headers=key).json() == []
+            assert http.get("/e2b/snapshots", params={"sandboxID": sb["sandboxID"]},
+                            headers=key).json() == []  # the fork's snapshot went with it
         finally:
             http.delete(f"/e2b/sandboxes/{sb['sandboxID']}", headers=key)
