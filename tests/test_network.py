@@ -292,7 +292,7 @@ async def test_failed_create_leaves_nothing(net_server: Server) -> None:
     edge = edge_id(net_server)
 
     def sandboxes() -> set[str]:
-        dirs = {p.name for p in (net_server.state_dir / "sandboxes").iterdir()}
+        dirs = {p.name for p in (net_server.volume / "sandboxes").iterdir()}
         return dirs | {p.name for p in Path("/sys/fs/cgroup").glob(f"*/dsec-{edge}/*") if p.is_dir()}
 
     before = sandboxes()
@@ -308,7 +308,7 @@ async def test_nothing_left_when_a_wired_sandbox_dies(net_server: Server) -> Non
     async with net_server.client() as client:
         sb = await client.create(ttl_s=120, network={"testsvc": True})
         slot = slot_of(edge, sb.id)
-        os.kill(int((net_server.state_dir / "sandboxes" / sb.id / "pid").read_text()),
+        os.kill(int((net_server.volume / "sandboxes" / sb.id / "pid").read_text()),
                 signal.SIGKILL)
         deadline = time.monotonic() + 60
         while (await sb.refresh()).state != "died":
@@ -329,7 +329,7 @@ async def test_nothing_leaks_after_kill9_and_restart(images, dest: Destination) 
         srv.kill(signal.SIGKILL)
         # While the edge is down, one sandbox dies: its netns and veth go with it, its rules
         # stay until the restarted edge sweeps them.
-        os.kill(int((srv.state_dir / "sandboxes" / dying.id / "pid").read_text()), signal.SIGKILL)
+        os.kill(int((srv.volume / "sandboxes" / dying.id / "pid").read_text()), signal.SIGKILL)
         srv.start()
         async with srv.client() as client:
             adopted = await client.get(kept.id)

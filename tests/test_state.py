@@ -32,12 +32,12 @@ async def client(srv: Server) -> AsyncIterator[dsec.DSecClient]:
 
 
 def snapshot_dirs(srv: Server) -> set[str]:
-    return {p.name for p in (srv.state_dir / "snapshots").glob("*")}
+    return {p.name for p in (srv.volume / "snapshots").glob("*")}
 
 
 def snapshot_loops(srv: Server) -> list[str]:
     """Loop devices backed by a snapshot's file (a snapshot is never mounted)."""
-    root = str(srv.state_dir / "snapshots") + "/"
+    root = str(srv.volume / "snapshots") + "/"
     return [b.read_text().strip() for b in Path("/sys/block").glob("loop*/loop/backing_file")
             if b.read_text().startswith(root)]
 
@@ -82,7 +82,7 @@ async def test_a_snapshot_outlives_its_sandbox_and_a_server_restart(
     assert 0 < snap.size_bytes < 256 << 20  # the blocks used, not the disk's size
     await source.stop()
     srv.kill(signal.SIGKILL)
-    half_made = srv.state_dir / "snapshots" / "sn-crashed-000000000000"  # a crash mid-snapshot
+    half_made = srv.volume / "snapshots" / "sn-crashed-000000000000"  # a crash mid-snapshot
     half_made.mkdir()
     (half_made / "disk.img").write_bytes(b"half")
     srv.start()
@@ -250,7 +250,7 @@ async def test_a_hostile_tree_snapshots_within_its_disk_and_time(client: dsec.DS
         await client.delete_snapshot(snap.id)
     await assert_no_trace(srv, child.id)
     assert await client.list() == []
-    assert not list((srv.state_dir / "sandboxes").iterdir())  # nor the child that failed
+    assert not list((srv.volume / "sandboxes").iterdir())  # nor the child that failed
     assert snapshot_dirs(srv) == set() and snapshot_loops(srv) == []
 
 
@@ -308,22 +308,29 @@ def test_snapshot_ls_and_rm_on_the_command_line(srv: Server) -> None:
     assert snapshot_dirs(srv) == set()
 
 
-async def test_a_paused_sandbox_is_resumed_to_be_snapshotted_and_rolled_back(
+async def test_a_paused_sandbox_stays_paused_through_a_snapshot(
         client: dsec.DSecClient, srv: Server) -> None:
     sb = await client.create(ttl_s=300)
     try:
         await sb.write_file("/work/kept", b"before")
+        await sb.start("while :; do echo tick >> /work/ticks; sleep 0.01; done")
         await sb.pause()
+        ticks = srv.volume / "sandboxes" / sb.id / "disk" / "upper" / "work" / "ticks"
+        frozen_at = ticks.stat().st_size
         snap = await sb.snapshot()
-        assert (await client.get(sb.id)).info.state == "running"
-        await sb.write_file("/work/kept", b"after")
-        await sb.pause()
-        await sb.rollback(snap)
-        assert (await sb.read_file("/work/kept")) == b"before"
+        assert (await client.get(sb.id)).info.state == "paused"
+        await asyncio.sleep(0.3)
+        assert ticks.stat().st_size == frozen_at  # not one tick while it was snapshotted
         kid = await client.create(snapshot=snap.id, ttl_s=60)
         assert (await kid.read_file("/work/kept")) == b"before"
+        assert (await kid.read_file("/work/ticks")).count(b"tick\n") == frozen_at // 5
         await kid.stop()
         await assert_no_trace(srv, kid.id)
+        await sb.write_file("/work/kept", b"after")  # resumes it
+        await sb.pause()
+        await sb.rollback(snap)  # processes start afresh: it runs
+        assert (await client.get(sb.id)).info.state == "running"
+        assert (await sb.read_file("/work/kept")) == b"before"
         await client.delete_snapshot(snap.id)
     finally:
         await sb.stop()

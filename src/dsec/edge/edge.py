@@ -58,6 +58,7 @@ from ..substrates.base import StartPlan, Substrate
 from ..substrates.fn.fn import FnSubstrate
 from ..substrates.host.image_copy import allocated_bytes
 from ..substrates.host.tree import remove_tree
+from ..substrates.host.volume import DiskVolume
 from .commands import check_env, exec_argv, sandbox_path
 from .metrics import EdgeMetrics
 from .pool import Pooled, WarmPool
@@ -104,8 +105,10 @@ class Live:
 
 class Edge:
     def __init__(self, config: EdgeConfig, store: StateStore, images: ImageStore,
-                 substrates: dict[str, Substrate], metrics: EdgeMetrics) -> None:
+                 substrates: dict[str, Substrate], metrics: EdgeMetrics,
+                 volume: DiskVolume) -> None:
         self.config = config
+        self.volume = volume  # disk images and snapshots: one reflink file system
         self.id = config.edge_id
         self.store = store
         self.images = images
@@ -124,6 +127,7 @@ class Edge:
 
     # lifecycle of the edge itself
     async def start(self) -> None:
+        await asyncio.to_thread(self.volume.open)
         for substrate in self.substrates.values():
             await substrate.prepare()
         await self.recover()
@@ -138,6 +142,7 @@ class Edge:
             await pool.close()
         for substrate in self.substrates.values():
             await substrate.close()
+        await asyncio.to_thread(self.volume.close)  # only if no sandbox is left on it
 
     async def recover(self) -> None:
         """Adopt the sandboxes that survived a restart; remove everything else we left."""
@@ -221,6 +226,8 @@ class Edge:
         egress = await self._egress(substrate, req.network)
         check_env(req.env)
         self._admit()
+        if substrate.disk_volume:
+            self.volume.check_room(req.disk_mb << 20)
         self._starting += 1
         try:
             image = self.images.get(req.image)
@@ -318,9 +325,9 @@ class Edge:
         self.store.set_expiry(sandbox_id, live.row.expires_at)
         return self.info(live.row)
 
-    # snapshots: files in <state>/snapshots/<id>/, a row each in the state store
+    # snapshots: files in <volume>/snapshots/<id>/, a row each in the state store
     def _snapshot_dir(self, snapshot_id: str) -> Path:
-        return self.config.state_dir / "snapshots" / snapshot_id
+        return self.volume.root / "snapshots" / snapshot_id
 
     def _snapshot_row(self, snapshot_id: str) -> SnapshotRow:
         row = self.store.get_snapshot(snapshot_id)
@@ -331,17 +338,23 @@ class Edge:
     async def snapshot(self, sandbox_id: str, mode: str = "filesystem") -> Snapshot:
         """A copy of the sandbox's writable layer, kept until deleted (it outlives the
         sandbox and restarts); ``create(snapshot=...)`` starts sandboxes from it. A paused
-        sandbox is resumed first (its file system cannot be frozen under frozen writers)."""
-        live = await self._awake(sandbox_id)
+        sandbox stays paused; no pause or resume runs meanwhile."""
+        live = self._get(sandbox_id)
         if mode != "filesystem":
             raise NotSupported("'full' snapshots (memory and processes too) are not supported "
                                "yet; take mode='filesystem'", mode=mode)
+        if live.substrate.disk_volume:  # a clone shares blocks until its source is rewritten
+            self.volume.check_room(live.row.request["disk_mb"] << 20)
         snap_id = f"sn-{self.id}-{secrets.token_hex(6)}"
         d = self._snapshot_dir(snap_id)
         d.mkdir(parents=True)
         try:
             try:
-                await live.substrate.snapshot_disk(sandbox_id, live.row.runtime, d / SNAPSHOT_DISK)
+                async with live.pausing:
+                    await live.substrate.snapshot_disk(sandbox_id, live.row.runtime,
+                                                       d / SNAPSHOT_DISK)
+            except FileNotFoundError as exc:  # its cgroup or disk is gone: it died meanwhile
+                raise await self._agent_failed(live, exc) from None
             except OSError as exc:
                 raise SandboxError(f"could not snapshot sandbox {sandbox_id}: {exc}",
                                    sandbox_id=sandbox_id) from exc

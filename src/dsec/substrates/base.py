@@ -34,6 +34,9 @@ class Substrate(ABC):
     # Whether ``set_network`` can enforce an egress policy; the edge refuses a policy for a
     # substrate that cannot, before starting anything.
     network_policies: bool = False
+    # Whether its sandboxes' disks live on the edge's disk volume (host/volume.py): the edge
+    # refuses a create or snapshot that may not fit there.
+    disk_volume: bool = False
 
     async def prepare(self) -> None:  # noqa: B027 (optional hook: nothing to do by default)
         """One-time host preparation when the edge starts."""

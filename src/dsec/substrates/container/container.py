@@ -13,6 +13,7 @@ one read-only bind at /.dsec (agent/tools.py). The agent is the container's init
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import errno
 import fcntl
 import json
@@ -33,17 +34,20 @@ from ...protocol.errors import NotSupported, SandboxError
 from ...protocol.models import DEFAULT_DISK_MB, CreateRequest
 from ..base import StartPlan, Substrate
 from ..host import cgroups, spawn
-from ..host.disk import DiskPool, loop_mount, release
-from ..host.image_copy import copy_image
+from ..host.disk import DiskPool
+from ..host.image_copy import clone_file
+from ..host.loop import loop_mount, unmount_image
 from ..host.oci_spec import container_config
 from ..host.pidwatch import PidWatch
 from ..host.spawn import Spawned
 from ..host.tree import remove_tree
+from ..host.volume import DiskVolume
 
 log = logging.getLogger("dsec.container")
 RUNTIMES = ("crun", "runc", "runsc")
 FIFREEZE, FITHAW = 0xC0045877, 0xC0045878  # linux/fs.h: _IOWR('X', 119|120, int)
 START_TIMEOUT_S = 30.0
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 class ContainerSubstrate(Substrate):
@@ -53,18 +57,20 @@ class ContainerSubstrate(Substrate):
 
     name = "container"
     network_policies = True
+    disk_volume = True
 
-    def __init__(self, state_dir: Path, edge_id: str, runtime: str = "crun",
+    def __init__(self, state_dir: Path, edge_id: str, volume: DiskVolume, runtime: str = "crun",
                  mounter: LayerMounter | None = None) -> None:
         if runtime not in RUNTIMES:
             raise NotSupported(f"unknown container runtime {runtime!r}; choose one of {RUNTIMES}")
         self.default_runtime = runtime
-        self.root = state_dir / "sandboxes"
+        self.volume = volume  # opened by the edge before prepare()
+        self.root = volume.root / "sandboxes"
         self.runtime_root = state_dir / "runtime"
         self.cgroup_parent = f"/dsec-{edge_id}"
         self.edge_id = edge_id
         self.mounter = mounter or LayerMounter()
-        self.disks = DiskPool(state_dir / "disks", (DEFAULT_DISK_MB,))
+        self.disks = DiskPool(volume.root / "disks", (DEFAULT_DISK_MB,))
         self._tree: Path | None = None  # mounted read-only at /.dsec
         self._pids = PidWatch(self.cgroup_parent)
         # Bundle set-up and teardown wait on kernel locks (mounts, cgroups) under load: in
@@ -157,9 +163,7 @@ class ContainerSubstrate(Substrate):
 
     def _swap_disk(self, plan: StartPlan, d: Path) -> None:
         assert plan.disk_from is not None, "a rollback starts from a snapshot"
-        for mount in _mounts_under(d):  # the overlay, then the disk
-            unmount(mount)
-        release(d / "disk.img")
+        _unmount_bundle(d)
         self._disk_from(plan.disk_from, d)
         self._layers(plan, d)
 
@@ -218,9 +222,9 @@ class ContainerSubstrate(Substrate):
         snapshot's agent left in its run dir (socket, sessions) goes: processes start fresh."""
         fresh = d / "disk.img.new"
         fresh.unlink(missing_ok=True)
-        method = copy_image(image, fresh)
+        method = clone_file(image, fresh)
         os.rename(fresh, d / "disk.img")
-        log.info("sandbox %s: disk copied from %s (%s)", d.name, image, method)
+        log.info("sandbox %s: disk from %s (%s)", d.name, image, method)
         (d / "disk").mkdir(exist_ok=True)
         loop_mount(d / "disk.img", d / "disk")
         remove_tree(d / "disk" / "run")
@@ -245,24 +249,53 @@ class ContainerSubstrate(Substrate):
         (d / "config.json").write_text(json.dumps(config))
 
     async def snapshot_disk(self, sandbox_id: str, runtime: dict[str, Any], dest: Path) -> None:
-        """The disk image copied while its file system is frozen (FIFREEZE: dirty data
-        written out, writers blocked until the thaw), so the copy is a consistent file system;
-        the sandbox's processes keep running and only wait on writes for the copy's time."""
-        await asyncio.get_running_loop().run_in_executor(
-            self._io, self._copy_frozen, self._dir(sandbox_id), dest)
+        """A consistent copy of the disk image. On the reflink volume: every process of the
+        sandbox frozen (the cgroup freezer, as ``pause``), its file system synced, the image
+        cloned, the processes thawed (a paused sandbox stays paused): about 1 ms of
+        stopped processes, no data copied. Where images cannot be cloned, the file system
+        itself is frozen (FIFREEZE: ~40 ms alone) for a copy of the blocks written."""
+        work = self._clone_stopped if self.volume.reflinks else self._copy_fs_frozen
+        await asyncio.get_running_loop().run_in_executor(self._io, work, sandbox_id, dest)
 
-    @staticmethod
-    def _copy_frozen(d: Path, dest: Path) -> None:
-        mount = os.open(d / "disk", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    def _clone_stopped(self, sandbox_id: str, dest: Path) -> None:
+        d = self._dir(sandbox_id)
+        paused = cgroups.is_frozen(self.cgroup_parent, sandbox_id)
+        if not paused:
+            cgroups.set_frozen(self.cgroup_parent, sandbox_id, True)
         try:
-            fcntl.ioctl(mount, FIFREEZE, 0)
+            mount = os.open(d / "disk", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
-                method = copy_image(d / "disk.img", dest)
+                syncfs(mount)
             finally:
-                fcntl.ioctl(mount, FITHAW, 0)
+                os.close(mount)
+            method = clone_file(d / "disk.img", dest)
         finally:
-            os.close(mount)
-        log.info("snapshot of %s to %s (%s copy)", d.name, dest, method)
+            if not paused:
+                cgroups.set_frozen(self.cgroup_parent, sandbox_id, False)
+        log.info("snapshot of %s to %s: processes frozen, syncfs, %s", sandbox_id, dest, method)
+
+    def _copy_fs_frozen(self, sandbox_id: str, dest: Path) -> None:
+        """FIFREEZE writes dirty data out and blocks writers until FITHAW; it cannot wait
+        on writers the cgroup freezer holds, so a paused sandbox runs for the copy."""
+        d = self._dir(sandbox_id)
+        paused = cgroups.is_frozen(self.cgroup_parent, sandbox_id)
+        if paused:
+            cgroups.set_frozen(self.cgroup_parent, sandbox_id, False)
+        try:
+            mount = os.open(d / "disk", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                fcntl.ioctl(mount, FIFREEZE, 0)
+                try:
+                    method = clone_file(d / "disk.img", dest)
+                finally:
+                    fcntl.ioctl(mount, FITHAW, 0)
+            finally:
+                os.close(mount)
+        finally:
+            if paused:
+                cgroups.set_frozen(self.cgroup_parent, sandbox_id, True)
+        log.info("snapshot of %s to %s: file system frozen (FIFREEZE), %s copy", sandbox_id,
+                 dest, method)
 
     def agent(self, sandbox_id: str, runtime: dict[str, Any]) -> AgentClient:
         # gVisor's sentry, not the agent, holds the host end of the socket: no pid to check.
@@ -306,14 +339,7 @@ class ContainerSubstrate(Substrate):
         """What the runtime leaves or never made: cgroups, the overlay, the disk, the bundle
         dir. Once the disk is unmounted, the dir holds only what dsec wrote (see tree.py)."""
         cgroups.remove_cgroups(cgroups.sandbox_dirs(self.cgroup_parent, sandbox_id))
-        for mount in _mounts_under(d):
-            try:
-                unmount(mount)
-            except OSError as exc:
-                if exc.errno != errno.EBUSY:
-                    raise
-                unmount(mount, lazy=True)  # detached now, freed when its last user goes
-        release(d / "disk.img")
+        _unmount_bundle(d)
         try:
             remove_tree(d)
         except OSError:  # the stop still answers; the next start finds the dir and retries
@@ -336,6 +362,27 @@ def _state_ids(runtime_root: Path) -> set[str]:
         return set()
     return {p.name if p.is_dir() else p.name.partition("_sandbox:")[0]
             for p in runtime_root.iterdir() if p.is_dir() or "_sandbox:" in p.name}
+
+
+def _unmount_bundle(d: Path) -> None:
+    """The sandbox's two mounts, the overlay before the disk under it; the disk's loop device
+    is known from its mount (loop.py), so no other device is looked at."""
+    rootfs = d / "rootfs"
+    if os.path.ismount(rootfs):
+        try:
+            unmount(rootfs)
+        except OSError as exc:
+            if exc.errno != errno.EBUSY:
+                raise
+            unmount(rootfs, lazy=True)  # detached now, freed when its last user goes
+    unmount_image(d / "disk", d / "disk.img")
+
+
+def syncfs(fd: int) -> None:
+    """Write out the dirty data and metadata of the file system ``fd`` is on."""
+    if _libc.syncfs(fd) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"syncfs: {os.strerror(err)}")
 
 
 def _mounts_under(d: Path) -> list[Path]:
