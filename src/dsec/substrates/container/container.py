@@ -47,6 +47,7 @@ log = logging.getLogger("dsec.container")
 RUNTIMES = ("crun", "runc", "runsc")
 FIFREEZE, FITHAW = 0xC0045877, 0xC0045878  # linux/fs.h: _IOWR('X', 119|120, int)
 START_TIMEOUT_S = 30.0
+NEW_DISK = "disk.img.new"  # a copy of a snapshot's image, before it becomes disk.img
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -152,19 +153,28 @@ class ContainerSubstrate(Substrate):
     async def rollback(self, plan: StartPlan, runtime: dict[str, Any]) -> dict[str, Any]:
         """Its processes killed, its disk's content replaced by a copy of ``plan.disk_from``,
         its init started again under the same id and agent token, with the request's limits.
-        Its network namespace was its init's: the edge refuses a sandbox with a policy."""
+        The copy is made first (a snapshot gone meanwhile leaves the sandbox as it was). The
+        new bundle is mounted while the runtime kills the old processes: the old overlay and
+        disk are only detached from the host's mount table (the old container's namespace
+        holds them until its last process is gone, then the disk's loop device detaches
+        itself), and the old disk is shut down first, so its unwritten data is dropped."""
+        assert plan.disk_from is not None, "a rollback starts from a snapshot"
         name = runtime["runtime"]
         base = self._runtime_cmd(name)
         d = self._dir(plan.sandbox_id)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._io, _clone_disk, plan.disk_from, d)
         self._pids.forget(plan.sandbox_id)
-        await spawn.run([*base, "delete", "--force", plan.sandbox_id])
-        await asyncio.get_running_loop().run_in_executor(self._io, self._swap_disk, plan, d)
+        kill = asyncio.ensure_future(spawn.run([*base, "delete", "--force", plan.sandbox_id]))
+        try:
+            await loop.run_in_executor(self._io, self._swap_disk, plan, d)
+        finally:
+            await kill  # the same id: the old container is gone before the new one runs
         return await self._run(plan.sandbox_id, name, base, d, runtime["token"])
 
     def _swap_disk(self, plan: StartPlan, d: Path) -> None:
-        assert plan.disk_from is not None, "a rollback starts from a snapshot"
-        _unmount_bundle(d)
-        self._disk_from(plan.disk_from, d)
+        _unmount_bundle(d, wait=False)
+        _mount_disk(d)
         self._layers(plan, d)
 
     async def claim(self, sandbox_id: str, runtime: dict[str, Any], request: CreateRequest) -> None:
@@ -212,22 +222,10 @@ class ContainerSubstrate(Substrate):
         if plan.disk_from is None:
             self.disks.attach(d / "disk.img", d / "disk", plan.request.disk_mb)
         else:
-            self._disk_from(plan.disk_from, d)
+            _clone_disk(plan.disk_from, d)
+            _mount_disk(d)
         (d / "rootfs").mkdir()
         self._layers(plan, d)
-
-    @staticmethod
-    def _disk_from(image: Path, d: Path) -> None:
-        """A copy of a snapshot's disk image as the sandbox's disk, mounted; what the
-        snapshot's agent left in its run dir (socket, sessions) goes: processes start fresh."""
-        fresh = d / "disk.img.new"
-        fresh.unlink(missing_ok=True)
-        method = clone_file(image, fresh)
-        os.rename(fresh, d / "disk.img")
-        log.info("sandbox %s: disk from %s (%s)", d.name, image, method)
-        (d / "disk").mkdir(exist_ok=True)
-        loop_mount(d / "disk.img", d / "disk")
-        remove_tree(d / "disk" / "run")
 
     def _layers(self, plan: StartPlan, d: Path) -> None:
         """The overlay of the image's layers under the disk's upper dir, and config.json."""
@@ -364,9 +362,27 @@ def _state_ids(runtime_root: Path) -> set[str]:
             for p in runtime_root.iterdir() if p.is_dir() or "_sandbox:" in p.name}
 
 
-def _unmount_bundle(d: Path) -> None:
-    """The sandbox's two mounts, the overlay before the disk under it; the disk's loop device
-    is known from its mount (loop.py), so no other device is looked at."""
+def _clone_disk(image: Path, d: Path) -> None:
+    """A copy of a snapshot's disk image, to be the sandbox's disk (``_mount_disk``)."""
+    fresh = d / NEW_DISK
+    fresh.unlink(missing_ok=True)
+    method = clone_file(image, fresh)
+    log.info("sandbox %s: disk from %s (%s)", d.name, image, method)
+
+
+def _mount_disk(d: Path) -> None:
+    """The copy ``_clone_disk`` made as the sandbox's disk, mounted; what the snapshot's
+    agent left in its run dir (socket, sessions) goes: processes start fresh."""
+    os.rename(d / NEW_DISK, d / "disk.img")
+    (d / "disk").mkdir(exist_ok=True)
+    loop_mount(d / "disk.img", d / "disk")
+    remove_tree(d / "disk" / "run")
+
+
+def _unmount_bundle(d: Path, wait: bool = True) -> None:
+    """The sandbox's two mounts, the overlay before the disk under it. The disk's content is
+    thrown away (loop.unmount_image: discard); its loop device is known from its mount, so no
+    other device is looked at, and ``wait`` waits until it is detached."""
     rootfs = d / "rootfs"
     if os.path.ismount(rootfs):
         try:
@@ -375,7 +391,7 @@ def _unmount_bundle(d: Path) -> None:
             if exc.errno != errno.EBUSY:
                 raise
             unmount(rootfs, lazy=True)  # detached now, freed when its last user goes
-    unmount_image(d / "disk", d / "disk.img")
+    unmount_image(d / "disk", d / "disk.img", discard=True, wait=wait)
 
 
 def syncfs(fd: int) -> None:

@@ -33,6 +33,7 @@ LOOP_CTL_GET_FREE, LOOP_CONFIGURE, LO_FLAGS_AUTOCLEAR = 0x4C82, 0x4C0A, 4
 LOOP_MAJOR = 7
 _LOOP_INFO64_SIZE, _LO_FLAGS_OFFSET, _LO_FILE_NAME_OFFSET = 232, 52, 56
 MS_NOSUID, MS_NODEV = 2, 4
+FS_IOC_SHUTDOWN, SHUTDOWN_NOLOGFLUSH = 0x8004587D, 2  # linux/fs.h: _IOR('X', 125, __u32)
 DETACH_TIMEOUT_S = 4.0
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
@@ -105,20 +106,35 @@ def backing_file(dev: str) -> str | None:
     return name.removesuffix(" (deleted)")
 
 
-def unmount_image(target: Path, image: Path) -> None:
+def unmount_image(target: Path, image: Path, discard: bool = False, wait: bool = True) -> None:
     """Unmount the loop-backed file system at ``target`` (lazily if it is still in use: it
-    goes when its last user does) and wait until its device no longer holds ``image``. A
-    ``target`` that is not mounted is left alone."""
+    goes when its last user does) and, with ``wait``, wait until its device no longer holds
+    ``image``. ``discard``: its content is being thrown away (the sandbox is destroyed, or
+    its disk replaced), so the file system is shut down first and its dirty data is dropped,
+    not written out into an image about to go. A ``target`` not mounted is left alone."""
     dev = mounted_loop(target)
     if dev is None:
         return
+    if discard:
+        shut_down(target)
     try:
         unmount(target)
     except OSError as exc:
         if exc.errno != errno.EBUSY:
             raise
         unmount(target, lazy=True)  # detached now, freed when its last user goes
-    wait_detached(dev, image)
+    if wait:
+        wait_detached(dev, image)
+
+
+def shut_down(target: Path) -> None:
+    """FS_IOC_SHUTDOWN without a log flush: every later write of the file system mounted at
+    ``target`` fails, and the data not yet written is dropped rather than written out."""
+    fd = os.open(target, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.ioctl(fd, FS_IOC_SHUTDOWN, struct.pack("=I", SHUTDOWN_NOLOGFLUSH))
+    finally:
+        os.close(fd)
 
 
 def wait_detached(dev: str, image: Path, timeout_s: float = DETACH_TIMEOUT_S) -> bool:
