@@ -100,7 +100,10 @@ class Live:
     agent: AgentClient
     env: dict[str, str]  # the base environment of every command: image, then request
     rolling_back: bool = False  # its init is being restarted: a failed call is not its death
-    pausing: asyncio.Lock = field(default_factory=asyncio.Lock)  # one pause or resume at a time
+    # One change of its processes or disk at a time: pause, resume, snapshot, rollback, and
+    # stop, which waits for the one under way (a rollback finishing after a stop's clean-up
+    # would leave a running container; a snapshot, a disk shut down under it).
+    changing: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 class Edge:
@@ -303,6 +306,7 @@ class Edge:
         return row
 
     async def stop(self, sandbox_id: str, state: str = "stopped", reason: str = "stopped by client") -> None:
+        """Never called with the sandbox's ``changing`` lock held: it waits for it."""
         live = self._live.pop(sandbox_id, None)
         if live is None:
             self.get_row(sandbox_id)  # raises the right error for an unknown or ended sandbox
@@ -310,7 +314,8 @@ class Edge:
         self.store.mark_ended(sandbox_id, state, reason)
         self.metrics.ended.labels(live.row.substrate, state).inc()
         try:
-            await live.substrate.destroy(sandbox_id)
+            async with live.changing:  # a rollback or snapshot under way finishes first
+                await live.substrate.destroy(sandbox_id)
         finally:
             for listener in self.on_end:
                 try:
@@ -350,7 +355,8 @@ class Edge:
         d.mkdir(parents=True)
         try:
             try:
-                async with live.pausing:
+                async with live.changing:
+                    self._still_live(live)
                     await live.substrate.snapshot_disk(sandbox_id, live.row.runtime,
                                                        d / SNAPSHOT_DISK)
             except FileNotFoundError as exc:  # its cgroup or disk is gone: it died meanwhile
@@ -386,20 +392,35 @@ class Edge:
         if plan.image.digest != live.row.image_digest:
             raise NotSupported(f"image {live.row.image} has been rebuilt since the sandbox "
                                "started: its layers are gone from under the snapshot")
-        live.rolling_back = True
-        try:
-            runtime = await live.substrate.rollback(plan, live.row.runtime)
-        except BaseException as exc:
-            await self.stop(sandbox_id, "died", f"rollback to {snapshot} failed: {exc}")
-            raise
-        finally:
-            live.rolling_back = False
-        live.row.runtime = runtime
-        live.agent = live.substrate.agent(sandbox_id, runtime)
-        self.store.mark_running(sandbox_id, runtime, live.row.expires_at)
-        live.substrate.watch(sandbox_id, runtime, lambda: self._exited(sandbox_id))
+        async with live.changing:  # a stop meanwhile waits, then removes what this started
+            self._still_live(live)
+            live.rolling_back = True
+            try:
+                runtime = await live.substrate.rollback(plan, live.row.runtime)
+            except BaseException as exc:
+                failed: BaseException | None = exc
+            else:
+                failed = None
+                live.row.runtime = runtime
+                live.agent = live.substrate.agent(sandbox_id, runtime)
+                if self._live.get(sandbox_id) is live:  # else a stop waits to remove it
+                    self.store.mark_running(sandbox_id, runtime, live.row.expires_at)
+                    live.substrate.watch(sandbox_id, runtime, lambda: self._exited(sandbox_id))
+            finally:
+                live.rolling_back = False
+        if failed is not None:  # outside the lock: stop takes it
+            await self.stop(sandbox_id, "died", f"rollback to {snapshot} failed: {failed}")
+            raise failed
+        self._still_live(live)  # stopped during the rollback: the stop's end is the answer
         self.store.event("rollback", sandbox_id, snapshot=snapshot)
         return self.info(live.row)
+
+    def _still_live(self, live: Live) -> None:
+        """Under its ``changing`` lock: raise the recorded end of a sandbox stopped while the
+        caller waited for the lock."""
+        if self._live.get(live.row.id) is not live:
+            self._get(live.row.id)
+            raise SandboxNotFound(f"sandbox {live.row.id} was stopped", sandbox_id=live.row.id)
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         """Forget the snapshot, then remove its files (a create copying it already holds
@@ -414,15 +435,19 @@ class Edge:
         before the freeze and running after the thaw, so a crash in between never leaves a
         frozen sandbox recorded running (whose calls would hang)."""
         live = self._get(sandbox_id)
-        async with live.pausing:
-            if live.row.state != "paused":
-                self._set_state(live, "paused")
-                try:
-                    await self._freeze(live, True)
-                except BaseException:
-                    self._set_state(live, "running")
-                    raise
-                self.store.event("paused", sandbox_id)
+        try:
+            async with live.changing:
+                self._still_live(live)
+                if live.row.state != "paused":
+                    self._set_state(live, "paused")
+                    try:
+                        await self._freeze(live, True)
+                    except BaseException:
+                        self._set_state(live, "running")
+                        raise
+                    self.store.event("paused", sandbox_id)
+        except FileNotFoundError as exc:  # its cgroup is gone: the sandbox died meanwhile
+            raise await self._agent_failed(live, exc) from None
         return self.info(live.row)
 
     async def resume(self, sandbox_id: str) -> SandboxInfo:
@@ -434,18 +459,22 @@ class Edge:
         sandbox's agent goes through here, so a paused sandbox answers as if it never was."""
         live = self._get(sandbox_id)
         if live.row.state == "paused":
-            async with live.pausing:
-                if live.row.state == "paused":
-                    await self._freeze(live, False)
-                    self._set_state(live, "running")
-                    self.store.event("resumed", sandbox_id)
+            try:
+                async with live.changing:
+                    self._still_live(live)
+                    if live.row.state == "paused":
+                        await self._freeze(live, False)
+                        self._set_state(live, "running")
+                        self.store.event("resumed", sandbox_id)
+            except FileNotFoundError as exc:  # its cgroup is gone: it died meanwhile
+                raise await self._agent_failed(live, exc) from None
         return live
 
     async def _freeze(self, live: Live, frozen: bool) -> None:
+        """FileNotFoundError when its cgroup is gone (the sandbox died): the caller turns it
+        into the death, once it no longer holds the ``changing`` lock (stop takes it)."""
         try:
             await live.substrate.set_paused(live.row.id, live.row.runtime, frozen)
-        except FileNotFoundError as exc:  # its cgroup is gone: the sandbox died meanwhile
-            raise await self._agent_failed(live, exc) from None
         except TimeoutError as exc:
             raise SandboxError(f"sandbox {live.row.id} could not be "
                                f"{'paused' if frozen else 'resumed'}: {exc}",
