@@ -4,6 +4,9 @@ fork(n), and their trust boundary (projects, hostile trees, leaks), on a real se
 from __future__ import annotations
 
 import asyncio
+import os
+import secrets
+import shutil
 import signal
 import subprocess
 import time
@@ -444,3 +447,40 @@ async def test_snapshots_of_a_sandbox_writing_and_forking_flat_out_are_whole(
             await client.delete_snapshot(snap.id)
     await assert_no_trace(srv, sb.id)
     assert snapshot_dirs(srv) == set() and snapshot_loops(srv) == []
+
+
+async def test_the_disk_volume_refuses_what_may_not_fit_and_goes_when_the_server_stops(
+        images) -> None:  # type: ignore[no-untyped-def]
+    """A 1 GiB volume: a sandbox whose whole disk would not fit beside the reserve is
+    refused typed (CapacityExhausted), a small one is made and snapshotted as clones; the
+    server stopped with no sandbox unmounts the volume; a --disk-volume directory that
+    cannot clone is refused at start."""
+    server = make_server("--warm-pool", "0", "--disk-volume-gb", "1").start()
+    try:
+        async with server.client() as client:
+            with pytest.raises(dsec.CapacityExhausted, match="reserve"):
+                await client.create(disk_mb=1024, ttl_s=60)
+            sb = await client.create(disk_mb=64, ttl_s=60)
+            await sb.write_file("/work/f", b"fits")
+            kid = (await sb.fork(1, ttl_s=60))[0]
+            assert isinstance(kid, dsec.AsyncSandbox)
+            assert await kid.read_file("/work/f") == b"fits"
+            for done in (kid, sb):
+                await done.stop()
+                await assert_no_trace(server, done.id)
+        assert os.path.ismount(server.volume)
+    finally:
+        server.kill(signal.SIGTERM)
+    assert not os.path.ismount(server.volume)  # nothing on it was in use
+    assert str(server.state_dir / "volume.xfs") not in Path("/proc/self/mountinfo").read_text()
+    stop_server(server)
+    not_reflink = server.state_dir.parent / f"not-reflink-{secrets.token_hex(3)}"  # host ext4
+    not_reflink.mkdir()
+    plain = make_server("--disk-volume", str(not_reflink))
+    try:
+        with pytest.raises(RuntimeError, match="cannot clone"):
+            plain.start()
+        assert not any(not_reflink.iterdir())
+    finally:
+        not_reflink.rmdir()
+        shutil.rmtree(plain.state_dir, ignore_errors=True)

@@ -101,6 +101,10 @@ class DiskVolume:
         elif self.setting != AUTO:
             if not self.root.parent.is_dir():
                 raise NotSupported(f"--disk-volume {self.root.parent} is not a directory")
+            if not reflinks(self.root.parent):
+                raise NotSupported(f"--disk-volume {self.root.parent} cannot clone files "
+                                   "(FICLONE): name a directory on XFS (reflink=1) or btrfs, "
+                                   "or use 'auto'")
             self.root.mkdir(exist_ok=True)
             how = f"the operator's directory {self.root}"
         elif self._mounted_here():
@@ -119,9 +123,6 @@ class DiskVolume:
                 how = f"made {self.file} ({self.size_gb} GiB sparse XFS), mounted at {self.root}"
         self.file_backed = self._mounted_here()
         self.reflinks = reflinks(self.root)
-        if self.setting not in (AUTO, OFF) and not self.reflinks:
-            raise NotSupported(f"--disk-volume {self.root.parent} cannot clone files (FICLONE): "
-                               "name a directory on XFS (reflink=1) or btrfs, or use 'auto'")
         log.info("disk volume: %s; copies of images are %s", how,
                  "clones (FICLONE)" if self.reflinks else "data copies")
         return how
