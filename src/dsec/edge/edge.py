@@ -383,12 +383,11 @@ class Edge:
             raise InvalidRequest(f"snapshot {snapshot} is of another sandbox; a rollback takes "
                                  "the sandbox's own (create(snapshot=...) starts a new one)",
                                  snapshot=snapshot, sandbox_id=sandbox_id)
-        if live.row.request.get("network", "none") != "none":
-            raise NotSupported("rollback of a sandbox with a network policy is not supported "
-                               "yet (its wiring is its init's network namespace)")
         plan = StartPlan(sandbox_id, CreateRequest.model_validate(live.row.request),
                          self.images.get(live.row.image),
                          disk_from=self._snapshot_dir(snapshot) / SNAPSHOT_DISK)
+        # Resolved before anything is killed; wired again into the new init's namespace.
+        egress = await self._egress(live.substrate, plan.request.network)
         if plan.image.digest != live.row.image_digest:
             raise NotSupported(f"image {live.row.image} has been rebuilt since the sandbox "
                                "started: its layers are gone from under the snapshot")
@@ -397,6 +396,8 @@ class Edge:
             live.rolling_back = True
             try:
                 runtime = await live.substrate.rollback(plan, live.row.runtime)
+                if egress is not None:  # and its hosts pinned again over the snapshot's
+                    await self._apply_network(live.substrate, sandbox_id, runtime, egress)
             except BaseException as exc:
                 failed: BaseException | None = exc
             else:

@@ -89,7 +89,8 @@ class Substrate(ABC):
 
     async def rollback(self, plan: StartPlan, runtime: dict[str, Any]) -> dict[str, Any]:
         """Restart the running sandbox ``plan.sandbox_id`` from ``plan.disk_from`` (its own
-        snapshot): processes fresh, the same id and agent token; its new runtime dict."""
+        snapshot): processes fresh, the same id and agent token; its new runtime dict. Its
+        network wiring is removed; the edge applies its policy again (``set_network``)."""
         raise NotSupported(f"rollback of {self.name} sandboxes is not supported yet")
 
     async def set_paused(self, sandbox_id: str, runtime: dict[str, Any], paused: bool) -> None:

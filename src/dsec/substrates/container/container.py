@@ -157,13 +157,16 @@ class ContainerSubstrate(Substrate):
         new bundle is mounted while the runtime kills the old processes: the old overlay and
         disk are only detached from the host's mount table (the old container's namespace
         holds them until its last process is gone, then the disk's loop device detaches
-        itself), and the old disk is shut down first, so its unwritten data is dropped."""
+        itself), and the old disk is shut down first, so its unwritten data is dropped.
+        A network policy's wiring went with the old init's namespace: the edge wires the
+        new one (``set_network``)."""
         assert plan.disk_from is not None, "a rollback starts from a snapshot"
         name = runtime["runtime"]
         base = self._runtime_cmd(name)
         d = self._dir(plan.sandbox_id)
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._io, _clone_disk, plan.disk_from, d)
+        await self.network.remove(plan.sandbox_id)  # its wiring is the old init's netns
         self._pids.forget(plan.sandbox_id)
         kill = asyncio.ensure_future(spawn.run([*base, "delete", "--force", plan.sandbox_id]))
         try:
