@@ -17,9 +17,11 @@ import pytest
 
 import dsec
 from conftest import Server, make_server, stop_server
+from dsec.substrates.host.cgroups import freezer_file
 from test_cli import dsec_cli
 from test_hostile import assert_no_trace
 from test_projects import key_client, raw, unique
+from test_recovery import first_edge_id
 
 
 @pytest.fixture(scope="module")
@@ -484,3 +486,25 @@ async def test_the_disk_volume_refuses_what_may_not_fit_and_goes_when_the_server
     finally:
         not_reflink.rmdir()
         shutil.rmtree(plain.state_dir, ignore_errors=True)
+
+
+async def test_a_rollback_kills_a_forking_storm_to_the_last_process(
+        client: dsec.DSecClient, srv: Server) -> None:
+    """Hostile: the sandbox forks sleepers flat out up to its pids limit when it is rolled
+    back; the restart (in the same cgroups) starts with none of them left."""
+    sb = await client.create(ttl_s=300, pids=96)
+    procs = freezer_file(f"/dsec-{first_edge_id(srv)}", sb.id).parent / "cgroup.procs"
+    try:
+        snap = await sb.snapshot()
+        for _ in range(2):
+            await sb.start(["sh", "-c", "while :; do sleep 1000 & done"])
+        await asyncio.sleep(1.0)
+        assert len(procs.read_text().split()) > 40
+        await sb.rollback(snap)
+        assert len(procs.read_text().split()) == 1  # the new agent alone
+        assert await sb.processes() == []
+        assert (await sb.run("echo fresh")).stdout == "fresh\n"
+        await client.delete_snapshot(snap.id)
+    finally:
+        await sb.stop()
+    await assert_no_trace(srv, sb.id)

@@ -168,12 +168,24 @@ class ContainerSubstrate(Substrate):
         await loop.run_in_executor(self._io, _clone_disk, plan.disk_from, d)
         await self.network.remove(plan.sandbox_id)  # its wiring is the old init's netns
         self._pids.forget(plan.sandbox_id)
-        kill = asyncio.ensure_future(spawn.run([*base, "delete", "--force", plan.sandbox_id]))
+        kill = asyncio.ensure_future(self._kill(name, base, plan.sandbox_id))
         try:
             await loop.run_in_executor(self._io, self._swap_disk, plan, d)
         finally:
             await kill  # the same id: the old container is gone before the new one runs
         return await self._run(plan.sandbox_id, name, base, d, runtime["token"])
+
+    async def _kill(self, runtime: str, base: list[str], sandbox_id: str) -> None:
+        """The container's processes killed and the runtime's record of it gone. crun's
+        record is one directory: its processes are killed through the cgroup and the
+        directory removed, so the cgroups stay for the restart; other runtimes delete."""
+        if runtime != "crun":
+            await spawn.run([*base, "delete", "--force", sandbox_id])
+            return
+        await asyncio.get_running_loop().run_in_executor(
+            self._io, cgroups.kill_all, self.cgroup_parent, sandbox_id)
+        await asyncio.get_running_loop().run_in_executor(
+            self._io, remove_tree, self.runtime_root / runtime / sandbox_id)
 
     def _swap_disk(self, plan: StartPlan, d: Path) -> None:
         _unmount_bundle(d, wait=False)
