@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import dsec
-from conftest import Server, make_server, stop_server
+from conftest import LOG_DIR, Server, make_server, stop_server
 from dsec.substrates.host.cgroups import freezer_file
 from test_cli import dsec_cli
 from test_hostile import assert_no_trace
@@ -508,3 +508,32 @@ async def test_a_rollback_kills_a_forking_storm_to_the_last_process(
     finally:
         await sb.stop()
     await assert_no_trace(srv, sb.id)
+
+
+async def test_with_the_volume_off_snapshots_freeze_the_file_system_and_copy(
+        images) -> None:  # type: ignore[no-untyped-def]
+    """``--disk-volume off`` keeps the images on the state dir (host ext4 here, which cannot
+    clone): snapshots take the FIFREEZE path and sparse copies, a paused sandbox comes back
+    paused, children and rollbacks still work, nothing is mounted for a volume."""
+    server = make_server("--warm-pool", "0", "--disk-volume", "off").start()
+    try:
+        assert not os.path.ismount(server.volume) and not server.volume.exists()
+        async with server.client() as client:
+            sb = await client.create(ttl_s=120)
+            await sb.write_file("/work/kept", b"before")
+            await sb.pause()
+            snap = await sb.snapshot()
+            assert (await client.get(sb.id)).info.state == "paused"
+            assert (server.state_dir / "snapshots" / snap.id / "disk.img").exists()
+            kid = await client.create(snapshot=snap.id, ttl_s=60)
+            assert await kid.read_file("/work/kept") == b"before"
+            await sb.write_file("/work/kept", b"after")
+            await sb.rollback(snap)
+            assert await sb.read_file("/work/kept") == b"before"
+            for done in (kid, sb):
+                await done.stop()
+            await client.delete_snapshot(snap.id)
+        log = (LOG_DIR / f"{server.state_dir.name}.log").read_text()
+        assert "copying its data instead" in log  # the fallback says so (once per pair)
+    finally:
+        stop_server(server)
