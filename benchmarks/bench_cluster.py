@@ -35,6 +35,7 @@ from dsec.protocol.models import CreateRequest, ExecRequest
 from dsec.store.local_postgres import LocalPostgres
 from dsec.store.sqlite import StateStore
 from dsec.substrates.container.container import ContainerSubstrate
+from dsec.substrates.host.volume import DiskVolume
 
 from .bench import BENCH_ROOT, IMAGE, Sample, phase
 
@@ -95,8 +96,10 @@ async def alternate(console: Console, routers: dict[str, Any], sizes: list[int])
 def single_node(root: Any, capacity: int) -> Router:
     store = StateStore(root / "state.db")
     config = EdgeConfig(state_dir=root, capacity=capacity, warm_pool=0)
-    edge = Edge(config, store, ImageStore(), {"container": ContainerSubstrate(root, config.edge_id)},
-                EdgeMetrics(CollectorRegistry()))
+    volume = DiskVolume(root, config.edge_id)
+    edge = Edge(config, store, ImageStore(),
+                {"container": ContainerSubstrate(root, config.edge_id, volume)},
+                EdgeMetrics(CollectorRegistry()), volume)
     return Router(LocalEdges([edge]))
 
 

@@ -1,9 +1,10 @@
 """What the per-sandbox disk quota costs on the create and destroy paths.
 
 Against the baseline of a writable layer that is a plain directory (no quota), in alternating
-batches: attaching a disk from the pool of spare, pre-formatted files (rename + loop mount),
-and attaching one of a size with no spares (sparse file + mkfs.ext4 + loop mount); then the
-teardown of each (unmount + loop release + removal against a directory's removal).
+batches: attaching a disk cloned from the golden image of a pooled size (FICLONE + loop
+mount, on an edge's disk volume made for the run), and attaching one of a size with no golden
+image (sparse file + mkfs.ext4 + loop mount); then the teardown of each (unmount + loop
+release + removal against a directory's removal).
 ``python -m dsec_benchmarks.bench_disk [--rounds N]``; figures in docs/BENCHMARKS.md.
 """
 
@@ -18,8 +19,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-from dsec.images.mount import unmount
-from dsec.substrates.host.disk import DiskPool, release
+from dsec.substrates.host.disk import DiskPool
+from dsec.substrates.host.loop import unmount_image
+from dsec.substrates.host.volume import DiskVolume
 
 from .bench import Sample, compare, report
 
@@ -29,8 +31,9 @@ POOLED_MB, UNPOOLED_MB = 1024, 1000
 
 class DiskBench:
     def __init__(self, root: Path) -> None:
-        self.root = root
-        self.pool = DiskPool(root / "spares", (POOLED_MB,))
+        self.volume = DiskVolume(root, "bench", size_gb=64)
+        self.root = self.volume.root
+        self.pool = DiskPool(self.root / "disks", (POOLED_MB,))
         self.made: list[tuple[Path, bool]] = []  # (dir, is a disk)
 
     def _new_dir(self) -> Path:
@@ -55,17 +58,12 @@ class DiskBench:
         self.made.append((d, True))
         return (time.perf_counter() - t0) * 1000
 
-    async def wait_spares(self) -> None:
-        while len(list((self.root / "spares").glob(f"{POOLED_MB}mb-*.img"))) < 2:
-            await asyncio.sleep(0.01)
-
     def teardown(self, is_disk: bool) -> float:
         d = next(d for d, disk in self.made if disk == is_disk)
         self.made.remove((d, is_disk))
         t0 = time.perf_counter()
         if is_disk:
-            unmount(d / "disk")
-            release(d / "disk.img")
+            unmount_image(d / "disk", d / "disk.img")
         shutil.rmtree(d)
         return (time.perf_counter() - t0) * 1000
 
@@ -74,18 +72,13 @@ async def run(rounds: int) -> list[Sample]:
     root = ROOT / f"disk-{secrets.token_hex(3)}"
     root.mkdir(parents=True)
     bench = DiskBench(root)
-    bench.pool.prepare()
+    bench.volume.open()
     samples: list[Sample] = []
     try:
-        await bench.disk(POOLED_MB)  # warm-up; starts the spares
-        await bench.wait_spares()
-
-        async def pooled() -> float:
-            await bench.wait_spares()  # untimed: only the take is measured
-            return await bench.disk(POOLED_MB)
-
+        bench.pool.prepare()  # formats the golden image
         samples += await compare(Sample("writable layer: plain directory", []), bench.plain,
-                                 Sample("writable layer: disk from a spare", []), pooled, 1, rounds)
+                                 Sample("writable layer: disk cloned from the golden image", []),
+                                 lambda: bench.disk(POOLED_MB), 1, rounds)
         samples += await compare(Sample("writable layer: plain directory (again)", []), bench.plain,
                                  Sample("writable layer: disk formatted on demand", []),
                                  lambda: bench.disk(UNPOOLED_MB), 1, rounds)
@@ -101,9 +94,8 @@ async def run(rounds: int) -> list[Sample]:
     finally:
         for d, is_disk in bench.made:
             if is_disk:
-                unmount(d / "disk")
-                release(d / "disk.img")
-        await asyncio.sleep(0.5)  # a refill under way finishes its file
+                unmount_image(d / "disk", d / "disk.img")
+        bench.volume.close()
         shutil.rmtree(root, ignore_errors=True)
     return samples
 

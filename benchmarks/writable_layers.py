@@ -29,8 +29,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from dsec.substrates.host.disk import _loop_mount as dsec_loop_mount
-from dsec.substrates.host.disk import loop_devices_of
+from dsec.substrates.host.loop import loop_mount as dsec_loop_mount
 
 ROOT = Path("/var/tmp/dsec-design")
 GIB = 1 << 30
@@ -78,6 +77,14 @@ def loop_mount(image: Path, target: Path, fstype: str = "ext4", opts: str = "") 
         dsec_loop_mount(image, target)
     else:
         sh("mount", "-t", fstype, "-o", ",".join(filter(None, ["loop", opts])), image, target)
+
+
+def loop_devices_of(image: Path) -> list[str]:
+    """Loop devices backed by ``image``: a scan of every device (dsec itself reads the one
+    device of a mount, host/loop.py; this lab script waits on many images at once)."""
+    target = os.path.realpath(image)
+    return [b.parent.parent.name for b in Path("/sys/block").glob("loop*/loop/backing_file")
+            if b.read_text().strip().removesuffix(" (deleted)") == target]
 
 
 def detached(images: list[Path]) -> float:

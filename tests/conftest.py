@@ -23,6 +23,7 @@ from dsec.images.mount import LayerMounter
 from dsec.images.store import ImageStore
 from dsec.network.testbed import Destination, make_destination
 from dsec.store.local_postgres import LocalPostgres
+from dsec.substrates.host.volume import VOLUME_DIR
 
 TEST_ROOT = Path("/run/dsec-test")
 SUBSTRATES = ["container", "fn", "microvm", "vm"]
@@ -63,6 +64,11 @@ class Server:
             return httpx.Client(transport=httpx.HTTPTransport(uds=str(self.state_dir / "api.sock")),
                                 base_url="http://dsec", headers=headers, timeout=HTTP_TIMEOUT_S)
         return httpx.Client(base_url=self.url, headers=headers, timeout=HTTP_TIMEOUT_S)
+
+    @property
+    def volume(self) -> Path:
+        """Its disk volume (``--disk-volume auto``): sandboxes/, snapshots/ and disks/."""
+        return self.state_dir / VOLUME_DIR
 
     @property
     def key(self) -> str:

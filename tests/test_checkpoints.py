@@ -352,7 +352,7 @@ async def test_deleting_a_trajectory_deletes_the_checkpoints_no_fork_links(
     await client.delete_trajectory(again.trajectory)  # and stops its sandbox
     assert (await client.get(again.id)).info.state == "stopped"
     assert {s.id for s in await client.snapshots()}.isdisjoint(own)
-    assert not any((srv.state_dir / "snapshots" / snapshot).exists() for snapshot in own)
+    assert not any((srv.volume / "snapshots" / snapshot).exists() for snapshot in own)
 
 
 async def test_a_fork_that_cannot_be_made_whole_leaves_nothing(client: dsec.DSecClient,

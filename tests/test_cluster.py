@@ -28,6 +28,7 @@ from conftest import TEST_ROOT, Server, free_port
 pytest.importorskip("ray", reason="the cluster tests need the `cluster` extra (Ray)")
 from dsec.cluster.local import TOLERANT_HEALTH_CHECKS, LocalRayCluster  # noqa: E402
 from dsec.store.local_postgres import LocalPostgres  # noqa: E402
+from dsec.substrates.host.volume import VOLUME_DIR  # noqa: E402
 
 CAPACITY = 100
 IMAGE = "debian-minbase"
@@ -66,11 +67,12 @@ def replicas(ray_cluster: LocalRayCluster, local_postgres: LocalPostgres) -> Ite
 def host_traces(state_dir: Path, edge: str) -> dict[str, list[str]]:
     """What the host still holds of an edge's sandboxes: mounts, cgroups, dirs, containers."""
     root = state_dir / edge
+    sandboxes = root / VOLUME_DIR / "sandboxes"
     mounts = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()
-              if line.split()[4].startswith(str(root / "sandboxes"))]
+              if line.split()[4].startswith(str(sandboxes))]
     cgroups = [str(p) for p in Path("/sys/fs/cgroup").glob(f"*/dsec-{edge}/*") if p.is_dir()]
     return {"mounts": mounts, "cgroups": cgroups,
-            "dirs": [p.name for p in (root / "sandboxes").glob("*")],
+            "dirs": [p.name for p in sandboxes.glob("*")],
             "containers": [p.name for p in (root / "runtime").glob("*/*")]}
 
 

@@ -26,6 +26,7 @@ from conftest import TEST_ROOT, Server, free_port
 pytest.importorskip("ray", reason="the cluster tests need the `cluster` extra (Ray)")
 from dsec.cluster.local import TOLERANT_HEALTH_CHECKS, LocalRayCluster  # noqa: E402
 from dsec.store.local_postgres import LocalPostgres  # noqa: E402
+from dsec.substrates.host.volume import VOLUME_DIR  # noqa: E402
 from test_cluster import died, wait_for_edge  # noqa: E402
 
 FN_IMAGE = "python-3.11"
@@ -117,12 +118,12 @@ async def test_a_snapshot_outlives_its_node(ray_cluster: LocalRayCluster, replic
             await client.create(snapshot=tampered.id, memory_mb=256, ttl_s=60)
         assert {sb.id for sb in await client.list()} == live  # nothing half-made
         edge_b = child.info.edge
-        assert not (ray_cluster.state_dir / edge_b / "snapshots" / tampered.id).exists()
+        assert not (ray_cluster.state_dir / edge_b / VOLUME_DIR / "snapshots" / tampered.id).exists()
 
         for snap in (snap_box, snap_fn, tampered):  # their node is dead: another edge deletes
             await client.delete_snapshot(snap.id)
             assert not (ray_cluster.state_dir / "shared" / f"{snap.id}.img").exists()
-            assert not (ray_cluster.state_dir / edge_b / "snapshots" / snap.id).exists()
+            assert not (ray_cluster.state_dir / edge_b / VOLUME_DIR / "snapshots" / snap.id).exists()
         assert await client.snapshots() == []
         await asyncio.gather(child.stop(), fn_child.stop())
 
@@ -156,7 +157,7 @@ async def test_a_full_node_sends_a_create_from_its_snapshot_elsewhere(
             await asyncio.gather(child.stop(), parent.stop(), *(sb.stop() for sb in filler))
         await client.delete_snapshot(snap.id)  # on its own edge, the other's copy swept soon
         assert not (ray_cluster.state_dir / "shared" / f"{snap.id}.img").exists()
-        fetched = ray_cluster.state_dir / child.info.edge / "snapshots" / snap.id
+        fetched = ray_cluster.state_dir / child.info.edge / VOLUME_DIR / "snapshots" / snap.id
         deadline = time.monotonic() + 60
         while fetched.exists():
             assert time.monotonic() < deadline, "the fetched copy outlived its snapshot"

@@ -178,7 +178,7 @@ async def test_a_tampered_snapshot_file_starts_nothing(client: dsec.DSecClient, 
         snap = await sb.snapshot()
     finally:
         await sb.stop()
-    path = srv.state_dir / "snapshots" / snap.id / "disk.img"
+    path = srv.volume / "snapshots" / snap.id / "disk.img"
     data = path.read_bytes()
     path.write_bytes(data[:len(data) // 2] if damage == "truncate"
                      else data[:40] + bytes([data[40] ^ 0xFF]) + data[41:])

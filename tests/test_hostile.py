@@ -21,9 +21,10 @@ import pytest
 import dsec
 from conftest import Server, _sandbox
 from dsec.api.limits import MAX_BODY_BYTES
-from dsec.images.mount import unmount
 from dsec.protocol.models import DEFAULT_MAX_OUTPUT
-from dsec.substrates.host.disk import DiskPool, loop_devices_of, release
+from dsec.substrates.host.disk import DiskPool
+from dsec.substrates.host.loop import backing_file, mounted_loop, unmount_image
+from dsec.substrates.host.volume import DiskVolume
 from test_recovery import first_edge_id, host_traces
 
 PROBE = Path(__file__).parent / "support" / "hostile_probe.py"
@@ -168,39 +169,35 @@ async def test_disk_fill_ends_with_enospc(client, sandbox, hostile, server) -> N
     await assert_host_fine(sandbox)
 
 
-def test_disk_pool_hands_out_preformatted_spares(tmp_path: Path) -> None:
-    pool = DiskPool(tmp_path / "spares", (16,))
+def test_disk_pool_clones_a_golden_image(tmp_path: Path) -> None:
+    volume = DiskVolume(tmp_path, "e0", size_gb=8)
+    volume.open()
+    disks = volume.root / "disks"
+    disks.mkdir()
+    (disks / "16mb-halfmade.tmp").write_bytes(b"crashed mid-mkfs")
+    (disks / "16mb-0a1b2c3d.img").write_bytes(b"a spare of an older dsec")
+    pool = DiskPool(disks, (16,))
     pool.prepare()
-    (tmp_path / "spares" / "16mb-halfmade.tmp").write_bytes(b"crashed mid-mkfs")
-    pool.prepare()
-    assert not list((tmp_path / "spares").iterdir())
+    assert sorted(p.name for p in disks.iterdir()) == ["golden-16mb.img"]
     mounted = []
-
-    def refilled() -> list[Path]:
-        deadline = time.monotonic() + 60
-        while len(spares := sorted((tmp_path / "spares").glob("16mb-*.img"))) < 2:
-            assert time.monotonic() < deadline, "the pool was not refilled"
-            time.sleep(0.05)
-        return spares
-
     try:
-        pool.attach(tmp_path / "a.img", tmp_path / "a", 16)  # no spare yet: formatted now
-        mounted.append(tmp_path / "a")
-        inodes = {spare.stat().st_ino for spare in refilled()}
-        pool.attach(tmp_path / "b.img", tmp_path / "b", 16)
-        mounted.append(tmp_path / "b")
-        assert (tmp_path / "b.img").stat().st_ino in inodes  # a spare, not a fresh mkfs
-        refilled()  # the spare taken is replaced (and no filler outlives the test)
-        fs = os.statvfs(tmp_path / "b")
+        for name in ("a", "b"):
+            pool.attach(volume.root / f"{name}.img", volume.root / name, 16)
+            mounted.append(volume.root / name)
+            (volume.root / name / "mine").write_text(name)
+        assert [(volume.root / n / "mine").read_text() for n in "ab"] == ["a", "b"]
+        fs = os.statvfs(volume.root / "b")
         assert 12 << 20 < fs.f_blocks * fs.f_frsize <= 16 << 20
-        pool.attach(tmp_path / "c.img", tmp_path / "c", 20)  # not pooled: no spares kept
-        mounted.append(tmp_path / "c")
-        assert not list((tmp_path / "spares").glob("20mb-*"))
+        pool.attach(volume.root / "c.img", volume.root / "c", 20)  # not pooled: formatted
+        mounted.append(volume.root / "c")
+        assert sorted(p.name for p in disks.iterdir()) == ["golden-16mb.img"]
     finally:
         for target in mounted:
-            unmount(target)
-            release(target.with_suffix(".img"))
-            assert not loop_devices_of(target.with_suffix(".img"))
+            dev = mounted_loop(target)
+            unmount_image(target, target.with_suffix(".img"))
+            assert dev is not None and backing_file(dev) != str(target.with_suffix(".img"))
+        volume.close()
+    assert mounted_loop(volume.root) is None  # nothing on it in use: unmounted
 
 
 # --- probing the host --------------------------------------------------------------------
@@ -266,7 +263,7 @@ async def test_forged_agent_requests_from_inside_are_refused(client, hostile) ->
 
 async def test_a_fake_agent_socket_gets_no_token(client, hostile, server) -> None:
     sb = await with_probe(client, hostile)
-    run_dir = server.state_dir / "sandboxes" / sb.id / "disk" / "run"
+    run_dir = server.volume / "sandboxes" / sb.id / "disk" / "run"
     await sb.start(["python3", "/work/probe.py", "impostor"])
     deadline = time.monotonic() + 60
     while not (run_dir / "impostor-ready").exists():

@@ -87,7 +87,7 @@ def host_usage(path: Path) -> tuple[int, int]:
 async def test_filling_the_run_dir_hits_the_sandboxs_quota(client, server, sandbox, hostile,
                                                           runtime: str) -> None:
     sb = await create(client, hostile, image="python-3.11", disk_mb=16, runtime=runtime)
-    run_dir = server.state_dir / "sandboxes" / sb.id / "disk" / "run"
+    run_dir = server.volume / "sandboxes" / sb.id / "disk" / "run"
     assert os.stat(run_dir).st_dev != os.stat(run_dir.parent.parent).st_dev  # on its own disk
     free_before, inodes_before = host_usage(server.state_dir)
     r = await sb.run("yes > /.dsec/run/fill", timeout_s=120)
@@ -131,7 +131,7 @@ def own_server(images) -> Server:  # type: ignore[no-untyped-def]
 
 
 def _kill_init(server: Server, sandbox_id: str) -> None:
-    pid = int((server.state_dir / "sandboxes" / sandbox_id / "pid").read_text())
+    pid = int((server.volume / "sandboxes" / sandbox_id / "pid").read_text())
     os.kill(pid, signal.SIGKILL)
 
 
@@ -141,7 +141,7 @@ async def test_restart_with_hostile_trees_and_unremovable_leftovers(own_server: 
     removed at all: the server starts, adopts the live one, cleans the rest, and says what it
     could not remove."""
     edge_id = first_edge_id(own_server)
-    root = own_server.state_dir / "sandboxes"
+    root = own_server.volume / "sandboxes"
     async with own_server.client() as client:
         live = await client.create(image="python-3.11", ttl_s=600)
         dead = await client.create(image="python-3.11", ttl_s=600)

@@ -230,6 +230,32 @@ async def test_set_network_flips_reachability(net_server: Server, dest: Destinat
             await sb.stop()
 
 
+async def test_a_rollback_wires_the_current_policy_into_the_new_init(
+        net_server: Server, dest: Destination) -> None:
+    """The policy is the sandbox's, not its snapshot's: a rollback kills the init whose
+    namespace held the wiring, and the restarted one is wired with the policy in force."""
+    edge = edge_id(net_server)
+    async with net_server.client() as client:
+        sb = await client.create(ttl_s=120, network={"allow": [f"{dest.address}:{PORTS[0]}"]})
+        slots = {slot_of(edge, sb.id)}
+        try:
+            snap = await sb.snapshot()
+            await sb.rollback(snap)
+            slots.add(slot_of(edge, sb.id))
+            assert await fetch(sb, dest.address, PORTS[0]) == f"hello-{PORTS[0]}"
+            assert await fetch(sb, dest.address, PORTS[1]) is None
+            await sb.set_network({"allow": [dest.network]})
+            await sb.rollback(snap)
+            slots.add(slot_of(edge, sb.id))
+            assert await fetch(sb, dest.address, PORTS[1]) == f"hello-{PORTS[1]}"
+            mine = [link for link in _ip("link") if link.get("ifalias") == f"{edge}/{sb.id}"]
+            assert len(mine) == 1  # the old init's veth went with it
+            await client.delete_snapshot(snap.id)
+        finally:
+            await sb.stop()
+        assert_clean(edge, slots)
+
+
 async def test_host_names_are_pinned_in_etc_hosts(net_server: Server, dest: Destination) -> None:
     async with net_server.client() as client:
         sb = await client.create(ttl_s=120, network={"allow": ["localhost:9"]})
@@ -292,7 +318,7 @@ async def test_failed_create_leaves_nothing(net_server: Server) -> None:
     edge = edge_id(net_server)
 
     def sandboxes() -> set[str]:
-        dirs = {p.name for p in (net_server.state_dir / "sandboxes").iterdir()}
+        dirs = {p.name for p in (net_server.volume / "sandboxes").iterdir()}
         return dirs | {p.name for p in Path("/sys/fs/cgroup").glob(f"*/dsec-{edge}/*") if p.is_dir()}
 
     before = sandboxes()
@@ -308,7 +334,7 @@ async def test_nothing_left_when_a_wired_sandbox_dies(net_server: Server) -> Non
     async with net_server.client() as client:
         sb = await client.create(ttl_s=120, network={"testsvc": True})
         slot = slot_of(edge, sb.id)
-        os.kill(int((net_server.state_dir / "sandboxes" / sb.id / "pid").read_text()),
+        os.kill(int((net_server.volume / "sandboxes" / sb.id / "pid").read_text()),
                 signal.SIGKILL)
         deadline = time.monotonic() + 60
         while (await sb.refresh()).state != "died":
@@ -329,7 +355,7 @@ async def test_nothing_leaks_after_kill9_and_restart(images, dest: Destination) 
         srv.kill(signal.SIGKILL)
         # While the edge is down, one sandbox dies: its netns and veth go with it, its rules
         # stay until the restarted edge sweeps them.
-        os.kill(int((srv.state_dir / "sandboxes" / dying.id / "pid").read_text()), signal.SIGKILL)
+        os.kill(int((srv.volume / "sandboxes" / dying.id / "pid").read_text()), signal.SIGKILL)
         srv.start()
         async with srv.client() as client:
             adopted = await client.get(kept.id)

@@ -21,7 +21,7 @@ def first_edge_id(server: Server) -> str:
 
 def host_traces(server: Server, edge_id: str) -> dict[str, list[str]]:
     """Everything of this edge's sandboxes that the host still holds."""
-    root = str(server.state_dir / "sandboxes")
+    root = str(server.volume / "sandboxes")
     mounts = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()
               if line.split()[4].startswith(root)]
     cgroups = [str(p) for p in Path("/sys/fs/cgroup").glob(f"*/dsec-{edge_id}/*") if p.is_dir()]
@@ -35,7 +35,7 @@ def host_traces(server: Server, edge_id: str) -> dict[str, list[str]]:
         except OSError:
             pass
     containers = [p.name for p in (server.state_dir / "runtime").glob("*/*")]
-    dirs = [p.name for p in (server.state_dir / "sandboxes").glob("*")]
+    dirs = [p.name for p in (server.volume / "sandboxes").glob("*")]
     loops = [name for b in Path("/sys/block").glob("loop*/loop/backing_file")
              if (name := _read(b).strip()).startswith(root + "/")]  # disk files of sandboxes
     return {"mounts": mounts, "cgroups": cgroups, "processes": procs,

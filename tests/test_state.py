@@ -5,7 +5,11 @@ trees, leaks), on a real server."""
 from __future__ import annotations
 
 import asyncio
+import os
+import secrets
+import shutil
 import signal
+import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -13,10 +17,12 @@ from pathlib import Path
 import pytest
 
 import dsec
-from conftest import Server, make_server, stop_server
+from conftest import LOG_DIR, Server, make_server, stop_server
+from dsec.substrates.host.cgroups import freezer_file
 from test_cli import dsec_cli
 from test_hostile import assert_no_trace
 from test_projects import key_client, raw, unique
+from test_recovery import first_edge_id
 
 
 @pytest.fixture(scope="module")
@@ -33,12 +39,12 @@ async def client(srv: Server) -> AsyncIterator[dsec.DSecClient]:
 
 
 def snapshot_dirs(srv: Server) -> set[str]:
-    return {p.name for p in (srv.state_dir / "snapshots").glob("*")}
+    return {p.name for p in (srv.volume / "snapshots").glob("*")}
 
 
 def snapshot_loops(srv: Server) -> list[str]:
     """Loop devices backed by a snapshot's file (a snapshot is never mounted)."""
-    root = str(srv.state_dir / "snapshots") + "/"
+    root = str(srv.volume / "snapshots") + "/"
     return [b.read_text().strip() for b in Path("/sys/block").glob("loop*/loop/backing_file")
             if b.read_text().startswith(root)]
 
@@ -83,7 +89,7 @@ async def test_a_snapshot_outlives_its_sandbox_and_a_server_restart(
     assert 0 < snap.size_bytes < 256 << 20  # the blocks used, not the disk's size
     await source.stop()
     srv.kill(signal.SIGKILL)
-    half_made = srv.state_dir / "snapshots" / "sn-crashed-000000000000"  # a crash mid-snapshot
+    half_made = srv.volume / "snapshots" / "sn-crashed-000000000000"  # a crash mid-snapshot
     half_made.mkdir()
     (half_made / "disk.img").write_bytes(b"half")
     srv.start()
@@ -254,7 +260,7 @@ async def test_a_hostile_tree_snapshots_within_its_disk_and_time(client: dsec.DS
         await client.delete_snapshot(snap.id)
     await assert_no_trace(srv, child.id)
     assert await client.list() == []
-    assert not list((srv.state_dir / "sandboxes").iterdir())  # nor the child that failed
+    assert not list((srv.volume / "sandboxes").iterdir())  # nor the child that failed
     assert snapshot_dirs(srv) == set() and snapshot_loops(srv) == []
 
 
@@ -312,22 +318,29 @@ def test_snapshot_ls_and_rm_on_the_command_line(srv: Server) -> None:
     assert snapshot_dirs(srv) == set()
 
 
-async def test_a_paused_sandbox_is_resumed_to_be_snapshotted_and_rolled_back(
+async def test_a_paused_sandbox_stays_paused_through_a_snapshot(
         client: dsec.DSecClient, srv: Server) -> None:
     sb = await client.create(ttl_s=300)
     try:
         await sb.write_file("/work/kept", b"before")
+        await sb.start("while :; do echo tick >> /work/ticks; sleep 0.01; done")
         await sb.pause()
+        ticks = srv.volume / "sandboxes" / sb.id / "disk" / "upper" / "work" / "ticks"
+        frozen_at = ticks.stat().st_size
         snap = await sb.snapshot()
-        assert (await client.get(sb.id)).info.state == "running"
-        await sb.write_file("/work/kept", b"after")
-        await sb.pause()
-        await sb.rollback(snap)
-        assert (await sb.read_file("/work/kept")) == b"before"
+        assert (await client.get(sb.id)).info.state == "paused"
+        await asyncio.sleep(0.3)
+        assert ticks.stat().st_size == frozen_at  # not one tick while it was snapshotted
         kid = await client.create(snapshot=snap.id, ttl_s=60)
         assert (await kid.read_file("/work/kept")) == b"before"
+        assert (await kid.read_file("/work/ticks")).count(b"tick\n") == frozen_at // 5
         await kid.stop()
         await assert_no_trace(srv, kid.id)
+        await sb.write_file("/work/kept", b"after")  # resumes it
+        await sb.pause()
+        await sb.rollback(snap)  # processes start afresh: it runs
+        assert (await client.get(sb.id)).info.state == "running"
+        assert (await sb.read_file("/work/kept")) == b"before"
         await client.delete_snapshot(snap.id)
     finally:
         await sb.stop()
@@ -442,3 +455,198 @@ def test_fork_and_snapshot_ttl_on_the_command_line(srv: Server) -> None:
         gone = dsec_cli(srv, "fork", sb.id, "-n", "1", check=False)
         assert gone.returncode == 1 and "sandbox_not_found" in gone.stderr
     assert snapshot_dirs(srv) == set()
+
+
+async def test_a_stop_racing_a_rollback_wins_and_leaves_nothing(
+        client: dsec.DSecClient, srv: Server) -> None:
+    """A client's stop at any point of a rollback: the sandbox ends stopped, the rollback
+    either finished first or fails typed, and nothing of either is left (a rollback that
+    restarted the container after the stop's clean-up would leak it)."""
+    for delay_s in (0.0, 0.005, 0.015, 0.03, 0.06):
+        sb = await client.create(ttl_s=300)
+        snap = await sb.snapshot()
+        await sb.write_file("/work/later", b"x")
+
+        async def stop_after(sb: dsec.AsyncSandbox = sb, delay_s: float = delay_s) -> None:
+            await asyncio.sleep(delay_s)
+            await sb.stop()
+        rolled, stopped = await asyncio.gather(sb.rollback(snap), stop_after(),
+                                               return_exceptions=True)
+        assert stopped is None, stopped
+        assert not isinstance(rolled, BaseException) or isinstance(
+            rolled, (dsec.SandboxNotFound, dsec.SandboxDied)), rolled
+        assert (await client.get(sb.id)).info.state == "stopped"
+        await assert_no_trace(srv, sb.id)
+        await client.delete_snapshot(snap.id)
+    assert snapshot_dirs(srv) == set()
+
+
+async def test_the_ttl_reaper_racing_rollbacks_leaves_nothing(
+        client: dsec.DSecClient, srv: Server) -> None:
+    sb = await client.create(ttl_s=300)
+    snap = await sb.snapshot()
+    await sb.set_ttl(1)
+    ended = None
+    deadline = time.monotonic() + 30
+    while ended is None and time.monotonic() < deadline:
+        try:
+            await sb.rollback(snap)
+        except (dsec.SandboxNotFound, dsec.SandboxDied) as exc:
+            ended = exc
+    assert ended is not None, "the TTL never expired"
+    assert (await client.get(sb.id)).info.state == "expired"
+    await assert_no_trace(srv, sb.id)
+    await client.delete_snapshot(snap.id)
+
+
+RECORD = 64  # bytes: an 8-digit counter, 55 zeros, a newline
+APPENDER = "i=0; while :; do i=$((i+1)); printf '%08d%055d\\n' $i 0 >> /work/app; done"
+REWRITER = ("while :; do head -c 4194304 /dev/zero | tr '\\0' x > /work/blob.tmp && "
+            "mv /work/blob.tmp /work/blob; done")
+FORKER = "while :; do /bin/true; done"
+# What e2fsck says of any image of a mounted, journal-less ext4 taken after a syncfs: the
+# superblock's summary counters are stale (ext4 recomputes them from the group descriptors
+# when it mounts); anything else would be a torn file system.
+SUMMARY_ONLY = ("Free blocks count wrong", "Free inodes count wrong",
+                "Padding at end of inode bitmap")
+
+
+def e2fsck_findings(image: Path) -> list[str]:
+    """What a read-only full check of the image finds, beyond the stale summary counters."""
+    done = subprocess.run(["e2fsck", "-fn", str(image)], capture_output=True, text=True)
+    assert done.returncode in (0, 1, 4), done
+    return [line for line in done.stdout.splitlines()
+            if line.strip() and not line.startswith(("Pass ", "Fix? no", *SUMMARY_ONLY))
+            and not line.startswith(f"{image}: ") and "check forced" not in line]
+
+
+async def test_snapshots_of_a_sandbox_writing_and_forking_flat_out_are_whole(
+        client: dsec.DSecClient, srv: Server) -> None:
+    """Hostile: an appender, a rewriter of a 4 MiB file and two fork loops run flat out
+    while snapshots are taken (processes frozen, syncfs, clone): every image is a clean
+    file system apart from its summary counters, and sandboxes started from them hold only
+    whole records, in order, and only whole rewrites."""
+    sb = await client.create(ttl_s=300, pids=256)
+    snaps: list[dsec.Snapshot] = []
+    try:
+        for script in (APPENDER, REWRITER, FORKER, FORKER):
+            await sb.start(["sh", "-c", script])
+        await asyncio.sleep(1.0)
+        for _ in range(8):
+            t0 = time.perf_counter()
+            snaps.append(await sb.snapshot())
+            assert time.perf_counter() - t0 < 5
+            await asyncio.sleep(0.1)
+        assert (await client.get(sb.id)).info.state == "running"  # thawed after each
+        for snap in snaps:
+            assert e2fsck_findings(srv.volume / "snapshots" / snap.id / "disk.img") == []
+        for snap in (snaps[0], snaps[len(snaps) // 2], snaps[-1]):
+            kid = await client.create(snapshot=snap.id, ttl_s=60)
+            try:
+                app = await kid.read_file("/work/app")
+                assert len(app) % RECORD == 0 and app, len(app)
+                counters = [int(app[i:i + 8]) for i in range(0, len(app), RECORD)]
+                assert counters == list(range(1, len(counters) + 1))
+                assert all(app[i + 8:i + RECORD] == b"0" * 55 + b"\n"
+                           for i in range(0, len(app), RECORD))
+                blob = await kid.stat("/work/blob")
+                assert blob.size == 4 << 20
+                check = await kid.run("tr -d x < /work/blob | wc -c")
+                assert check.stdout.strip() == "0"
+            finally:
+                await kid.stop()
+            await assert_no_trace(srv, kid.id)
+    finally:
+        await sb.stop()
+        for snap in snaps:
+            await client.delete_snapshot(snap.id)
+    await assert_no_trace(srv, sb.id)
+    assert snapshot_dirs(srv) == set() and snapshot_loops(srv) == []
+
+
+async def test_the_disk_volume_refuses_what_may_not_fit_and_goes_when_the_server_stops(
+        images) -> None:  # type: ignore[no-untyped-def]
+    """A 1 GiB volume: a sandbox whose whole disk would not fit beside the reserve is
+    refused typed (CapacityExhausted), a small one is made and snapshotted as clones; the
+    server stopped with no sandbox unmounts the volume; a --disk-volume directory that
+    cannot clone is refused at start."""
+    server = make_server("--warm-pool", "0", "--disk-volume-gb", "1").start()
+    try:
+        async with server.client() as client:
+            with pytest.raises(dsec.CapacityExhausted, match="reserve"):
+                await client.create(disk_mb=1024, ttl_s=60)
+            sb = await client.create(disk_mb=64, ttl_s=60)
+            await sb.write_file("/work/f", b"fits")
+            kid = (await sb.fork(1, ttl_s=60))[0]
+            assert isinstance(kid, dsec.AsyncSandbox)
+            assert await kid.read_file("/work/f") == b"fits"
+            for done in (kid, sb):
+                await done.stop()
+                await assert_no_trace(server, done.id)
+        assert os.path.ismount(server.volume)
+    finally:
+        server.kill(signal.SIGTERM)
+    assert not os.path.ismount(server.volume)  # nothing on it was in use
+    assert str(server.state_dir / "volume.xfs") not in Path("/proc/self/mountinfo").read_text()
+    stop_server(server)
+    not_reflink = server.state_dir.parent / f"not-reflink-{secrets.token_hex(3)}"  # host ext4
+    not_reflink.mkdir()
+    plain = make_server("--disk-volume", str(not_reflink))
+    try:
+        with pytest.raises(RuntimeError, match="cannot clone"):
+            plain.start()
+        assert not any(not_reflink.iterdir())
+    finally:
+        not_reflink.rmdir()
+        shutil.rmtree(plain.state_dir, ignore_errors=True)
+
+
+async def test_a_rollback_kills_a_forking_storm_to_the_last_process(
+        client: dsec.DSecClient, srv: Server) -> None:
+    """Hostile: the sandbox forks sleepers flat out up to its pids limit when it is rolled
+    back; the restart (in the same cgroups) starts with none of them left."""
+    sb = await client.create(ttl_s=300, pids=96)
+    procs = freezer_file(f"/dsec-{first_edge_id(srv)}", sb.id).parent / "cgroup.procs"
+    try:
+        snap = await sb.snapshot()
+        for _ in range(2):
+            await sb.start(["sh", "-c", "while :; do sleep 1000 & done"])
+        await asyncio.sleep(1.0)
+        assert len(procs.read_text().split()) > 40
+        await sb.rollback(snap)
+        assert len(procs.read_text().split()) == 1  # the new agent alone
+        assert await sb.processes() == []
+        assert (await sb.run("echo fresh")).stdout == "fresh\n"
+        await client.delete_snapshot(snap.id)
+    finally:
+        await sb.stop()
+    await assert_no_trace(srv, sb.id)
+
+
+async def test_with_the_volume_off_snapshots_freeze_the_file_system_and_copy(
+        images) -> None:  # type: ignore[no-untyped-def]
+    """``--disk-volume off`` keeps the images on the state dir (host ext4 here, which cannot
+    clone): snapshots take the FIFREEZE path and sparse copies, a paused sandbox comes back
+    paused, children and rollbacks still work, nothing is mounted for a volume."""
+    server = make_server("--warm-pool", "0", "--disk-volume", "off").start()
+    try:
+        assert not os.path.ismount(server.volume) and not server.volume.exists()
+        async with server.client() as client:
+            sb = await client.create(ttl_s=120)
+            await sb.write_file("/work/kept", b"before")
+            await sb.pause()
+            snap = await sb.snapshot()
+            assert (await client.get(sb.id)).info.state == "paused"
+            assert (server.state_dir / "snapshots" / snap.id / "disk.img").exists()
+            kid = await client.create(snapshot=snap.id, ttl_s=60)
+            assert await kid.read_file("/work/kept") == b"before"
+            await sb.write_file("/work/kept", b"after")
+            await sb.rollback(snap)
+            assert await sb.read_file("/work/kept") == b"before"
+            for done in (kid, sb):
+                await done.stop()
+            await client.delete_snapshot(snap.id)
+        log = (LOG_DIR / f"{server.state_dir.name}.log").read_text()
+        assert "copying its data instead" in log  # the fallback says so (once per pair)
+    finally:
+        stop_server(server)

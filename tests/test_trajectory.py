@@ -207,7 +207,7 @@ async def test_dead_sandbox_resume_reports_and_replay_carries_on(client: dsec.DS
     sb = await client.create(ttl_s=120, memory_mb=256, trajectory=trajectory)
     await sb.write_file("/work/notes", "first\n")
     await sb.run("echo second >> /work/notes")
-    pid_file = server.state_dir / "sandboxes" / sb.id / "pid"
+    pid_file = server.volume / "sandboxes" / sb.id / "pid"
     os.kill(int(pid_file.read_text()), signal.SIGKILL)  # the sandbox dies under the trainer
     await asyncio.sleep(0.3)
     with pytest.raises(dsec.SandboxDied) as info:

@@ -40,7 +40,7 @@ async def client(srv: Server) -> AsyncIterator[dsec.DSecClient]:
 
 
 def snapshot_dirs(srv: Server) -> set[str]:
-    return {p.name for p in (srv.state_dir / "snapshots").glob("*")}
+    return {p.name for p in (srv.volume / "snapshots").glob("*")}
 
 
 async def assert_gone(srv: Server, sandbox_id: str) -> None:
@@ -266,7 +266,7 @@ async def test_saved_vms_are_out_of_reach_of_the_guest_and_local_users(
     try:
         snap = await sb.snapshot(mode="full")
         await sb.pause()
-        saved = [srv.state_dir / "snapshots" / snap.id / name for name in ("memory.bin", "disk.img")]
+        saved = [srv.volume / "snapshots" / snap.id / name for name in ("memory.bin", "disk.img")]
         saved.append(srv.state_dir / "vms" / sb.id / "paused.bin")
         for path in saved:
             assert path.exists() and path.stat().st_mode & 0o077 == 0, path

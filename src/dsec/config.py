@@ -82,6 +82,14 @@ class Settings:
     vm_warm_pool: int = _setting(0, "booted VMs kept per image", option="--vm-warm-pool")
     vm_snapshots: bool = _setting(False, "start VMs by restoring a saved booted one (see "
                                   "docs/SUBSTRATES.md caveats)", option="--vm-snapshots", flag=True)
+    disk_volume: str = _setting("auto", "where sandbox disk images and snapshots live: auto (a "
+                                "reflink XFS volume in STATE_DIR/volume.xfs, unless the state "
+                                "dir's file system clones files), a directory on a reflink file "
+                                "system, or off (the state dir as it is: copies cost the bytes "
+                                "written)", option="--disk-volume")
+    disk_volume_gb: int = _setting(1024, "size of the sparse XFS volume of --disk-volume auto "
+                                   "(the host pays only for the blocks in use)",
+                                   option="--disk-volume-gb")
     state_url: str | None = _setting(None, "state store: postgresql://... or sqlite:///PATH "
                                      "(default: SQLite in the state dir)", option="--state-url")
     ray_address: str | None = _setting(None, "scale out: serve the edges of this Ray cluster "

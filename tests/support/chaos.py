@@ -210,7 +210,7 @@ async def when(condition: Callable[[], bool], timeout_s: float = 120.0) -> None:
 # faults
 def agent_pid(server: Server, sandbox_id: str) -> int:
     """The sandbox's init: the in-sandbox agent."""
-    return int((server.state_dir / "sandboxes" / sandbox_id / "pid").read_text())
+    return int((server.volume / "sandboxes" / sandbox_id / "pid").read_text())
 
 
 async def kill_agent(server: Server, burst: Burst, sandbox_id: str) -> None:
@@ -257,9 +257,11 @@ def host_traces(server: Server, edge: str, sandbox_ids: set[str]) -> dict[str, l
     namespaces named after one of its sandboxes or its edge."""
     state = str(server.state_dir)
     layers = str(server.state_dir / "layers") + "/"  # the node's image layers: a cache its
-    # sandboxes share, kept mounted across restarts (stop_server unmounts them)
-    mounts = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()
-              if line.split()[4].startswith(state + "/") and not line.split()[4].startswith(layers)]
+    # sandboxes share, kept mounted across restarts (stop_server unmounts them); the disk
+    # volume is mounted while the server runs (it unmounts it when it stops with no sandbox)
+    mounts = [m for line in Path("/proc/self/mountinfo").read_text().splitlines()
+              if (m := line.split()[4]).startswith(state + "/") and not m.startswith(layers)
+              and m != str(server.volume)]
     cgroups = [str(p) for p in Path("/sys/fs/cgroup").glob(f"*/dsec-{edge}/*") if p.is_dir()]
     cgroups += [str(p) for p in Path("/sys/fs/cgroup").glob(f"dsec-{edge}/*") if p.is_dir()]
     procs = []
@@ -276,4 +278,4 @@ def host_traces(server: Server, edge: str, sandbox_ids: set[str]) -> dict[str, l
     named = [n for n in netns if n and (edge in n or any(s in n for s in sandbox_ids))]
     return {"mounts": mounts, "cgroups": cgroups, "processes": procs, "netns": named,
             "containers": [p.name for p in (server.state_dir / "runtime").glob("*/*")],
-            "dirs": [p.name for p in (server.state_dir / "sandboxes").glob("*")]}
+            "dirs": [p.name for p in (server.volume / "sandboxes").glob("*")]}

@@ -26,7 +26,7 @@ from ..config import Settings
 from ..images.mount import locked
 from ..store.sqlite import StateStore
 from ..substrates.host.tree import remove_tree
-from ..substrates.registry import all_substrates
+from ..substrates.registry import all_substrates, disk_volume
 from .ids import edge_id_for
 
 log = logging.getLogger("dsec.cluster")
@@ -41,7 +41,8 @@ async def sweep_edge(settings: Settings, edge_dir: Path) -> int:
     """Destroy every sandbox, of every substrate, of the edge whose directory this is, and
     what its substrates kept beside them; the number of sandboxes destroyed."""
     removed = 0
-    for name, substrate in all_substrates(settings, edge_dir, edge_dir.name).items():
+    volume = disk_volume(settings, edge_dir, edge_dir.name)
+    for name, substrate in all_substrates(settings, edge_dir, edge_dir.name, volume).items():
         try:
             leftovers = await substrate.leftovers()
         except Exception:
@@ -59,6 +60,10 @@ async def sweep_edge(settings: Settings, edge_dir: Path) -> int:
             await substrate.close()
         except Exception:
             log.exception("could not remove the %s remains of dead edge %s", name, edge_dir.name)
+    try:
+        await asyncio.to_thread(volume.close)
+    except Exception:
+        log.exception("could not unmount the disk volume of dead edge %s", edge_dir.name)
     return removed
 
 

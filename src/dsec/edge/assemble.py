@@ -8,7 +8,7 @@ from pathlib import Path
 from ..config import Settings
 from ..images.store import ImageStore
 from ..store.sqlite import StateStore
-from ..substrates.registry import VM_SUBSTRATES, all_substrates
+from ..substrates.registry import VM_SUBSTRATES, all_substrates, disk_volume
 from .edge import Edge, EdgeConfig
 from .metrics import EdgeMetrics
 
@@ -31,8 +31,9 @@ def build_edge(settings: Settings, store: StateStore, metrics: EdgeMetrics, stat
                         shared_snapshots=shared_snapshots(settings),
                         network_services=(settings.network_services
                                           or settings.state_dir / "network-services.toml"))
+    volume = disk_volume(settings, state_dir, config.edge_id)
     edge = Edge(config, store, ImageStore(settings.image_store),
-                all_substrates(settings, state_dir, config.edge_id), metrics)
+                all_substrates(settings, state_dir, config.edge_id, volume), metrics, volume)
     for vm in VM_SUBSTRATES:
         edge.pools[vm.name].size = settings.vm_warm_pool
     return edge

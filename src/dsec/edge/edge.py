@@ -58,6 +58,7 @@ from ..substrates.base import StartPlan, Substrate
 from ..substrates.fn.fn import FnSubstrate
 from ..substrates.host.image_copy import allocated_bytes
 from ..substrates.host.tree import remove_tree
+from ..substrates.host.volume import DiskVolume
 from .commands import check_env, exec_argv, sandbox_path
 from .metrics import EdgeMetrics
 from .pool import Pooled, WarmPool
@@ -107,14 +108,18 @@ class Live:
     # Its last snapshot and the disk's write count as of it (Substrate.disk_writes): an equal
     # count later means the disk is still that snapshot's.
     last_snapshot: tuple[str, int] | None = None
-    pausing: asyncio.Lock = field(default_factory=asyncio.Lock)  # one pause or resume at a time
-    snapshotting: asyncio.Lock = field(default_factory=asyncio.Lock)  # one freeze of its disk at a time
+    # One change of its processes or disk at a time: pause, resume, snapshot, rollback, and
+    # stop, which waits for the one under way (a rollback finishing after a stop's clean-up
+    # would leave a running container; a snapshot, a disk shut down under it).
+    changing: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 class Edge:
     def __init__(self, config: EdgeConfig, store: StateStore, images: ImageStore,
-                 substrates: dict[str, Substrate], metrics: EdgeMetrics) -> None:
+                 substrates: dict[str, Substrate], metrics: EdgeMetrics,
+                 volume: DiskVolume) -> None:
         self.config = config
+        self.volume = volume  # disk images and snapshots: one reflink file system
         self.id = config.edge_id
         self.store = store
         self.images = images
@@ -136,6 +141,7 @@ class Edge:
 
     # lifecycle of the edge itself
     async def start(self) -> None:
+        await asyncio.to_thread(self.volume.open)
         for substrate in self.substrates.values():
             await substrate.prepare()
         await self.recover()
@@ -150,6 +156,7 @@ class Edge:
             await pool.close()
         for substrate in self.substrates.values():
             await substrate.close()
+        await asyncio.to_thread(self.volume.close)  # only if no sandbox is left on it
 
     async def recover(self) -> None:
         """Adopt the sandboxes that survived a restart; remove everything else we left."""
@@ -238,6 +245,8 @@ class Edge:
         egress = await self._egress(substrate, req.network)
         check_env(req.env)
         self._admit()
+        if substrate.disk_volume:
+            self.volume.check_room(req.disk_mb << 20)
         self._starting += 1
         try:
             image = self.images.get(req.image)
@@ -317,6 +326,7 @@ class Edge:
         return row
 
     async def stop(self, sandbox_id: str, state: str = "stopped", reason: str = "stopped by client") -> None:
+        """Never called with the sandbox's ``changing`` lock held: it waits for it."""
         live = self._live.pop(sandbox_id, None)
         if live is None:
             self.get_row(sandbox_id)  # raises the right error for an unknown or ended sandbox
@@ -324,7 +334,8 @@ class Edge:
         self.store.mark_ended(sandbox_id, state, reason)
         self.metrics.ended.labels(live.row.substrate, state).inc()
         try:
-            await live.substrate.destroy(sandbox_id)
+            async with live.changing:  # a rollback or snapshot under way finishes first
+                await live.substrate.destroy(sandbox_id)
         finally:
             for listener in self.on_end:
                 try:
@@ -339,9 +350,9 @@ class Edge:
         self.store.set_expiry(sandbox_id, live.row.expires_at)
         return self.info(live.row)
 
-    # snapshots: files in <state>/snapshots/<id>/, a row each in the state store
+    # snapshots: files in <volume>/snapshots/<id>/, a row each in the state store
     def _snapshot_dir(self, snapshot_id: str) -> Path:
-        return self.config.state_dir / "snapshots" / snapshot_id
+        return self.volume.root / "snapshots" / snapshot_id
 
     def _snapshot_files(self, snap: SnapshotRow) -> tuple[Path, Path | None]:
         """The snapshot's disk on this node, and its saved memory if it is a `full` one."""
@@ -362,22 +373,27 @@ class Edge:
         """A copy of the sandbox's writable layer (``full``: and of its memory and devices),
         kept until deleted, or until ``ttl_s`` seconds pass (then the reaper deletes it); it
         outlives the sandbox and restarts. ``create(snapshot=...)`` starts sandboxes from it.
-        A paused sandbox is resumed first (its file system cannot be frozen under frozen
-        writers). With ``previous`` (one of this sandbox's snapshots): that snapshot, if
-        nothing has been written to the disk since it was taken (a trajectory's checkpoints;
-        `filesystem` ones only)."""
-        live = await self._awake(sandbox_id)
+        A paused sandbox stays paused where the substrate snapshots it so (containers), and
+        is resumed first elsewhere; no pause or resume runs meanwhile. With ``previous`` (one
+        of this sandbox's snapshots): that snapshot, if nothing has been written to the disk
+        since it was taken (a trajectory's checkpoints; `filesystem` ones only)."""
+        live = self._get(sandbox_id)
+        if not live.substrate.snapshots_paused:
+            live = await self._awake(sandbox_id)
         if previous is not None and mode == "filesystem":
             unchanged = await self._unchanged_since(live, previous)
             if unchanged is not None:
                 return snapshot_info(unchanged)
+        if live.substrate.disk_volume:  # a clone shares blocks until its source is rewritten
+            self.volume.check_room(live.row.request["disk_mb"] << 20)
         snap_id = f"sn-{self.id}-{secrets.token_hex(6)}"
         d = self._snapshot_dir(snap_id)
         d.mkdir(parents=True)
         d.chmod(0o700)  # a saved VM's memory holds its agent's token: root's alone
         try:
             try:
-                async with live.snapshotting:  # one freeze of its disk at a time
+                async with live.changing:
+                    self._still_live(live)
                     if mode == "full":
                         await live.substrate.snapshot_full(sandbox_id, live.row.runtime,
                                                            d / SNAPSHOT_DISK, d / SNAPSHOT_MEMORY)
@@ -385,6 +401,8 @@ class Edge:
                     else:
                         count = await live.substrate.snapshot_disk(sandbox_id, live.row.runtime,
                                                                    d / SNAPSHOT_DISK)
+            except FileNotFoundError as exc:  # its cgroup or disk is gone: it died meanwhile
+                raise await self._agent_failed(live, exc) from None
             except OSError as exc:
                 raise SandboxError(f"could not snapshot sandbox {sandbox_id}: {exc}",
                                    sandbox_id=sandbox_id) from exc
@@ -499,22 +517,33 @@ class Edge:
         plan = StartPlan(sandbox_id, CreateRequest.model_validate(live.row.request),
                          self.images.get(live.row.image), disk_from=disk_from,
                          memory_from=memory_from)
+        # Resolved before anything is killed; wired again into the restarted sandbox.
+        egress = await self._egress(live.substrate, plan.request.network)
         if plan.image.digest != live.row.image_digest:
             raise NotSupported(f"image {live.row.image} has been rebuilt since the sandbox "
                                "started: its layers are gone from under the snapshot")
-        live.rolling_back = True
-        try:
-            runtime = await live.substrate.rollback(plan, live.row.runtime)
-        except BaseException as exc:
-            await self.stop(sandbox_id, "died", f"rollback to {snapshot} failed: {exc}")
-            raise
-        finally:
-            live.rolling_back = False
-        self._restarted(live, runtime)
-        live.last_snapshot = None  # a new disk (and loop device): counts start afresh
-        if network != "none":  # the wiring was kept; the snapshot's /etc/hosts needs its pins
-            await self._apply_network(live.substrate, sandbox_id, runtime,
-                                      await self._egress(live.substrate, plan.request.network))
+        async with live.changing:  # a stop meanwhile waits, then removes what this started
+            self._still_live(live)
+            live.rolling_back = True
+            try:
+                runtime = await live.substrate.rollback(plan, live.row.runtime)
+                if egress is not None:  # and its hosts pinned again over the snapshot's
+                    await self._apply_network(live.substrate, sandbox_id, runtime, egress)
+            except BaseException as exc:
+                failed: BaseException | None = exc
+            else:
+                failed = None
+                live.last_snapshot = None  # a new disk (and loop device): counts start afresh
+                if self._live.get(sandbox_id) is live:
+                    self._restarted(live, runtime)
+                else:  # a stop waits to remove it
+                    live.row.runtime = runtime
+            finally:
+                live.rolling_back = False
+        if failed is not None:  # outside the lock: stop takes it
+            await self.stop(sandbox_id, "died", f"rollback to {snapshot} failed: {failed}")
+            raise failed
+        self._still_live(live)  # stopped during the rollback: the stop's end is the answer
         self.store.event("rollback", sandbox_id, snapshot=snapshot)
         return self.info(live.row)
 
@@ -525,6 +554,13 @@ class Edge:
         live.agent = live.substrate.agent(live.row.id, runtime)
         self.store.set_runtime(live.row.id, runtime)
         live.substrate.watch(live.row.id, runtime, lambda: self._exited(live.row.id))
+
+    def _still_live(self, live: Live) -> None:
+        """Under its ``changing`` lock: raise the recorded end of a sandbox stopped while the
+        caller waited for the lock."""
+        if self._live.get(live.row.id) is not live:
+            self._get(live.row.id)
+            raise SandboxNotFound(f"sandbox {live.row.id} was stopped", sandbox_id=live.row.id)
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         """Forget the snapshot, then remove its files here and its exported copy (a create
@@ -554,15 +590,19 @@ class Edge:
         crash in between never leaves a frozen sandbox recorded running (whose calls would
         hang)."""
         live = self._get(sandbox_id)
-        async with live.pausing:
-            if live.row.state != "paused":
-                self._set_state(live, "paused")
-                try:
-                    await self._freeze(live, True)
-                except BaseException:
-                    self._set_state(live, "running")
-                    raise
-                self.store.event("paused", sandbox_id)
+        try:
+            async with live.changing:
+                self._still_live(live)
+                if live.row.state != "paused":
+                    self._set_state(live, "paused")
+                    try:
+                        await self._freeze(live, True)
+                    except BaseException:
+                        self._set_state(live, "running")
+                        raise
+                    self.store.event("paused", sandbox_id)
+        except FileNotFoundError as exc:  # its cgroup is gone: the sandbox died meanwhile
+            raise await self._agent_failed(live, exc) from None
         return self.info(live.row)
 
     async def resume(self, sandbox_id: str) -> SandboxInfo:
@@ -574,18 +614,22 @@ class Edge:
         sandbox's agent goes through here, so a paused sandbox answers as if it never was."""
         live = self._get(sandbox_id)
         if live.row.state == "paused":
-            async with live.pausing:
-                if live.row.state == "paused":
-                    await self._freeze(live, False)
-                    self._set_state(live, "running")
-                    self.store.event("resumed", sandbox_id)
+            try:
+                async with live.changing:
+                    self._still_live(live)
+                    if live.row.state == "paused":
+                        await self._freeze(live, False)
+                        self._set_state(live, "running")
+                        self.store.event("resumed", sandbox_id)
+            except FileNotFoundError as exc:  # its cgroup is gone: it died meanwhile
+                raise await self._agent_failed(live, exc) from None
         return live
 
     async def _freeze(self, live: Live, frozen: bool) -> None:
+        """FileNotFoundError when its cgroup is gone (the sandbox died): the caller turns it
+        into the death, once it no longer holds the ``changing`` lock (stop takes it)."""
         try:
             runtime = await live.substrate.set_paused(live.row.id, live.row.runtime, frozen)
-        except FileNotFoundError as exc:  # its cgroup is gone: the sandbox died meanwhile
-            raise await self._agent_failed(live, exc) from None
         except TimeoutError as exc:
             raise SandboxError(f"sandbox {live.row.id} could not be "
                                f"{'paused' if frozen else 'resumed'}: {exc}",

@@ -3,7 +3,7 @@ reaches (the image store's shared mount in a cluster: NFS, 3FS), fetched into a 
 state directory when a sandbox is made from it there.
 
 A snapshot is taken on its sandbox's node (``<state>/snapshots/<id>/disk.img``), then exported
-in the background: a sparse-aware copy (``image_copy.copy_image``: a clone where the two
+in the background: a sparse-aware copy (``image_copy.clone_file``: a clone where the two
 directories share a file system) to ``tmp/`` of the shared directory, flushed, and renamed to
 ``<id>.img``, so a reader never sees half a file; its content digest and size are recorded
 in the state store (``snapshot_exports``) only then. Any node fetches it the same way back
@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..protocol.errors import SnapshotCorrupt
-from ..substrates.host.image_copy import copy_image
+from ..substrates.host.image_copy import clone_file
 
 BLOCK = 1 << 20
 STALE_TMP_S = 3600.0  # a temp copy this old belongs to an export or fetch that a crash cut
@@ -47,7 +47,7 @@ class SharedSnapshots:
         tmp_dir = self.root / "tmp"
         tmp_dir.mkdir(parents=True, exist_ok=True)
         tmp = tmp_dir / f"{snapshot_id}.{secrets.token_hex(4)}"
-        copy_image(local, tmp)
+        clone_file(local, tmp)
         try:
             digest, size = content_digest(tmp), tmp.stat().st_size
             _fsync(tmp)
@@ -63,7 +63,7 @@ class SharedSnapshots:
         src = self.path(snapshot_id)
         tmp = dest.with_name(f".fetch-{secrets.token_hex(4)}")
         try:
-            copy_image(src, tmp)
+            clone_file(src, tmp)
         except FileNotFoundError:
             raise SnapshotCorrupt(f"snapshot {snapshot_id}'s exported copy is missing from "
                                   f"{self.root}", snapshot=snapshot_id) from None

@@ -38,6 +38,12 @@ class Substrate(ABC):
     # Whether ``rollback`` keeps the sandbox's network wiring (plugged again into the restarted
     # sandbox); the edge refuses a rollback of a sandbox with a policy otherwise.
     rollback_keeps_network: bool = False
+    # Whether its sandboxes' disks live on the edge's disk volume (host/volume.py): the edge
+    # refuses a create or snapshot that may not fit there.
+    disk_volume: bool = False
+    # Whether ``snapshot_disk`` takes a paused sandbox as it is and leaves it paused; the edge
+    # resumes a paused sandbox before snapshotting it otherwise.
+    snapshots_paused: bool = False
 
     async def prepare(self) -> None:  # noqa: B027 (optional hook: nothing to do by default)
         """One-time host preparation when the edge starts."""
@@ -109,7 +115,8 @@ class Substrate(ABC):
     async def rollback(self, plan: StartPlan, runtime: dict[str, Any]) -> dict[str, Any]:
         """Restart the running sandbox ``plan.sandbox_id`` from ``plan.disk_from`` (its own
         snapshot; with ``plan.memory_from`` its processes too, else fresh): the same id and
-        agent token; its new runtime dict."""
+        agent token; its new runtime dict. Where ``rollback_keeps_network``, the edge plugs
+        the policy in force into the restarted sandbox again."""
         raise NotSupported(f"rollback of {self.name} sandboxes is not supported yet")
 
     async def set_paused(self, sandbox_id: str, runtime: dict[str, Any],

@@ -104,6 +104,27 @@ def _kill_and_rmdir(d: Path) -> None:
             time.sleep(0.02)
 
 
+def kill_all(parent: str, sandbox_id: str, timeout_s: float = 10.0) -> None:
+    """SIGKILL every process of the sandbox and wait until its cgroups are empty, keeping
+    the cgroups (a restart in them skips removing and making a dozen v1 cgroups, ~10 ms each
+    here). Frozen while the kills are sent, so no fork escapes them."""
+    set_frozen(parent, sandbox_id, True)
+    procs = freezer_file(parent, sandbox_id).parent / "cgroup.procs"
+    try:
+        for pid in procs.read_text().split():
+            try:
+                os.kill(int(pid), 9)
+            except ProcessLookupError:
+                pass
+    finally:
+        set_frozen(parent, sandbox_id, False)
+    deadline = time.monotonic() + timeout_s
+    while procs.read_text().strip():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"sandbox {sandbox_id}'s processes did not die in {timeout_s:.0f}s")
+        time.sleep(0.001)
+
+
 # The kernel counts ``oom`` (the cgroup hit its limit and the OOM killer ran) before it sends
 # the kill, and ``oom_kill`` only after: a reader woken by the victim's death can still see
 # ``oom_kill 0``. Counting whichever is larger closes that race; cgroup v1 has no early count.

@@ -61,7 +61,7 @@ from ...protocol.errors import InvalidRequest, NotSupported, SandboxError
 from ...protocol.models import CreateRequest
 from ..base import StartPlan, Substrate
 from ..host import cgroups, spawn
-from ..host.image_copy import copy_image
+from ..host.image_copy import clone_file
 from ..host.pidwatch import PidWatch
 from ..host.spawn import Spawned
 from . import vmnet, vmsnapshot
@@ -150,7 +150,7 @@ class QemuSubstrate(Substrate):
         d.mkdir(mode=0o700)  # QEMU's sockets in it (QMP, the boot port) are root's alone
         incoming = plan.memory_from
         if plan.disk_from is not None:  # a snapshot's: a copy of its disk (and its saved state)
-            await asyncio.to_thread(copy_image, plan.disk_from, d / DISK)
+            await asyncio.to_thread(clone_file, plan.disk_from, d / DISK)
             disk = (d / DISK, "raw")
         elif self.snapshots:
             template = await self._template(plan, boot, d)
@@ -409,7 +409,7 @@ class QemuSubstrate(Substrate):
         await self._guest_sync(sandbox_id, runtime)
         await vmsnapshot.stop(qmp)
         try:
-            await asyncio.to_thread(copy_image, disk, dest)
+            await asyncio.to_thread(clone_file, disk, dest)
         finally:
             await vmsnapshot.cont(qmp)
 
@@ -432,7 +432,7 @@ class QemuSubstrate(Substrate):
         own, qmp = self._own_disk(sandbox_id), self._dir(sandbox_id) / "qmp.sock"
         try:
             await vmsnapshot.save(qmp, memory)
-            await asyncio.to_thread(copy_image, own, disk)
+            await asyncio.to_thread(clone_file, own, disk)
         finally:
             await vmsnapshot.cont(qmp)
 
@@ -446,7 +446,7 @@ class QemuSubstrate(Substrate):
         await self._kill_qemu(plan.sandbox_id, d)
         (d / PAUSED_STATE).unlink(missing_ok=True)
         disk.unlink()
-        await asyncio.to_thread(copy_image, plan.disk_from, disk)
+        await asyncio.to_thread(clone_file, plan.disk_from, disk)
         return await self._bring_up(plan.sandbox_id, d, runtime["token"], plan.memory_from)
 
     async def set_paused(self, sandbox_id: str, runtime: dict[str, Any],
