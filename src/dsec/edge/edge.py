@@ -165,6 +165,8 @@ class Edge:
             substrate = self.substrates.get(row.substrate)
             # a paused (frozen) sandbox is alive: adopted paused, resumed by its next call
             if substrate and row.state in ("running", "paused") and substrate.alive(row.id, row.runtime):
+                if row.state == "running":
+                    await self._undo_interrupted(row, substrate)
                 self._adopt(row, substrate)
                 adopted.add(row.id)
             else:
@@ -188,6 +190,15 @@ class Edge:
         if self.shared is not None:
             for name in await asyncio.to_thread(self.shared.sweep, self._recorded):
                 log.info("removed %s from the shared snapshot directory", name)
+
+    async def _undo_interrupted(self, row: SandboxRow, substrate: Substrate) -> None:
+        """A freeze an interrupted snapshot left is undone; a failure is the sandbox's (its
+        calls will say so), never the edge's start."""
+        try:
+            await substrate.undo_interrupted(row.id, row.runtime)
+        except Exception as exc:
+            log.exception("could not undo an interrupted operation on sandbox %s", row.id)
+            self.store.event("cleanup_failed", row.id, reason=repr(exc)[:500])
 
     def _adopt(self, row: SandboxRow, substrate: Substrate) -> None:
         self._live[row.id] = Live(row, substrate, substrate.agent(row.id, row.runtime),

@@ -126,6 +126,13 @@ class Substrate(ABC):
         Its runtime dict: the same, or a new one if the substrate restarted its process."""
         raise NotSupported(f"the {self.name} substrate cannot pause a sandbox yet")
 
+    async def undo_interrupted(self, sandbox_id: str, runtime: dict[str, Any]) -> None:
+        """Undo what an edge killed in the middle of an operation can leave on a sandbox it
+        had recorded running: its processes or file system frozen for a snapshot, a VM
+        stopped for a copy of its disk. Idempotent; called when a restarted edge adopts the
+        sandbox. Nothing to undo by default."""
+        return None
+
     @abstractmethod
     async def destroy(self, sandbox_id: str) -> None:
         """Remove every trace of the sandbox; idempotent, works from the id alone."""

@@ -317,6 +317,24 @@ class ContainerSubstrate(Substrate):
                  dest, method)
         return count
 
+    async def undo_interrupted(self, sandbox_id: str, runtime: dict[str, Any]) -> None:
+        """An edge killed mid-snapshot leaves the sandbox's processes frozen (the reflink
+        path) or its file system frozen (FIFREEZE): both are thawed."""
+        await asyncio.get_running_loop().run_in_executor(self._io, self._unfreeze, sandbox_id)
+
+    def _unfreeze(self, sandbox_id: str) -> None:
+        mount = os.open(self._dir(sandbox_id) / "disk", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.ioctl(mount, FITHAW, 0)
+            log.warning("thawed the file system of %s, left frozen by an interrupted snapshot",
+                        sandbox_id)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # EINVAL: it was not frozen
+                raise
+        finally:
+            os.close(mount)
+        cgroups.thaw_if_frozen(self.cgroup_parent, sandbox_id)
+
     async def disk_writes(self, sandbox_id: str, runtime: dict[str, Any]) -> int:
         return await asyncio.get_running_loop().run_in_executor(
             self._io, self._synced_count, self._dir(sandbox_id))

@@ -449,6 +449,12 @@ class QemuSubstrate(Substrate):
         await asyncio.to_thread(clone_file, plan.disk_from, disk)
         return await self._bring_up(plan.sandbox_id, d, runtime["token"], plan.memory_from)
 
+    async def undo_interrupted(self, sandbox_id: str, runtime: dict[str, Any]) -> None:
+        """An edge killed mid-snapshot leaves QEMU stopped (``stop`` for the disk's copy, or a
+        save under way): it runs again (``cont`` is a no-op on a running VM)."""
+        (self._dir(sandbox_id) / f"{PAUSED_STATE}.part").unlink(missing_ok=True)
+        await vmsnapshot.cont(self._dir(sandbox_id) / "qmp.sock")
+
     async def set_paused(self, sandbox_id: str, runtime: dict[str, Any],
                          paused: bool) -> dict[str, Any]:
         """Paused: the VM saved to ``paused.bin`` and QEMU gone (the guest's memory goes back
