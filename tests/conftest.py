@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Iterator
 
 import httpx
 import pytest
@@ -129,6 +129,25 @@ def stop_server(server: Server) -> None:
     cleanup.kill(signal.SIGTERM)
     LayerMounter(server.state_dir / "layers").unmount_all()  # the server's layer mounts
     shutil.rmtree(server.state_dir, ignore_errors=True)
+
+
+def own_server(*args: str) -> tuple[Any, Any]:
+    """A test module's own server, ``make_server(*args)``, and a client of it, as the fixtures
+    ``srv`` and ``client``: ``srv, client = own_server(...)`` at the module's top level, for
+    tests that kill, restart or fill their server."""
+
+    @pytest.fixture(scope="module")
+    def srv(images: ImageStore) -> Iterator[Server]:
+        server = make_server(*args).start()
+        yield server
+        stop_server(server)
+
+    @pytest.fixture
+    async def client(srv: Server) -> AsyncIterator[dsec.DSecClient]:
+        async with srv.client() as c:
+            yield c
+
+    return srv, client
 
 
 @pytest.fixture(scope="session")

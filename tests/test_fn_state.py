@@ -7,12 +7,11 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
 import dsec
-from conftest import Server, make_server, stop_server
+from conftest import Server, make_server, own_server, stop_server
 from test_fn import _edge_cgroups, _fn_pids
 from test_projects import key_client, unique
 from test_state import snapshot_dirs
@@ -20,17 +19,7 @@ from test_state import snapshot_dirs
 IMAGE = "python-3.11"  # fn runs the image's own Python
 
 
-@pytest.fixture(scope="module")
-def srv(images) -> Iterator[Server]:  # type: ignore[no-untyped-def]
-    server = make_server("--capacity", "64", "--warm-pool", "0").start()
-    yield server
-    stop_server(server)
-
-
-@pytest.fixture
-async def client(srv: Server) -> AsyncIterator[dsec.DSecClient]:
-    async with srv.client() as c:
-        yield c
+srv, client = own_server("--capacity", "64", "--warm-pool", "0")
 
 
 async def fn_sandbox(client: dsec.DSecClient, **options: object) -> dsec.AsyncSandbox:

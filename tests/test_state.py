@@ -11,31 +11,19 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
 import dsec
-from conftest import LOG_DIR, Server, make_server, stop_server
+from conftest import LOG_DIR, Server, make_server, own_server, stop_server
 from dsec.substrates.host.cgroups import freezer_file
 from test_cli import dsec_cli
 from test_hostile import assert_no_trace
 from test_projects import key_client, raw, unique
 from test_recovery import first_edge_id
 
-
-@pytest.fixture(scope="module")
-def srv(images) -> Iterator[Server]:  # type: ignore[no-untyped-def]
-    server = make_server("--capacity", "64", "--warm-pool", "0").start()
-    yield server
-    stop_server(server)
-
-
-@pytest.fixture
-async def client(srv: Server) -> AsyncIterator[dsec.DSecClient]:
-    async with srv.client() as c:
-        yield c
+srv, client = own_server("--capacity", "64", "--warm-pool", "0")
 
 
 def snapshot_dirs(srv: Server) -> set[str]:

@@ -6,28 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import AsyncIterator, Iterator
-
-import pytest
 
 import dsec
-from conftest import Server, make_server, stop_server
+from conftest import Server, own_server
 from test_hostile import assert_no_trace
 from test_projects import key_client, unique
 from test_state import snapshot_dirs, snapshot_loops
 
-
-@pytest.fixture(scope="module")
-def srv(images) -> Iterator[Server]:  # type: ignore[no-untyped-def]
-    server = make_server("--capacity", "64", "--warm-pool", "0").start()
-    yield server
-    stop_server(server)
-
-
-@pytest.fixture
-async def client(srv: Server) -> AsyncIterator[dsec.DSecClient]:
-    async with srv.client() as c:
-        yield c
+srv, client = own_server("--capacity", "64", "--warm-pool", "0")
 
 
 async def test_a_fork_of_8_that_fails_halfway_leaves_nothing_of_its_failures(

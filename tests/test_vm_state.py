@@ -8,13 +8,19 @@ import asyncio
 import signal
 import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
 import dsec
-from conftest import VM_ACCEL, VM_SUBSTRATES, Server, make_server, stop_server
+from conftest import (
+    VM_ACCEL,
+    VM_SUBSTRATES,
+    Server,
+    make_server,
+    own_server,
+    stop_server,
+)
 from dsec.agent.client import AgentClient, AgentError
 from test_hostile_vm import NOBODY, _runtime
 from test_projects import key_client, unique
@@ -26,17 +32,7 @@ COUNTER = ("head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n' > /tmp/drawn; "
            "i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done")
 
 
-@pytest.fixture(scope="module")
-def srv(images) -> Iterator[Server]:  # type: ignore[no-untyped-def]
-    server = make_server("--capacity", "16", "--warm-pool", "0", "--vm-accel", VM_ACCEL).start()
-    yield server
-    stop_server(server)
-
-
-@pytest.fixture
-async def client(srv: Server) -> AsyncIterator[dsec.DSecClient]:
-    async with srv.client() as c:
-        yield c
+srv, client = own_server("--capacity", "16", "--warm-pool", "0", "--vm-accel", VM_ACCEL)
 
 
 def snapshot_dirs(srv: Server) -> set[str]:
