@@ -18,10 +18,10 @@ import pytest
 
 import dsec
 from conftest import Server, make_server, stop_server
-from dsec.images.mount import unmount
 from dsec.substrates.container.container import FIFREEZE, FITHAW
 from dsec.substrates.host import disk_writes
-from dsec.substrates.host.disk import MKFS, loop_mount, release
+from dsec.substrates.host.disk import MKFS
+from dsec.substrates.host.loop import loop_mount, unmount_image
 from test_cli import dsec_cli
 from test_projects import key_client, unique
 
@@ -398,8 +398,7 @@ def disk(tmp_path: Path) -> Iterator[Path]:
     try:
         yield mount
     finally:
-        unmount(mount)
-        release(image)
+        unmount_image(mount, image)
 
 
 def test_the_write_count_sees_every_change_and_no_read(disk: Path) -> None:
