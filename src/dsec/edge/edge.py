@@ -338,12 +338,23 @@ class Edge:
 
     async def stop(self, sandbox_id: str, state: str = "stopped", reason: str = "stopped by client") -> None:
         """Never called with the sandbox's ``changing`` lock held: it waits for it."""
-        live = self._live.pop(sandbox_id, None)
+        live = self._end(sandbox_id, state, reason)
         if live is None:
             self.get_row(sandbox_id)  # raises the right error for an unknown or ended sandbox
             return
-        self.store.mark_ended(sandbox_id, state, reason)
-        self.metrics.ended.labels(live.row.substrate, state).inc()
+        await self._remove(live, state, reason)
+
+    def _end(self, sandbox_id: str, state: str, reason: str) -> Live | None:
+        """The sandbox recorded ended and out of reach of any later call; None if it was
+        not live. Its removal (``_remove``) follows."""
+        live = self._live.pop(sandbox_id, None)
+        if live is not None:
+            self.store.mark_ended(sandbox_id, state, reason)
+            self.metrics.ended.labels(live.row.substrate, state).inc()
+        return live
+
+    async def _remove(self, live: Live, state: str, reason: str) -> None:
+        sandbox_id = live.row.id
         try:
             async with live.changing:  # a rollback or snapshot under way finishes first
                 await live.substrate.destroy(sandbox_id)
@@ -742,8 +753,10 @@ class Edge:
         is served after it, however busy the reaper is)."""
         live = self._live.get(sandbox_id)
         if live is not None:
-            if live.row.expires_at <= time.time():
+            if live.row.expires_at <= time.time():  # ended now; removed in the background
                 reason = _expiry_reason(live.row)
+                self._end(sandbox_id, "expired", reason)
+                self._background(self._remove(live, "expired", reason))
                 raise SandboxDied(f"sandbox {sandbox_id} expired: {reason}",
                                   sandbox_id=sandbox_id, reason=reason)
             return live

@@ -27,6 +27,7 @@ FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int)
 # What FICLONE answers on a file system that cannot share blocks (or across two of them).
 _NO_CLONE = {errno.EOPNOTSUPP, errno.ENOTTY, errno.EINVAL, errno.EXDEV, errno.ENOSYS}
 CHUNK = 1 << 30
+BUFFER = 4 << 20  # a copy through user space, between file systems, goes this much at a time
 
 Method = Literal["clone", "sparse"]
 _warned: set[tuple[int, int]] = set()  # (source device, destination device) pairs
@@ -81,11 +82,27 @@ def _sparse_copy(fd_in: int, fd_out: int) -> None:
         end = os.lseek(fd_in, start, os.SEEK_HOLE)
         pos = start
         while pos < end:
-            n = os.copy_file_range(fd_in, fd_out, min(end - pos, CHUNK), pos, pos)
+            n = _copy_range(fd_in, fd_out, min(end - pos, CHUNK), pos)
             if n == 0:
                 raise OSError(errno.EIO, "the disk image shrank while it was copied")
             pos += n
         offset = end
+
+
+def _copy_range(fd_in: int, fd_out: int, count: int, pos: int) -> int:
+    """Up to ``count`` bytes at ``pos`` copied to the same place: in the kernel where it
+    can (``copy_file_range``); through a buffer between two kinds of file system, which
+    the kernel refuses (EXDEV: ext4 to XFS, the volume to a shared store)."""
+    try:
+        return os.copy_file_range(fd_in, fd_out, count, pos, pos)
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
+    data = os.pread(fd_in, min(count, BUFFER), pos)
+    written = 0
+    while written < len(data):
+        written += os.pwrite(fd_out, data[written:], pos + written)
+    return len(data)
 
 
 def reflinks(directory: Path) -> bool:
