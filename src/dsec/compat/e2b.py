@@ -52,7 +52,7 @@ from ..protocol.errors import (
     SnapshotNotFound,
     Unauthorized,
 )
-from ..protocol.models import CreateRequest, SandboxInfo, lone_surrogate
+from ..protocol.models import CreateRequest, SandboxInfo, Snapshot, lone_surrogate
 from .auth import Keys
 from .connect import PlainHttpError
 from .envd import ENVD_VERSION, USERS, Envd, gone
@@ -112,6 +112,16 @@ def create_e2b_app(router: Router, keys: Keys, templates: dict[str, str]) -> Fas
             raise PlainHttpError(404, {"code": 404, "message": f"sandbox \"{sandbox_id}\" doesn't "
                                        "exist or you don't have access to it"})
         return info
+
+    async def snapshot_of(sandbox_id: str) -> Snapshot | JSONResponse:
+        """A filesystem snapshot of the sandbox through the router (under the project's
+        quota), or the E2B error response saying why not."""
+        try:
+            return await router.snapshot(sandbox_id)
+        except (SandboxNotFound, SandboxDied):
+            return _error(404, f"sandbox \"{sandbox_id}\" not found")
+        except DSecError as exc:
+            return _dsec_error(exc)
 
     def created(info: SandboxInfo) -> dict[str, Any]:
         template = info.labels.get(TEMPLATE_LABEL, info.image)
@@ -288,12 +298,9 @@ def create_e2b_app(router: Router, keys: Keys, templates: dict[str, str]) -> Fas
             return _error(400, "named snapshots are not supported: dsec names a snapshot by "
                                "its id")
         running(sandbox_id)
-        try:
-            snap = await router.snapshot(sandbox_id)
-        except (SandboxNotFound, SandboxDied):
-            return _error(404, f"sandbox \"{sandbox_id}\" not found")
-        except DSecError as exc:
-            return _dsec_error(exc)
+        snap = await snapshot_of(sandbox_id)
+        if isinstance(snap, JSONResponse):
+            return snap
         return JSONResponse(_snapshot(snap.id), status_code=201)
 
     @app.get("/snapshots")
@@ -333,12 +340,9 @@ def create_e2b_app(router: Router, keys: Keys, templates: dict[str, str]) -> Fas
             return _error(400, f"count must be between 1 and {MAX_FORKS}")
         timeout = min(max(_int(body.get("timeout", 15), "timeout"), 1), MAX_TIMEOUT_S)
         parent = running(sandbox_id)
-        try:
-            snap = await router.snapshot(sandbox_id)
-        except (SandboxNotFound, SandboxDied):
-            return _error(404, f"sandbox \"{sandbox_id}\" not found")
-        except DSecError as exc:
-            return _dsec_error(exc)
+        snap = await snapshot_of(sandbox_id)
+        if isinstance(snap, JSONResponse):
+            return snap
         row = router.edge_for(sandbox_id).get_row(sandbox_id)
         req = CreateRequest(image=parent.image, snapshot=snap.id, cpu=parent.cpu,
                             memory_mb=parent.memory_mb, ttl_s=timeout, env=row.request["env"],

@@ -172,18 +172,25 @@ class TrajectoryLog:
     # trajectories
     def create(self, trajectory: str, sandbox_id: str, request: dict[str, Any], image: str,
                image_digest: str, caller: str | None) -> None:
-        now = time.time()
         try:
             with self._db.transaction():
-                self._db.execute("INSERT INTO trajectories VALUES (?,?,?,?,?,?)",
-                                 (trajectory, 1, sandbox_id, json.dumps(request), now, caller))
-                self._db.execute(
-                    "INSERT INTO trajectory_generations (trajectory, generation, sandbox_id, "
-                    "image, image_digest, started_at, reason) VALUES (?,?,?,?,?,?,?)",
-                    (trajectory, 1, sandbox_id, image, image_digest, now, "created"))
+                self._insert(trajectory, sandbox_id, request, image, image_digest, caller,
+                             "created")
         except IntegrityError:
             raise TrajectoryExists(f"trajectory {trajectory!r} exists; resume it, or pick a new id",
                                    trajectory=trajectory) from None
+
+    def _insert(self, trajectory: str, sandbox_id: str, request: dict[str, Any], image: str,
+                image_digest: str, caller: str | None, reason: str,
+                forked_at_step: int | None = None) -> None:
+        """A trajectory's row and its first generation's, in the caller's transaction."""
+        now = time.time()
+        self._db.execute("INSERT INTO trajectories VALUES (?,?,?,?,?,?)",
+                         (trajectory, 1, sandbox_id, json.dumps(request), now, caller))
+        self._db.execute(
+            "INSERT INTO trajectory_generations (trajectory, generation, sandbox_id, image, "
+            "image_digest, started_at, forked_at_step, reason) VALUES (?,?,?,?,?,?,?,?)",
+            (trajectory, 1, sandbox_id, image, image_digest, now, forked_at_step, reason))
 
     def exists(self, trajectory: str) -> bool:
         row = self._db.execute("SELECT 1 FROM trajectories WHERE id=?", (trajectory,)).fetchone()
@@ -318,17 +325,10 @@ class TrajectoryLog:
         """A new trajectory ``trajectory`` in ``sandbox_id`` (started from ``source``'s
         checkpoint at ``at_step``): its first generation holds a copy of ``source``'s steps
         up to ``at_step`` and links their checkpoints."""
-        now = time.time()
         try:
             with self._db.transaction():
-                self._db.execute("INSERT INTO trajectories VALUES (?,?,?,?,?,?)",
-                                 (trajectory, 1, sandbox_id, json.dumps(request), now, caller))
-                self._db.execute(
-                    "INSERT INTO trajectory_generations (trajectory, generation, sandbox_id, "
-                    "image, image_digest, started_at, forked_at_step, reason) "
-                    "VALUES (?,?,?,?,?,?,?,?)",
-                    (trajectory, 1, sandbox_id, image, image_digest, now, at_step + 1,
-                     f"forked from trajectory {source} at step {at_step}"))
+                self._insert(trajectory, sandbox_id, request, image, image_digest, caller,
+                             f"forked from trajectory {source} at step {at_step}", at_step + 1)
                 self._db.execute(
                     "INSERT INTO trajectory_steps SELECT ?, 1, step, op, digest, request, "
                     "payload, status, outcome, sandbox_id, caller, owner, started_at, ended_at "
