@@ -78,6 +78,17 @@ def unmount(target: Path, lazy: bool = False) -> None:
         raise _os_error(f"unmount {target}")
 
 
+def unmount_or_detach(target: Path) -> None:
+    """Unmount ``target``; if it is still in use, detach it now (it is freed when its last
+    user goes)."""
+    try:
+        unmount(target)
+    except OSError as exc:
+        if exc.errno != errno.EBUSY:
+            raise
+        unmount(target, lazy=True)
+
+
 def mountpoints() -> set[Path]:
     """Mount points of this process's mount namespace, from /proc/self/mountinfo."""
     with open("/proc/self/mountinfo") as f:

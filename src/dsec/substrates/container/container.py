@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from ...agent.client import AgentClient
 from ...agent.tools import sandbox_tree
-from ...images.mount import LayerMounter, overlay_mount, unmount
+from ...images.mount import LayerMounter, overlay_mount, unmount_or_detach
 from ...network.policy import Egress
 from ...network.wired import WiredSandboxes
 from ...network.wiring import Slot
@@ -446,12 +446,7 @@ def _unmount_bundle(d: Path, wait: bool = True) -> None:
     other device is looked at, and ``wait`` waits until it is detached."""
     rootfs = d / "rootfs"
     if os.path.ismount(rootfs):
-        try:
-            unmount(rootfs)
-        except OSError as exc:
-            if exc.errno != errno.EBUSY:
-                raise
-            unmount(rootfs, lazy=True)  # detached now, freed when its last user goes
+        unmount_or_detach(rootfs)
     unmount_image(d / "disk", d / "disk.img", discard=True, wait=wait)
 
 

@@ -24,7 +24,7 @@ import struct
 import time
 from pathlib import Path
 
-from ...images.mount import unmount
+from ...images.mount import unmount_or_detach
 
 log = logging.getLogger("dsec.loop")
 
@@ -117,12 +117,7 @@ def unmount_image(target: Path, image: Path, discard: bool = False, wait: bool =
         return
     if discard:
         shut_down(target)
-    try:
-        unmount(target)
-    except OSError as exc:
-        if exc.errno != errno.EBUSY:
-            raise
-        unmount(target, lazy=True)  # detached now, freed when its last user goes
+    unmount_or_detach(target)
     if wait:
         wait_detached(dev, image)
 
