@@ -68,12 +68,19 @@ def leave_fn_leftovers(state: Path, images: ImageStore) -> None:
         payload = cloudpickle.dumps((lambda: 41 + 1, (), {}))
         assert cloudpickle.loads(await fn.call(images.get(FN_IMAGE), payload, 60)) == 42
     asyncio.run(work())
-    # the node dies: every process in the edge's fn cgroups is killed (the template is ours)
-    for procs in (p for group in fn_cgroups(DEAD_EDGE) for p in group.rglob("cgroup.procs")):
-        for pid in map(int, procs.read_text().split()):
-            os.kill(pid, signal.SIGKILL)
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, 0)
+    # the node dies: every process in the edge's fn cgroups is killed (the template is ours).
+    # Worker cgroups come and go while this runs, so the walk tolerates vanished directories.
+    for group in fn_cgroups(DEAD_EDGE):
+        for directory, _, files in os.walk(group):
+            if "cgroup.procs" not in files:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                pids = (Path(directory) / "cgroup.procs").read_text().split()
+                for pid in map(int, pids):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                    with contextlib.suppress(ChildProcessError):
+                        os.waitpid(pid, 0)
 
 
 @pytest.fixture(scope="module")
