@@ -105,7 +105,8 @@ async def test_killed_qemu_is_reported_died_and_leaves_nothing(
 async def test_guest_that_cannot_boot_fails_the_create_and_leaves_nothing(
         client: dsec.DSecClient, server: Server) -> None:
     def traces() -> set[Path]:
-        cgroups = [p for p in Path("/sys/fs/cgroup").glob("*/dsec-*-microvm/*") if p.is_dir()]
+        edge = default_edge_id(server.state_dir)  # this server's only: others come and go
+        cgroups = [p for p in Path("/sys/fs/cgroup").glob(f"*/dsec-{edge}-microvm/*") if p.is_dir()]
         return {*(server.state_dir / "vms").iterdir(), *cgroups}
     from test_images import _busybox_layers, _layer_tar, make_oci_archive
     with tempfile.TemporaryDirectory() as tmp:  # its /proc is a file: the guest's init fails

@@ -32,6 +32,11 @@ COUNTER = ("head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n' > /tmp/drawn; "
            "i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done")
 
 
+async def counting(sb: dsec.AsyncSandbox) -> None:
+    """Until COUNTER has drawn and counted once: a fixed sleep is too short for TCG under load."""
+    await sb.run("for i in $(seq 600); do test -s /tmp/count && break; sleep 0.1; done")
+
+
 srv, client = own_server("--capacity", "16", "--warm-pool", "0", "--vm-accel", VM_ACCEL)
 
 
@@ -107,7 +112,7 @@ async def test_full_snapshot_children_keep_processes_and_get_their_own_identity(
     children: list[dsec.AsyncSandbox] = []
     try:
         proc = await parent.start(["sh", "-c", COUNTER])
-        await asyncio.sleep(1.0)
+        await counting(parent)
         parent_token = str(_runtime(srv, parent.id)["token"])
         snap = await parent.snapshot(mode="full")
         assert snap.mode == "full"
@@ -164,7 +169,7 @@ async def test_full_rollback_restores_the_processes_too(client: dsec.DSecClient,
     sb = await client.create(**VM)
     try:
         proc = await sb.start(["sh", "-c", COUNTER])
-        await asyncio.sleep(1.0)
+        await counting(sb)
         await sb.write_file("/work/answer", b"v1")
         snap = await sb.snapshot(mode="full")
         at_snapshot = int((await sb.run("cat /tmp/count")).stdout)
@@ -228,7 +233,7 @@ async def test_a_paused_vm_survives_a_server_kill_and_holds_no_capacity(images) 
         async with srv.client() as client:
             sb = await client.create(**VM)
             await sb.start(["sh", "-c", COUNTER])
-            await asyncio.sleep(1.0)
+            await counting(sb)
             await sb.pause()
         srv.kill(signal.SIGKILL)
         srv.start()
