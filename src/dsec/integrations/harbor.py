@@ -1,0 +1,167 @@
+"""A harbor environment whose trials run in dsec sandboxes.
+
+harbor loads a custom environment by import path: ``harbor run --env
+dsec.integrations.harbor:DsecEnvironment`` (options with ``--ek key=value``); the server and
+key come from ``DSEC_URL`` and ``DSEC_API_KEY`` as for any SDK use. One sandbox per
+environment: ``start`` creates it from the task's ``[environment] docker_image`` (a dsec image
+name; the ``image`` option overrides it) with the task's cpus, memory and storage, ``stop``
+removes it, ``exec`` runs ``bash -c`` in it, files and directories move through dsec's file
+and archive calls. A directory downloaded from the sandbox is a sandbox-made archive, so it is
+extracted by the SDK member by member under the destination only (``UnsafeArchive``
+otherwise). harbor's network policy per phase maps onto dsec's egress policy, switched in
+place between phases (``set_network``): no-network is ``"none"``, an allowlist becomes
+dsec ``allow`` rules (host names, IPv4 addresses and networks), public is the
+``public_network`` option.
+
+Not served, each with a typed error before anything is created: building the task's
+``environment/Dockerfile`` or compose file (dsec's Dockerfile builds are issue 16), running a
+command as a user other than root. Needs ``pip install harbor`` (Python 3.12 or newer) beside
+dsec (tested with 0.26.0).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from harbor.environments.base import BaseEnvironment, ExecResult
+from harbor.environments.capabilities import (
+    EnvironmentCapabilities,
+    EnvironmentResourceCapabilities,
+)
+from harbor.environments.definition import COMPOSE_FILE_NAME, DOCKERFILE_NAME
+from harbor.environments.options import EnvironmentOptions
+from harbor.models.task.config import NetworkMode, NetworkPolicy
+from pydantic import Field
+
+from ..client.aio import AsyncClient, Sandbox
+from ..protocol.errors import InvalidRequest, NotSupported
+
+ROOT_USERS = (None, "root", 0, "0")
+
+
+class DsecOptions(EnvironmentOptions):
+    """What ``--ek`` may set for the dsec environment."""
+
+    image: str | None = Field(None, description="dsec image to start instead of the task's docker_image")
+    substrate: str = Field("container", description="container, microvm or vm")
+    ttl_s: int = Field(7200, ge=1, description="sandbox lifetime, a bound if harbor never stops it")
+    pids: int | None = Field(None, description="process limit; None: the server's default")
+    public_network: Any = Field(
+        {"allow": ["0.0.0.0/0"]},
+        description="dsec network policy for harbor's 'public' mode (all IPv4 egress, the "
+                    "dsec host included, by default)")
+
+
+class DsecEnvironment(BaseEnvironment):
+    """harbor's ``BaseEnvironment`` over one dsec sandbox (async SDK)."""
+
+    options_model = DsecOptions
+    options: DsecOptions
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._client: AsyncClient | None = None
+        self._sandbox: Sandbox | None = None
+        super().__init__(*args, **kwargs)
+
+    @staticmethod
+    def type() -> str:
+        return "dsec"
+
+    @property
+    def capabilities(self) -> EnvironmentCapabilities:
+        return EnvironmentCapabilities(
+            disable_internet=True, network_allowlist=True, network_allowlist_hostnames=True,
+            network_allowlist_ipv4_addresses=True, network_allowlist_ipv4_cidrs=True,
+            dynamic_network_policy=True)
+
+    @classmethod
+    def resource_capabilities(cls) -> EnvironmentResourceCapabilities:
+        return EnvironmentResourceCapabilities(cpu_limit=True, memory_limit=True,
+                                               fractional_cpus=True)
+
+    def _validate_definition(self) -> None:
+        if self.options.image or self.task_env_config.docker_image:
+            return
+        built = [name for name in (DOCKERFILE_NAME, COMPOSE_FILE_NAME)
+                 if (self.environment_dir / name).exists()]
+        raise NotSupported(
+            f"task {self.environment_name!r} names no image: dsec cannot build its "
+            f"{' or '.join(built) or 'environment definition'} yet (Dockerfile builds are "
+            "dsec issue 16); set [environment] docker_image or --ek image=<dsec image>",
+            environment_dir=str(self.environment_dir))
+
+    @property
+    def sandbox(self) -> Sandbox:
+        if self._sandbox is None:
+            raise RuntimeError("the dsec sandbox is not running: start the environment first")
+        return self._sandbox
+
+    def _network(self, policy: NetworkPolicy) -> Any:
+        if policy.network_mode == NetworkMode.NO_NETWORK:
+            return "none"
+        if policy.network_mode == NetworkMode.ALLOWLIST:
+            return {"allow": list(policy.allowed_hosts)}
+        return self.options.public_network
+
+    async def start(self, force_build: bool) -> None:
+        if force_build and (self.environment_dir / DOCKERFILE_NAME).exists():
+            raise NotSupported("force_build: dsec cannot build the task's Dockerfile yet "
+                               "(Dockerfile builds are dsec issue 16)")
+        self._client = AsyncClient()
+        self._sandbox = await self._client.create(
+            self.options.substrate, self.options.image or self.task_env_config.docker_image or "",
+            cpu=self._effective_cpus, memory_mb=self._effective_memory_mb,
+            disk_mb=self._effective_storage_mb, pids=self.options.pids, ttl_s=self.options.ttl_s,
+            network=self._network(self.network_policy), env=self._startup_env() or None,
+            labels={"harness": "harbor", "session": self.session_id[:200]})
+        await self.ensure_dirs(self._mount_targets(writable_only=True))
+        await self._upload_environment_dir_after_start()
+
+    async def stop(self, delete: bool) -> None:
+        """Remove the sandbox (dsec sandboxes do not outlive ``stop``, whatever ``delete``)."""
+        sandbox, self._sandbox = self._sandbox, None
+        client, self._client = self._client, None
+        try:
+            if sandbox is not None:
+                await sandbox.stop()
+        finally:
+            if client is not None:
+                await client.aclose()
+
+    async def _apply_network_policy(self, network_policy: NetworkPolicy) -> None:
+        await self.sandbox.set_network(self._network(network_policy))
+
+    async def exec(self, command: str, cwd: str | None = None, env: dict[str, str] | None = None,
+                   timeout_sec: int | None = None, user: str | int | None = None) -> ExecResult:
+        """Run ``bash -c command`` (as harbor's docker environment does); a timeout raises
+        dsec's ``CommandTimeout`` (a ``TimeoutError``) after killing the command."""
+        user = self._resolve_user(user)
+        if user not in ROOT_USERS:
+            raise NotSupported(f"dsec runs commands as root; harbor asked for user {user!r}",
+                               user=str(user))
+        result = await self.sandbox.run(["bash", "-c", command], env=self._merge_env(env),
+                                        cwd=cwd or self.task_env_config.workdir,
+                                        timeout_s=timeout_sec)
+        return ExecResult(stdout=result.stdout, stderr=result.stderr,
+                          return_code=result.exit_code)
+
+    async def upload_file(self, source_path: Path | str, target_path: str) -> None:
+        source = Path(source_path)
+        await self.sandbox.mkdir(str(Path(target_path).parent), parents=True)
+        await self.sandbox.write_file(target_path, source.read_bytes(),
+                                      mode=source.stat().st_mode & 0o777)
+
+    async def upload_dir(self, source_dir: Path | str, target_dir: str) -> None:
+        if not Path(source_dir).is_dir():
+            raise InvalidRequest(f"upload_dir: {source_dir} is not a directory")
+        await self.sandbox.upload(source_dir, target_dir)
+
+    async def download_file(self, source_path: str, target_path: Path | str) -> None:
+        data = await self.sandbox.read_file(source_path)
+        target = Path(target_path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+
+    async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
+        await self.sandbox.download(source_dir, target_dir)

@@ -1,0 +1,183 @@
+"""Run inside a harbor venv (Python >= 3.12, ``tests/test_integrations.py``): harbor's own
+factory loads ``dsec.integrations.harbor:DsecEnvironment`` by import path, as ``--env`` does,
+and a task's environment goes start -> exec -> uploads/downloads -> network phases -> stop,
+then a sandbox that plants traps in a directory harbor downloads. What each step observed is
+printed as JSON (``{"raised": name, ...}`` for an exception).
+
+Argument: a scratch directory. The server and key come from ``DSEC_URL``/``DSEC_API_KEY``;
+dsec itself from ``PYTHONPATH``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from harbor.environments.factory import EnvironmentFactory
+from harbor.models.task.config import EnvironmentConfig, NetworkMode, NetworkPolicy
+from harbor.models.trial.paths import TrialPaths
+
+IMPORT_PATH = "dsec.integrations.harbor:DsecEnvironment"
+FLOOD = 64 << 20
+
+
+def make(scratch: Path, name: str, config: EnvironmentConfig, **kwargs: Any) -> Any:
+    env_dir = scratch / name / "environment"
+    env_dir.mkdir(parents=True)
+    trial = TrialPaths(trial_dir=scratch / name / "trial")
+    trial.mkdir()
+    return EnvironmentFactory.create_environment_from_import_path(
+        IMPORT_PATH, environment_dir=env_dir, environment_name=name,
+        session_id=f"{name}__dsec__env", trial_paths=trial, task_env_config=config, **kwargs)
+
+
+def raised(exc: BaseException) -> dict[str, Any]:
+    return {"raised": type(exc).__name__, "message": str(exc)}
+
+
+async def lifecycle(scratch: Path, out: dict[str, Any]) -> None:
+    env = make(scratch, "hello", EnvironmentConfig(docker_image="debian-minbase", cpus=1,
+                                                   memory_mb=256, workdir="/app",
+                                                   env={"TASK_VAR": "task"}),
+               network_policy=NetworkPolicy(network_mode=NetworkMode.NO_NETWORK),
+               phase_network_policies=[
+                   NetworkPolicy(network_mode=NetworkMode.NO_NETWORK),
+                   NetworkPolicy(network_mode=NetworkMode.ALLOWLIST, allowed_hosts=["10.9.8.7"])])
+    out["type"] = type(env).__module__ + ":" + type(env).__name__
+    await env.start(force_build=False)
+    try:
+        await lifecycle_steps(env, scratch, out)
+    finally:
+        await env.stop(delete=True)
+    out["stop_again"] = await env.stop(delete=True)  # a second stop is harmless
+    try:
+        await env.exec("true")
+        out["exec_after_stop"] = "ran"
+    except Exception as exc:  # noqa: BLE001 - what the user sees
+        out["exec_after_stop"] = raised(exc)
+
+
+async def lifecycle_steps(env: Any, scratch: Path, out: dict[str, Any]) -> None:
+    sandbox = env.sandbox
+    out["sandbox_network"] = str(sandbox.info.network)
+    r = await env.exec("mkdir -p /app && pwd && echo $TASK_VAR $EXTRA && echo err >&2; exit 4",
+                       env={"EXTRA": "x"}, cwd="/")
+    out["exec"] = [r.stdout, r.stderr, r.return_code]
+    r = await env.exec("pwd")  # the task's workdir
+    out["workdir"] = r.stdout
+    try:
+        await env.exec("sleep 30", timeout_sec=2)
+        out["timeout"] = "returned"
+    except Exception as exc:  # noqa: BLE001
+        out["timeout"] = raised(exc) | {"timeout_error": isinstance(exc, TimeoutError)}
+    r = await env.exec(f"head -c {FLOOD} /dev/zero | tr '\\0' a")
+    out["flood"] = [len(r.stdout or ""), r.return_code]
+    try:
+        await env.exec("id -u", user="agent")
+        out["other_user"] = "ran"
+    except Exception as exc:  # noqa: BLE001
+        out["other_user"] = raised(exc)
+
+    local = scratch / "local"
+    (local / "tests" / "sub").mkdir(parents=True)
+    (local / "tests" / "test.sh").write_text("#!/bin/bash\necho verifying\n")
+    (local / "tests" / "test.sh").chmod(0o755)
+    (local / "tests" / "sub" / "data.txt").write_text("nested\n")
+    await env.upload_dir(local / "tests", "/tests")
+    await env.upload_file(local / "tests" / "test.sh", "/solution/deep/solve.sh")
+    r = await env.exec("/tests/test.sh && cat /tests/sub/data.txt && /solution/deep/solve.sh")
+    out["uploaded"] = [r.stdout, r.return_code]
+    await env.exec("mkdir -p /logs/verifier/n && echo 1 > /logs/verifier/reward.txt "
+                   "&& echo deep > /logs/verifier/n/x.txt")
+    await env.download_file("/logs/verifier/reward.txt", scratch / "dl" / "file" / "reward.txt")
+    await env.download_dir("/logs/verifier", scratch / "dl" / "dir")
+    out["downloaded"] = [(scratch / "dl" / "file" / "reward.txt").read_text(),
+                         sorted(str(p.relative_to(scratch / "dl" / "dir"))
+                                for p in (scratch / "dl" / "dir").rglob("*"))]
+    out["is_dir"] = [await env.is_dir("/tests"), await env.is_file("/tests/test.sh"),
+                     await env.is_dir("/nope")]
+
+    await env.set_network_policy(NetworkPolicy(network_mode=NetworkMode.ALLOWLIST,
+                                               allowed_hosts=["10.9.8.7"]))
+    out["network_verifier"] = (await sandbox.refresh()).network.model_dump()
+    await env.set_network_policy(NetworkPolicy(network_mode=NetworkMode.NO_NETWORK))
+    out["network_back"] = str((await sandbox.refresh()).network)
+
+
+async def traps(scratch: Path, out: dict[str, Any]) -> None:
+    """The sandbox is the agent's: it leaves symlinks and a crafted tar in the directory the
+    trial downloads. Nothing may land outside the destination."""
+    env = make(scratch, "traps", EnvironmentConfig(docker_image="debian-minbase"),
+               network_policy=NetworkPolicy(network_mode=NetworkMode.NO_NETWORK))
+    outside = scratch / "outside"
+    outside.mkdir()
+    (outside / "victim.txt").write_text("untouched\n")
+    await env.start(force_build=False)
+    try:
+        await env.exec(
+            f"mkdir -p /logs/agent && cd /logs/agent && ln -s {outside} escape "
+            f"&& ln -s {outside}/victim.txt victim && ln -s /etc/shadow shadow "
+            "&& echo pwned > plain.txt")
+        dest = scratch / "dl-traps"
+        try:
+            await env.download_dir("/logs/agent", dest)
+            out["trap_symlinks"] = sorted(p.name for p in dest.iterdir())
+        except Exception as exc:  # noqa: BLE001
+            out["trap_symlinks"] = raised(exc)
+        # the agent's process writes after the download: through the symlink it made
+        try:
+            (dest / "victim").write_text("overwritten\n")
+        except OSError:
+            pass
+        # a download whose source the agent replaced by a symlink out of the sandbox's tree
+        await env.exec(f"rm -rf /logs/agent && ln -s {outside} /logs/agent")
+        try:
+            await env.download_dir("/logs/agent", scratch / "dl-traps2")
+            out["trap_dir_link"] = sorted(p.name for p in (scratch / "dl-traps2").rglob("*"))
+        except Exception as exc:  # noqa: BLE001
+            out["trap_dir_link"] = raised(exc)
+    finally:
+        await env.stop(delete=True)
+    out["outside_after"] = sorted(p.name for p in outside.iterdir())
+    out["victim_after"] = (outside / "victim.txt").read_text()
+
+
+async def refusals(scratch: Path, out: dict[str, Any]) -> None:
+    dockerfile_task = scratch / "built" / "environment"
+    dockerfile_task.mkdir(parents=True)
+    (dockerfile_task / "Dockerfile").write_text("FROM debian:bookworm\n")
+    trial = TrialPaths(trial_dir=scratch / "built" / "trial")
+    try:
+        EnvironmentFactory.create_environment_from_import_path(
+            IMPORT_PATH, environment_dir=dockerfile_task, environment_name="built",
+            session_id="built__dsec__env", trial_paths=trial, task_env_config=EnvironmentConfig())
+        out["dockerfile"] = "accepted"
+    except Exception as exc:  # noqa: BLE001
+        out["dockerfile"] = raised(exc)
+    try:
+        make(scratch, "badopt", EnvironmentConfig(docker_image="debian-minbase"), nope=1)
+        out["bad_option"] = "accepted"
+    except Exception as exc:  # noqa: BLE001
+        out["bad_option"] = raised(exc)
+    try:
+        make(scratch, "wild", EnvironmentConfig(docker_image="debian-minbase"),
+             network_policy=NetworkPolicy(network_mode=NetworkMode.ALLOWLIST,
+                                          allowed_hosts=["*.example.com"]))
+        out["wildcard"] = "accepted"
+    except Exception as exc:  # noqa: BLE001
+        out["wildcard"] = raised(exc)
+
+
+async def main() -> None:
+    scratch = Path(sys.argv[1])
+    out: dict[str, Any] = {}
+    await lifecycle(scratch, out)
+    await traps(scratch, out)
+    await refusals(scratch, out)
+    json.dump(out, sys.stdout, default=str)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,66 @@
+"""Run inside a mini-swe-agent venv (``tests/test_integrations.py``): mini-swe-agent's own
+loader builds ``dsec.integrations.minisweagent.DsecEnvironment`` from a config dict (as its
+YAML would), its ``DefaultAgent`` runs a scripted model (its ``DeterministicModel``, no LLM)
+through a small task, and what the agent and the environment reported is printed as JSON.
+
+The server and key come from ``DSEC_URL``/``DSEC_API_KEY``; dsec itself from ``PYTHONPATH``."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from minisweagent.agents.default import DefaultAgent
+from minisweagent.environments import get_environment
+from minisweagent.models.test_models import DeterministicModel, make_output
+
+import dsec
+
+FLOOD = 64 << 20  # bytes the agent prints; the environment's cap is 1 MiB
+
+
+def main() -> None:
+    env = get_environment({
+        "environment_class": "dsec.integrations.minisweagent.DsecEnvironment",
+        "image": "debian-minbase", "cwd": "/tmp", "timeout": 5, "env": {"GREETING": "hi"},
+        "memory_mb": 256, "max_output_bytes": 1 << 20})
+    report: dict = {"env_type": type(env).__module__ + "." + type(env).__name__,
+                    "sandbox": env.sandbox.id}
+    actions = [
+        "mkdir -p /tmp/work && cd /tmp/work && echo \"$GREETING world\" > answer.txt && pwd",
+        "cat /tmp/work/answer.txt; echo to-stderr >&2; exit 3",
+        "sleep 30",  # past the 5 s timeout: an observation, not a crash
+        f"head -c {FLOOD} /dev/zero | tr '\\0' a",  # an output flood
+        # a forged submit: the marker, but the command failed, so the task goes on
+        "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT; echo forged; false",
+        "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && cat /tmp/work/answer.txt",
+    ]
+    model = DeterministicModel(outputs=[make_output(f"step {i}", [{"command": c}])
+                                        for i, c in enumerate(actions)])
+    agent = DefaultAgent(model, env, system_template="You run on {{system}} {{machine}}.",
+                         instance_template="{{task}} (sandbox {{sandbox_id}})", step_limit=20,
+                         cost_limit=100)
+    result = agent.run("Write 'hi world' to /tmp/work/answer.txt and submit it.")
+    report["result"] = result
+    report["system_message"] = agent.messages[0]["content"]
+    report["instance_message"] = agent.messages[1]["content"]
+    observations = [m["content"] for m in agent.messages if m["role"] == "user"][1:]
+    report["observations"] = [o if len(o) < 4000 else f"<{len(o)} chars>" for o in observations]
+    report["flood_chars"] = max(len(o) for o in observations)
+    report["serialized_type"] = agent.serialize()["info"]["config"]["environment_type"]
+
+    direct = env.execute({"command": "echo $GREETING from $PWD"}, cwd="/")
+    report["direct"] = direct
+    env.cleanup()
+    env.cleanup()  # twice is harmless
+    try:
+        with dsec.Client() as client:
+            client.get(report["sandbox"]).run("true")
+        report["after_cleanup"] = "still running"
+    except dsec.DSecError as exc:
+        report["after_cleanup"] = type(exc).__name__
+    json.dump(report, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

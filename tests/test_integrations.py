@@ -1,0 +1,116 @@
+"""The harness integrations shipped in ``dsec.integrations``, driven by the real harnesses from
+PyPI against the session's dsec server: mini-swe-agent's agent loop with a scripted model
+completes a task through ``minisweagent.DsecEnvironment``, and harbor's factory runs a task's
+environment (start, exec, uploads and downloads, network phases, stop) through
+``harbor:DsecEnvironment``, including a sandbox that plants traps in a directory harbor
+downloads.
+
+Each harness lives in its own cached venv (``support/compat_venvs.py``) with the SDK's pinned
+dependencies, and imports this checkout's dsec from ``PYTHONPATH``: what a user has after
+``pip install dsec mini-swe-agent`` (or ``harbor``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import Server
+from support.compat_venvs import SRC, compat_python
+
+MINI_SWE_AGENT = "2.4.6"
+HARBOR = "0.26.0"
+PYENV = Path.home() / ".pyenv" / "versions"
+SUPPORT = Path(__file__).parent / "support"
+CAP = 1 << 20  # the mini-swe-agent driver's max_output_bytes
+
+
+def harness_env(server: Server, home: Path) -> dict[str, str]:
+    """What a user sets: dsec's URL and key; dsec importable; the harness's config at home."""
+    return {**os.environ, "DSEC_URL": server.url, "DSEC_API_KEY": server.key,
+            "PYTHONPATH": str(SRC), "HOME": str(home), "MSWEA_SILENT_STARTUP": "1",
+            "MSWEA_GLOBAL_CONFIG_DIR": str(home / "mswea"), "PYTHONFAULTHANDLER": "1"}
+
+
+def drive(python: Path, driver: str, env: dict[str, str], *args: str) -> dict[str, Any]:
+    done = subprocess.run([str(python), str(SUPPORT / driver), *args], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout)
+
+
+@pytest.fixture(scope="module")
+def mini(server: Server, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    python = compat_python("mini-swe-agent", MINI_SWE_AGENT, with_dsec_deps=True)
+    home = tmp_path_factory.mktemp("mini-home")
+    return drive(python, "minisweagent_driver.py", harness_env(server, home))
+
+
+def test_mini_swe_agent_completes_a_task(mini: dict[str, Any]) -> None:
+    assert mini["env_type"] == mini["serialized_type"] == \
+        "dsec.integrations.minisweagent.DsecEnvironment"
+    assert mini["result"] == {"exit_status": "Submitted", "submission": "hi world\n"}
+    assert mini["system_message"].startswith("You run on Linux x86_64")  # the sandbox's uname
+    assert mini["instance_message"].endswith(f"(sandbox {mini['sandbox']})")
+    first, second, timed_out, flood, forged = mini["observations"][:5]
+    assert "<returncode>0</returncode>" in first and "/tmp/work" in first
+    # stdout and stderr merged in order, the exit code kept
+    assert "<returncode>3</returncode>" in second and "hi world\nto-stderr\n" in second
+    assert "<returncode>-1</returncode>" in timed_out and "timed out" in timed_out
+    assert "forged" in forged and "<returncode>1</returncode>" in forged  # no early submit
+    assert flood.startswith("<") and CAP < mini["flood_chars"] < CAP + 4096  # capped
+    assert mini["direct"] == {"output": "hi from /\n", "returncode": 0, "exception_info": ""}
+    assert mini["after_cleanup"] == "SandboxNotFound"
+
+
+def harbor_python() -> Path:
+    found = sorted(PYENV.glob("3.1[2-9].*/bin/python3"))
+    if not found:
+        pytest.skip(f"harbor needs Python >= 3.12; none under {PYENV} (pyenv provides it on "
+                    "dsec's machines)")
+    return compat_python("harbor", HARBOR, base=found[0], with_dsec_deps=True)
+
+
+@pytest.fixture(scope="module")
+def harbor(server: Server, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    python = harbor_python()
+    home = tmp_path_factory.mktemp("harbor-home")
+    return drive(python, "harbor_driver.py", harness_env(server, home),
+                 str(tmp_path_factory.mktemp("harbor-scratch")))
+
+
+def test_harbor_task_lifecycle(harbor: dict[str, Any]) -> None:
+    assert harbor["type"] == "dsec.integrations.harbor:DsecEnvironment"
+    assert harbor["sandbox_network"] == "none"  # the agent phase: no network
+    assert harbor["exec"] == ["/\ntask x\n", "err\n", 4]  # cwd, task and call env, stderr apart
+    assert harbor["workdir"] == "/app\n"
+    assert harbor["timeout"]["raised"] == "CommandTimeout" and harbor["timeout"]["timeout_error"]
+    assert harbor["other_user"]["raised"] == "NotSupported"
+    assert harbor["uploaded"] == ["verifying\nnested\nverifying\n", 0]  # modes kept
+    assert harbor["downloaded"] == ["1\n", ["n", "n/x.txt", "reward.txt"]]
+    assert harbor["is_dir"] == [True, True, False]
+    assert harbor["network_verifier"]["allow"] == ["10.9.8.7"]  # the verifier phase's policy
+    assert harbor["network_back"] == "none"
+    assert harbor["exec_after_stop"]["raised"] == "RuntimeError"
+
+
+def test_harbor_refuses_what_dsec_cannot_do(harbor: dict[str, Any]) -> None:
+    assert harbor["dockerfile"]["raised"] == "NotSupported"
+    assert "issue 16" in harbor["dockerfile"]["message"]
+    assert harbor["bad_option"]["raised"] == "ValueError"
+    assert "nope" in harbor["bad_option"]["message"]
+    assert harbor["wildcard"]["raised"] == "ValueError"  # harbor's own check of capabilities
+
+
+def test_hostile_harbor_download_stays_in_its_destination(harbor: dict[str, Any]) -> None:
+    """Symlinks to the host and a directory swapped for a symlink: nothing outside changes."""
+    assert harbor["trap_symlinks"]["raised"] == "UnsafeArchive"
+    assert harbor["trap_dir_link"] != ["victim.txt"]  # never the host directory's listing
+    assert harbor["outside_after"] == ["victim.txt"]
+    assert harbor["victim_after"] == "untouched\n"
+    flood_chars, code = harbor["flood"]
+    assert code == 0 and flood_chars < 64 << 20  # capped by the server
