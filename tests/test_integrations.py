@@ -43,14 +43,17 @@ def drive(python: Path, driver: str, env: dict[str, str], *args: str) -> dict[st
     return json.loads(done.stdout)
 
 
-@pytest.fixture(scope="module")
-def mini(server: Server, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def run_mini_swe_agent(server: Server, home: Path) -> dict[str, Any]:
+    """mini-swe-agent's agent loop on ``server`` (also run under Ray: test_cluster_parity)."""
     python = compat_python("mini-swe-agent", MINI_SWE_AGENT, with_dsec_deps=True)
-    home = tmp_path_factory.mktemp("mini-home")
     return drive(python, "minisweagent_driver.py", harness_env(server, home))
 
 
-def test_mini_swe_agent_completes_a_task(mini: dict[str, Any]) -> None:
+def test_mini_swe_agent_completes_a_task(server: Server, tmp_path: Path) -> None:
+    check_mini_swe_agent_run(run_mini_swe_agent(server, tmp_path))
+
+
+def check_mini_swe_agent_run(mini: dict[str, Any]) -> None:
     assert mini["env_type"] == mini["serialized_type"] == \
         "dsec.integrations.minisweagent.DsecEnvironment"
     assert mini["result"] == {"exit_status": "Submitted", "submission": "hi world\n"}
