@@ -112,8 +112,19 @@ def test_harbor_refuses_what_dsec_cannot_do(harbor: dict[str, Any]) -> None:
 def test_hostile_harbor_download_stays_in_its_destination(harbor: dict[str, Any]) -> None:
     """Symlinks to the host and a directory swapped for a symlink: nothing outside changes."""
     assert harbor["trap_symlinks"]["raised"] == "UnsafeArchive"
-    assert harbor["trap_dir_link"] != ["victim.txt"]  # never the host directory's listing
+    # the sandbox's own tar resolves the link inside the sandbox, where the host path is not
+    assert harbor["trap_dir_link"]["raised"] == "InvalidRequest"
     assert harbor["outside_after"] == ["victim.txt"]
     assert harbor["victim_after"] == "untouched\n"
     flood_chars, code = harbor["flood"]
     assert code == 0 and flood_chars < 64 << 20  # capped by the server
+
+
+def test_hostile_harbor_filtered_downloads_ignore_the_images_tar(harbor: dict[str, Any]) -> None:
+    """harbor's own filtered downloads would pack with the image's tar; the sandbox replaced
+    it by one that hands over a forged archive. dsec's environment downloads the real files
+    through its checked extraction, filters them, and refuses a symlink out."""
+    assert harbor["filtered"] == {"dl-excluded": {"a.txt": "real\n"},
+                                  "dl-filtered": {"a.txt": "real\n"},
+                                  "dl-control": {"a.txt": "forged\n"}}  # harbor's own: forged
+    assert harbor["filtered_trap"]["raised"] == "UnsafeArchive"

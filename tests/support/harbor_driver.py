@@ -10,11 +10,14 @@ dsec itself from ``PYTHONPATH``."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import sys
+import tarfile
 from pathlib import Path
 from typing import Any
 
+from harbor.environments.base import BaseEnvironment
 from harbor.environments.factory import EnvironmentFactory
 from harbor.models.task.config import EnvironmentConfig, NetworkMode, NetworkPolicy
 from harbor.models.trial.paths import TrialPaths
@@ -138,10 +141,47 @@ async def traps(scratch: Path, out: dict[str, Any]) -> None:
             out["trap_dir_link"] = sorted(p.name for p in (scratch / "dl-traps2").rglob("*"))
         except Exception as exc:  # noqa: BLE001
             out["trap_dir_link"] = raised(exc)
+        await filtered(env, scratch, out)
     finally:
         await env.stop(delete=True)
     out["outside_after"] = sorted(p.name for p in outside.iterdir())
     out["victim_after"] = (outside / "victim.txt").read_text()
+
+
+async def filtered(env: Any, scratch: Path, out: dict[str, Any]) -> None:
+    """harbor's filtered downloads (agent logs with include/exclude, artifacts with excludes),
+    from a sandbox whose image's tar has been replaced by one that hands over a forged
+    archive: the files downloaded are the sandbox's real ones, filtered."""
+    forged = scratch / "forged.tar.gz"
+    with tarfile.open(forged, "w:gz") as tar:
+        info = tarfile.TarInfo("a.txt")
+        info.size = len(b"forged\n")
+        tar.addfile(info, io.BytesIO(b"forged\n"))
+    await env.upload_file(forged, "/forged.tar.gz")
+    await env.exec("mkdir -p /logs/artifacts/node_modules && cd /logs/artifacts && echo real > a.txt "
+                   "&& echo log > b.log && echo js > node_modules/x.js && printf '#!/bin/sh\n"
+                   "cp /forged.tar.gz \"$2\"\n' > /tmp/tar && chmod +x /tmp/tar "
+                   "&& for t in /bin/tar /usr/bin/tar; do [ -e $t ] && cp /tmp/tar $t; done; true")
+    excluded = scratch / "dl-excluded"
+    await env.download_dir_with_exclusions(source_dir="/logs/artifacts", target_dir=excluded,
+                                           exclude=["*.log", "node_modules"])
+    chosen = scratch / "dl-filtered"
+    await env.download_dir_filtered(source_dir="/logs/artifacts", target_dir=chosen,
+                                    include=["*.txt", "*.log"], exclude=["b.log"])
+    # the control: harbor's own implementation takes the forged archive
+    control = scratch / "dl-control"
+    await BaseEnvironment.download_dir_with_exclusions(env, source_dir="/logs/artifacts",
+                                                       target_dir=control, exclude=["*.log"])
+    out["filtered"] = {str(d.name): {p.relative_to(d).as_posix(): p.read_text()
+                                     for p in sorted(d.rglob("*")) if p.is_file()}
+                       for d in (excluded, chosen, control)}
+    await env.exec("ln -s /etc/shadow /logs/artifacts/shadow")
+    try:
+        await env.download_dir_filtered(source_dir="/logs/artifacts", target_dir=chosen,
+                                        include=["*.txt"])
+        out["filtered_trap"] = "downloaded"
+    except Exception as exc:  # noqa: BLE001
+        out["filtered_trap"] = raised(exc)
 
 
 async def refusals(scratch: Path, out: dict[str, Any]) -> None:

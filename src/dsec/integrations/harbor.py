@@ -8,7 +8,9 @@ name; the ``image`` option overrides it) with the task's cpus, memory and storag
 removes it, ``exec`` runs ``bash -c`` in it, files and directories move through dsec's file
 and archive calls. A directory downloaded from the sandbox is a sandbox-made archive, so it is
 extracted by the SDK member by member under the destination only (``UnsafeArchive``
-otherwise). harbor's network policy per phase maps onto dsec's egress policy, switched in
+otherwise); harbor's filtered downloads (logs with include/exclude, artifacts with excludes),
+which harbor itself packs with the image's tar, which the sandbox can replace, go through the
+same extraction and are filtered on the host. harbor's network policy per phase maps onto dsec's egress policy, switched in
 place between phases (``set_network``): no-network is ``"none"``, an allowlist becomes
 dsec ``allow`` rules (host names, IPv4 addresses and networks), public is the
 ``public_network`` option.
@@ -21,6 +23,10 @@ dsec (tested with 0.26.0).
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +38,11 @@ from harbor.environments.capabilities import (
 from harbor.environments.definition import COMPOSE_FILE_NAME, DOCKERFILE_NAME
 from harbor.environments.options import EnvironmentOptions
 from harbor.models.task.config import NetworkMode, NetworkPolicy
+from harbor.utils.path_filter import filter_paths_by_patterns
 from pydantic import Field
 
 from ..client.aio import AsyncClient, Sandbox
-from ..protocol.errors import InvalidRequest, NotSupported
+from ..protocol.errors import InvalidRequest, NotSupported, UnsafeArchive
 
 ROOT_USERS = (None, "root", 0, "0")
 
@@ -165,3 +172,47 @@ class DsecEnvironment(BaseEnvironment):
 
     async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
         await self.sandbox.download(source_dir, target_dir)
+
+    # harbor's own filtered downloads pack a tar with the image's tar in the sandbox and unpack
+    # it with tarfile's data filter (bypassed on some Pythons: see client/archive.py); here
+    # they go through download_dir's checked extraction into a staging directory instead,
+    # and the selected regular files are copied from there.
+
+    async def download_dir_with_exclusions(self, *, source_dir: str, target_dir: Path | str,
+                                           exclude: list[str]) -> None:
+        """Like ``tar --exclude``: a pattern drops a file if it matches the file's relative
+        path or any part of it (a directory's name drops what is under it)."""
+        await self._download_selected(
+            source_dir, target_dir, lambda name: not any(_tar_excludes(p, name) for p in exclude))
+
+    async def download_dir_filtered(self, *, source_dir: str, target_dir: Path | str,
+                                    include: Sequence[str] | None = None,
+                                    exclude: Sequence[str] | None = None,
+                                    protect: Sequence[str] | None = None) -> None:
+        def keep(name: str) -> bool:
+            return name in (protect or ()) or bool(
+                filter_paths_by_patterns([name], include=include, exclude=exclude))
+        await self._download_selected(source_dir, target_dir, keep)
+
+    async def _download_selected(self, source_dir: str, target_dir: Path | str,
+                                 keep: Callable[[str], bool]) -> None:
+        target = Path(target_dir)
+        target.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as staging:
+            staged = Path(staging)
+            await self.download_dir(source_dir, staged)
+            for path in sorted(staged.rglob("*")):
+                name = path.relative_to(staged).as_posix()
+                if path.is_symlink() or not path.is_file() or not keep(name):
+                    continue
+                destination = target / name
+                if not destination.resolve().is_relative_to(target.resolve()):
+                    raise UnsafeArchive(f"{name} would be written outside {target}", member=name)
+                destination.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(path, destination, follow_symlinks=False)
+
+
+def _tar_excludes(pattern: str, name: str) -> bool:
+    parts = name.split("/")
+    return any(fnmatch(
+        "/".join(parts[i:j]), pattern) for i in range(len(parts)) for j in range(i + 1, len(parts) + 1))
