@@ -2,8 +2,8 @@
 PyPI against the session's dsec server: mini-swe-agent's agent loop with a scripted model
 completes a task through ``minisweagent.DsecEnvironment``, and harbor's factory runs a task's
 environment (start, exec, uploads and downloads, network phases, stop) through
-``harbor:DsecEnvironment``, including a sandbox that plants traps in a directory harbor
-downloads.
+``harbor:DsecEnvironment``, and a whole harbor Trial (oracle agent, verifier, per-phase
+network) runs on it, including a sandbox that plants traps in a directory harbor downloads.
 
 Each harness lives in its own cached venv (``support/compat_venvs.py``) with the SDK's pinned
 dependencies, and imports this checkout's dsec from ``PYTHONPATH``: what a user has after
@@ -84,6 +84,15 @@ def harbor(server: Server, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     home = tmp_path_factory.mktemp("harbor-home")
     return drive(python, "harbor_driver.py", harness_env(server, home),
                  str(tmp_path_factory.mktemp("harbor-scratch")))
+
+
+def test_harbor_trial_with_the_oracle_agent(harbor: dict[str, Any]) -> None:
+    """harbor's own Trial: the oracle agent solves, the verifier rewards, the logs come back;
+    the agent phase ran without network, the verifier phase with the task's allowlist."""
+    assert harbor["trial"]["exception"] is None
+    assert harbor["trial"]["rewards"] == {"reward": 1.0}
+    assert harbor["trial"]["routes"]["agent"] == "0\n"
+    assert int(harbor["trial"]["routes"]["verifier"]) > 0
 
 
 def test_harbor_task_lifecycle(harbor: dict[str, Any]) -> None:

@@ -20,7 +20,10 @@ from typing import Any
 from harbor.environments.base import BaseEnvironment
 from harbor.environments.factory import EnvironmentFactory
 from harbor.models.task.config import EnvironmentConfig, NetworkMode, NetworkPolicy
+from harbor.models.trial.config import AgentConfig, TaskConfig, TrialConfig
+from harbor.models.trial.config import EnvironmentConfig as TrialEnvironment
 from harbor.models.trial.paths import TrialPaths
+from harbor.trial.trial import Trial
 
 IMPORT_PATH = "dsec.integrations.harbor:DsecEnvironment"
 FLOOD = 64 << 20
@@ -210,9 +213,54 @@ async def refusals(scratch: Path, out: dict[str, Any]) -> None:
         out["wildcard"] = raised(exc)
 
 
+TASK_TOML = """schema_version = "1.4"
+[agent]
+timeout_sec = 120.0
+network_mode = "no-network"
+[verifier]
+timeout_sec = 120.0
+network_mode = "allowlist"
+allowed_hosts = ["10.9.8.7"]
+[environment]
+docker_image = "debian-minbase"
+workdir = "/app"
+network_mode = "no-network"
+"""
+# each phase also counts the sandbox's IPv4 routes: none without network, some with a policy
+ROUTES = "$(($(wc -l < /proc/net/route) - 1))"
+SOLVE = f"#!/bin/bash\necho 42 > /app/answer.txt\necho {ROUTES} > /logs/agent/routes.txt\n"
+TEST = ("#!/bin/bash\nif [ \"$(cat /app/answer.txt)\" = 42 ]; then echo 1; else echo 0; fi "
+        f"> /logs/verifier/reward.txt\necho {ROUTES} > /logs/verifier/routes.txt\n")
+
+
+async def trial(scratch: Path, out: dict[str, Any]) -> None:
+    """A whole harbor trial: its Trial drives the environment (start, the oracle agent's
+    upload of solution/ and run of solve.sh, the verifier's upload of tests/, test.sh, the
+    download of its logs and reward, stop), with the task's network policy per phase."""
+    task = scratch / "task" / "answer"
+    for sub in ("environment", "solution", "tests"):
+        (task / sub).mkdir(parents=True)
+    (task / "task.toml").write_text(TASK_TOML)
+    (task / "instruction.md").write_text("Write 42 to /app/answer.txt.\n")
+    (task / "solution" / "solve.sh").write_text(SOLVE)
+    (task / "tests" / "test.sh").write_text(TEST)
+    config = TrialConfig(task=TaskConfig(path=task), trials_dir=scratch / "trials",
+                         trial_name="answer__dsec", agent=AgentConfig(name="oracle"),
+                         environment=TrialEnvironment(import_path=IMPORT_PATH,
+                                                            kwargs={"ttl_s": 600}))
+    result = await (await Trial.create(config)).run()
+    trial_dir = scratch / "trials" / "answer__dsec"
+    out["trial"] = {
+        "exception": None if result.exception_info is None else result.exception_info.model_dump(),
+        "rewards": None if result.verifier_result is None else result.verifier_result.rewards,
+        "routes": {phase: (trial_dir / phase / "routes.txt").read_text()
+                   for phase in ("agent", "verifier")}}
+
+
 async def main() -> None:
     scratch = Path(sys.argv[1])
     out: dict[str, Any] = {}
+    await trial(scratch, out)
     await lifecycle(scratch, out)
     await traps(scratch, out)
     await refusals(scratch, out)

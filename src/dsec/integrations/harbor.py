@@ -122,6 +122,8 @@ class DsecEnvironment(BaseEnvironment):
             disk_mb=self._effective_storage_mb, pids=self.options.pids, ttl_s=self.options.ttl_s,
             network=self._network(self.network_policy), env=self._startup_env() or None,
             labels={"harness": "harbor", "session": self.session_id[:200]})
+        if self.task_env_config.workdir:  # as docker makes an image's WORKDIR
+            await self._sandbox.mkdir(self.task_env_config.workdir, parents=True)
         await self.ensure_dirs(self._mount_targets(writable_only=True))
         await self._upload_environment_dir_after_start()
 
