@@ -1,7 +1,8 @@
 """Run inside a harbor venv (Python >= 3.12, ``tests/test_integrations.py``): harbor's own
-factory loads ``dsec.integrations.harbor:DsecEnvironment`` by import path, as ``--env`` does,
-and a task's environment goes start -> exec -> uploads/downloads -> network phases -> stop,
-then a sandbox that plants traps in a directory harbor downloads. What each step observed is
+Trial runs a small task (oracle agent, verifier) with ``--env``'s import path
+``dsec.integrations.harbor:DsecEnvironment``; harbor's factory loads the class the same way
+for a task's environment that goes start -> exec -> uploads/downloads -> network phases ->
+stop; then a sandbox plants traps in directories harbor downloads. What each step observed is
 printed as JSON (``{"raised": name, ...}`` for an exception).
 
 Argument: a scratch directory. The server and key come from ``DSEC_URL``/``DSEC_API_KEY``;
