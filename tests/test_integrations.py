@@ -70,6 +70,17 @@ def check_mini_swe_agent_run(mini: dict[str, Any]) -> None:
     assert mini["after_cleanup"] == "SandboxNotFound"
 
 
+async def test_mini_swe_agent_sandbox_stops_at_exit(server: Server, tmp_path: Path) -> None:
+    """A script that never calls ``cleanup()`` exits (no hang on the SDK's loop thread) and its
+    sandbox is stopped."""
+    python = compat_python("mini-swe-agent", MINI_SWE_AGENT, with_dsec_deps=True)
+    done = drive(python, "minisweagent_driver.py", harness_env(server, tmp_path),
+                 "--exit-without-cleanup")
+    assert done["ran"]["output"] == "hi\n"
+    async with server.client() as client:
+        assert done["sandbox"] not in {s.id for s in await client.list()}
+
+
 def harbor_python() -> Path:
     found = sorted(PYENV.glob("3.1[2-9].*/bin/python3"))
     if not found:

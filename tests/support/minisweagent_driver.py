@@ -3,6 +3,7 @@ loader builds ``dsec.integrations.minisweagent.DsecEnvironment`` from a config d
 YAML would), its ``DefaultAgent`` runs a scripted model (its ``DeterministicModel``, no LLM)
 through a small task, and what the agent and the environment reported is printed as JSON.
 
+With ``--exit-without-cleanup``, it only makes an environment, runs a command and exits.
 The server and key come from ``DSEC_URL``/``DSEC_API_KEY``; dsec itself from ``PYTHONPATH``."""
 
 from __future__ import annotations
@@ -62,5 +63,11 @@ def main() -> None:
     json.dump(report, sys.stdout)
 
 
+def exit_without_cleanup() -> None:
+    """A script that never calls cleanup(): the sandbox is stopped at exit, which does not hang."""
+    env = get_environment({"environment_class": "dsec.integrations.minisweagent.DsecEnvironment"})
+    json.dump({"sandbox": env.sandbox.id, "ran": env.execute({"command": "echo hi"})}, sys.stdout)
+
+
 if __name__ == "__main__":
-    main()
+    exit_without_cleanup() if sys.argv[1:] == ["--exit-without-cleanup"] else main()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import weakref
 from typing import Any
 
 from minisweagent.exceptions import Submitted
@@ -28,7 +29,7 @@ from pydantic import BaseModel
 
 from ..client.aio import CommandResult
 from ..client.sync import Client, Sandbox
-from ..protocol.errors import CommandTimeout
+from ..protocol.errors import CommandTimeout, SandboxNotFound
 
 SUBMIT_MARKER = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 UNAME_FIELDS = ("system", "node", "release", "version", "machine")  # platform.uname()'s names
@@ -63,17 +64,24 @@ class DsecEnvironmentConfig(BaseModel):
 
 class DsecEnvironment:
     """mini-swe-agent's ``Environment`` over one dsec sandbox, created at construction and
-    stopped by ``cleanup()`` (or when the object is collected)."""
+    stopped by ``cleanup()``, when the object is collected, or at exit."""
 
     def __init__(self, *, config_class: type[DsecEnvironmentConfig] = DsecEnvironmentConfig,
                  **kwargs: Any) -> None:
-        self.config = config_class(**kwargs)
-        self.client = Client()
-        self.sandbox: Sandbox | None = None
-        c = self.config
-        self.sandbox = self.client.create(c.substrate, c.image, cpu=c.cpu, memory_mb=c.memory_mb,
-                                          pids=c.pids, disk_mb=c.disk_mb, ttl_s=c.ttl_s,
-                                          network=c.network, labels={"harness": "mini-swe-agent"})
+        self.config = c = config_class(**kwargs)
+        client = Client()
+        try:
+            self.sandbox: Sandbox | None = client.create(
+                c.substrate, c.image, cpu=c.cpu, memory_mb=c.memory_mb, pids=c.pids,
+                disk_mb=c.disk_mb, ttl_s=c.ttl_s, network=c.network,
+                labels={"harness": "mini-swe-agent"})
+        except BaseException:
+            client.close()
+            raise
+        # stopped by cleanup(), when the environment is collected, or at exit (atexit runs
+        # before the interpreter freezes the client's loop thread; __del__ at shutdown would
+        # wait on it forever)
+        self._stop = weakref.finalize(self, _stop, client, self.sandbox)
         self._uname = self._read_uname()
 
     def _read_uname(self) -> dict[str, str]:
@@ -121,17 +129,17 @@ class DsecEnvironment:
 
     def cleanup(self) -> None:
         """Stop the sandbox and close the client; safe to call twice."""
-        sandbox, self.sandbox = getattr(self, "sandbox", None), None
-        try:
-            if sandbox is not None:
-                sandbox.stop()
-        finally:
-            if getattr(self, "client", None) is not None:
-                self.client.close()
-                self.client = None  # type: ignore[assignment]
+        self.sandbox = None
+        self._stop()
 
-    def __del__(self) -> None:
-        self.cleanup()
+
+def _stop(client: Client, sandbox: Sandbox) -> None:
+    try:
+        sandbox.stop()
+    except SandboxNotFound:
+        pass  # already gone: its TTL ran out
+    finally:
+        client.close()
 
 
 def _text(result: CommandResult) -> str:
