@@ -112,7 +112,9 @@ def test_harbor_task_lifecycle(harbor: dict[str, Any]) -> None:
     assert harbor["exec"] == ["/\ntask x\n", "err\n", 4]  # cwd, task and call env, stderr apart
     assert harbor["workdir"] == "/app\n"
     assert harbor["timeout"]["raised"] == "CommandTimeout" and harbor["timeout"]["timeout_error"]
-    assert harbor["other_user"]["raised"] == "NotSupported"
+    assert harbor["other_user"] == ["agent\n/home/agent task\n/tmp\n", True, 1]  # as docker -u
+    assert harbor["default_user"] == "agent\n"
+    assert harbor["uid_user"]["raised"] == "NotSupported"
     assert harbor["uploaded"] == ["verifying\nnested\nverifying\n", 0]  # modes kept
     assert harbor["downloaded"] == ["1\n", ["n", "n/x.txt", "reward.txt"]]
     assert harbor["is_dir"] == [True, True, False]

@@ -81,11 +81,17 @@ async def lifecycle_steps(env: Any, scratch: Path, out: dict[str, Any]) -> None:
         out["timeout"] = raised(exc) | {"timeout_error": isinstance(exc, TimeoutError)}
     r = await env.exec(f"head -c {FLOOD} /dev/zero | tr '\\0' a")
     out["flood"] = [len(r.stdout or ""), r.return_code]
+    await env.exec("useradd -m agent")
+    r = await env.exec("id -un; echo $HOME $TASK_VAR; pwd; touch /root/x", user="agent",
+                       cwd="/tmp")
+    out["other_user"] = [r.stdout, r.stderr.strip().endswith("Permission denied"), r.return_code]
+    with env.with_default_user("agent"):  # how a trial runs its agent as the task's user
+        out["default_user"] = (await env.exec("id -un")).stdout
     try:
-        await env.exec("id -u", user="agent")
-        out["other_user"] = "ran"
+        await env.exec("id -u", user=1000)
+        out["uid_user"] = "ran"
     except Exception as exc:  # noqa: BLE001
-        out["other_user"] = raised(exc)
+        out["uid_user"] = raised(exc)
 
     local = scratch / "local"
     (local / "tests" / "sub").mkdir(parents=True)

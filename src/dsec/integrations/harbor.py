@@ -13,11 +13,11 @@ which harbor itself packs with the image's tar, which the sandbox can replace, g
 same extraction and are filtered on the host. harbor's network policy per phase maps onto dsec's egress policy, switched in
 place between phases (``set_network``): no-network is ``"none"``, an allowlist becomes
 dsec ``allow`` rules (host names, IPv4 addresses and networks), public is the
-``public_network`` option.
+``public_network`` option. A command for another user runs through dsec's own ``su``.
 
 Not served, each with a typed error before anything is created: building the task's
-``environment/Dockerfile`` or compose file (dsec's Dockerfile builds are issue 16), running a
-command as a user other than root. Needs ``pip install harbor`` (Python 3.12 or newer) beside
+``environment/Dockerfile`` or compose file (dsec's Dockerfile builds are issue 16), a user
+given as a numeric uid. Needs ``pip install harbor`` (Python 3.12 or newer) beside
 dsec (tested with 0.26.0).
 """
 
@@ -45,6 +45,7 @@ from ..client.aio import AsyncClient, Sandbox
 from ..protocol.errors import InvalidRequest, NotSupported, UnsafeArchive
 
 ROOT_USERS = (None, "root", 0, "0")
+BUSYBOX = "/.dsec/bin/busybox"  # dsec's read-only tools in every sandbox (docs/SECURITY.md)
 
 
 class DsecOptions(EnvironmentOptions):
@@ -143,13 +144,11 @@ class DsecEnvironment(BaseEnvironment):
 
     async def exec(self, command: str, cwd: str | None = None, env: dict[str, str] | None = None,
                    timeout_sec: int | None = None, user: str | int | None = None) -> ExecResult:
-        """Run ``bash -c command`` (as harbor's docker environment does); a timeout raises
-        dsec's ``CommandTimeout`` (a ``TimeoutError``) after killing the command."""
-        user = self._resolve_user(user)
-        if user not in ROOT_USERS:
-            raise NotSupported(f"dsec runs commands as root; harbor asked for user {user!r}",
-                               user=str(user))
-        result = await self.sandbox.run(["bash", "-c", command], env=self._merge_env(env),
+        """Run ``bash -c command`` (as harbor's docker environment does), as root or as the
+        named ``user``; a timeout raises dsec's ``CommandTimeout`` (a ``TimeoutError``) after
+        killing the command."""
+        result = await self.sandbox.run(_as_user(self._resolve_user(user), command),
+                                        env=self._merge_env(env),
                                         cwd=cwd or self.task_env_config.workdir,
                                         timeout_s=timeout_sec)
         return ExecResult(stdout=result.stdout, stderr=result.stderr,
@@ -212,6 +211,18 @@ class DsecEnvironment(BaseEnvironment):
                     raise UnsafeArchive(f"{name} would be written outside {target}", member=name)
                 destination.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(path, destination, follow_symlinks=False)
+
+
+def _as_user(user: str | int | None, command: str) -> list[str]:
+    """The argv running ``command`` in bash as ``user``, as ``docker exec -u`` would (the
+    user's HOME, USER, LOGNAME and SHELL, the rest of the environment kept): dsec's own
+    busybox ``su``, by absolute path, not the image's. ``su`` takes a name, not a uid."""
+    if user in ROOT_USERS:
+        return ["bash", "-c", command]
+    if isinstance(user, int) or user.isdigit():
+        raise NotSupported(f"harbor asked for uid {user}: dsec switches users by name only",
+                           user=str(user))
+    return [BUSYBOX, "su", "-s", "/bin/bash", str(user), "-c", command]
 
 
 def _tar_excludes(pattern: str, name: str) -> bool:
