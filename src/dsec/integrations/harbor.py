@@ -89,8 +89,13 @@ class DsecEnvironment(BaseEnvironment):
                                                fractional_cpus=True)
 
     def _validate_definition(self) -> None:
-        if self.options.image or self.task_env_config.docker_image:
-            return
+        self._image()
+
+    def _image(self) -> str:
+        """The dsec image: the ``image`` option, else the task's docker_image."""
+        image = self.options.image or self.task_env_config.docker_image
+        if image:
+            return image
         built = [name for name in (DOCKERFILE_NAME, COMPOSE_FILE_NAME)
                  if (self.environment_dir / name).exists()]
         raise NotSupported(
@@ -118,11 +123,11 @@ class DsecEnvironment(BaseEnvironment):
                                "(Dockerfile builds are dsec issue 16)")
         self._client = AsyncClient()
         self._sandbox = await self._client.create(
-            self.options.substrate, self.options.image or self.task_env_config.docker_image or "",
+            self.options.substrate, self._image(),
             cpu=self._effective_cpus, memory_mb=self._effective_memory_mb,
             disk_mb=self._effective_storage_mb, pids=self.options.pids, ttl_s=self.options.ttl_s,
             network=self._network(self.network_policy), env=self._startup_env() or None,
-            labels={"harness": "harbor", "session": self.session_id[:200]})
+            labels={"harness": "harbor", "session": self.session_id})
         if self.task_env_config.workdir:  # as docker makes an image's WORKDIR
             await self._sandbox.mkdir(self.task_env_config.workdir, parents=True)
         await self.ensure_dirs(self._mount_targets(writable_only=True))

@@ -71,7 +71,7 @@ class DsecEnvironment:
         self.config = c = config_class(**kwargs)
         client = Client()
         try:
-            self.sandbox: Sandbox | None = client.create(
+            self._sandbox: Sandbox | None = client.create(
                 c.substrate, c.image, cpu=c.cpu, memory_mb=c.memory_mb, pids=c.pids,
                 disk_mb=c.disk_mb, ttl_s=c.ttl_s, network=c.network,
                 labels={"harness": "mini-swe-agent"})
@@ -81,13 +81,18 @@ class DsecEnvironment:
         # stopped by cleanup(), when the environment is collected, or at exit (atexit runs
         # before the interpreter freezes the client's loop thread; __del__ at shutdown would
         # wait on it forever)
-        self._stop = weakref.finalize(self, _stop, client, self.sandbox)
+        self._stop = weakref.finalize(self, _stop, client, self._sandbox)
         self._uname = self._read_uname()
+
+    @property
+    def sandbox(self) -> Sandbox:
+        if self._sandbox is None:
+            raise RuntimeError("the dsec sandbox was stopped by cleanup()")
+        return self._sandbox
 
     def _read_uname(self) -> dict[str, str]:
         """The sandbox's uname, for templates that name the system (as docker's does the
         host's); the sandbox's answer is plain text, used only if it has all five lines."""
-        assert self.sandbox is not None
         result = self.sandbox.run("; ".join(f"uname -{flag}" for flag in "snrvm"), timeout_s=30)
         lines = result.stdout.splitlines()
         return dict(zip(UNAME_FIELDS, lines)) if result.ok and len(lines) == 5 else {}
@@ -95,7 +100,6 @@ class DsecEnvironment:
     def execute(self, action: dict, cwd: str = "", *, timeout: int | None = None) -> dict[str, Any]:
         """Run ``action["command"]`` under the interpreter; the result dict mini-swe-agent's
         observation templates read. Raises ``Submitted`` when the agent submits."""
-        assert self.sandbox is not None, "the sandbox was cleaned up"
         timeout_s = timeout or self.config.timeout
         # dsec's own shell merges the interpreter's stderr into stdout, in order, as docker's
         # environment does with stderr=STDOUT
@@ -119,7 +123,7 @@ class DsecEnvironment:
         return {**forwarded, **self.config.env}
 
     def get_template_vars(self, **kwargs: Any) -> dict[str, Any]:
-        sandbox = {} if self.sandbox is None else {"sandbox_id": self.sandbox.id}
+        sandbox = {} if self._sandbox is None else {"sandbox_id": self._sandbox.id}
         return recursive_merge(self.config.model_dump(), self._uname, sandbox, kwargs)
 
     def serialize(self) -> dict:
@@ -129,7 +133,7 @@ class DsecEnvironment:
 
     def cleanup(self) -> None:
         """Stop the sandbox and close the client; safe to call twice."""
-        self.sandbox = None
+        self._sandbox = None
         self._stop()
 
 
