@@ -57,15 +57,18 @@ def check_mini_swe_agent_run(mini: dict[str, Any]) -> None:
     assert mini["env_type"] == mini["serialized_type"] == \
         "dsec.integrations.minisweagent.DsecEnvironment"
     assert mini["result"] == {"exit_status": "Submitted", "submission": "hi world\n"}
-    assert mini["system_message"].startswith("You run on Linux x86_64")  # the sandbox's uname
-    assert mini["instance_message"].endswith(f"(sandbox {mini['sandbox']})")
+    # mini-swe-agent's default templates render with the sandbox's uname
+    assert "<system_information>\nLinux " in mini["instance_message"]
+    assert mini["template_vars"] == {"sandbox_id": mini["sandbox"], "system": "Linux",
+                                     "machine": "x86_64", "image": "debian-minbase"}
     first, second, timed_out, flood, forged = mini["observations"][:5]
     assert "<returncode>0</returncode>" in first and "/tmp/work" in first
     # stdout and stderr merged in order, the exit code kept
     assert "<returncode>3</returncode>" in second and "hi world\nto-stderr\n" in second
     assert "<returncode>-1</returncode>" in timed_out and "timed out" in timed_out
     assert "forged" in forged and "<returncode>1</returncode>" in forged  # no early submit
-    assert flood.startswith("<") and CAP < mini["flood_chars"] < CAP + 4096  # capped
+    # the flood: capped at 1 MiB (the template then tells the model it was too long)
+    assert "too long" in flood and CAP < mini["flood_bytes"] < CAP + 4096
     assert mini["direct"] == {"output": "hi from /\n", "returncode": 0, "exception_info": ""}
     assert mini["after_cleanup"] == "SandboxNotFound"
 

@@ -1,7 +1,7 @@
 """Run inside a mini-swe-agent venv (``tests/test_integrations.py``): mini-swe-agent's own
-loader builds ``dsec.integrations.minisweagent.DsecEnvironment`` from a config dict (as its
-YAML would), its ``DefaultAgent`` runs a scripted model (its ``DeterministicModel``, no LLM)
-through a small task, and what the agent and the environment reported is printed as JSON.
+loader builds ``dsec.integrations.minisweagent.DsecEnvironment`` from its own default config
+plus the lines a user adds for dsec, its ``DefaultAgent`` (with that config's templates) runs a
+scripted model (its ``DeterministicModel``, no LLM) through a small task, and what the agent and the environment reported is printed as JSON.
 
 With ``--exit-without-cleanup``, it only makes an environment, runs a command and exits.
 The server and key come from ``DSEC_URL``/``DSEC_API_KEY``; dsec itself from ``PYTHONPATH``."""
@@ -11,43 +11,50 @@ from __future__ import annotations
 import json
 import sys
 
+import yaml
 from minisweagent.agents.default import DefaultAgent
+from minisweagent.config import get_config_path
 from minisweagent.environments import get_environment
 from minisweagent.models.test_models import DeterministicModel, make_output
 
 import dsec
 
 FLOOD = 64 << 20  # bytes the agent prints; the environment's cap is 1 MiB
+FLOOD_COMMAND = f"head -c {FLOOD} /dev/zero | tr '\\0' a"
 
 
 def main() -> None:
+    # mini-swe-agent's own default config (its templates, its environment variables), with
+    # the environment section a user would add to use dsec
+    config = yaml.safe_load(get_config_path("default").read_text())
     env = get_environment({
+        **config["environment"], "env": {**config["environment"]["env"], "GREETING": "hi"},
         "environment_class": "dsec.integrations.minisweagent.DsecEnvironment",
-        "image": "debian-minbase", "cwd": "/tmp", "timeout": 5, "env": {"GREETING": "hi"},
-        "memory_mb": 256, "max_output_bytes": 1 << 20})
+        "image": "debian-minbase", "cwd": "/tmp", "timeout": 5, "memory_mb": 256,
+        "max_output_bytes": 1 << 20})
     report: dict = {"env_type": type(env).__module__ + "." + type(env).__name__,
                     "sandbox": env.sandbox.id}
     actions = [
         "mkdir -p /tmp/work && cd /tmp/work && echo \"$GREETING world\" > answer.txt && pwd",
         "cat /tmp/work/answer.txt; echo to-stderr >&2; exit 3",
         "sleep 30",  # past the 5 s timeout: an observation, not a crash
-        f"head -c {FLOOD} /dev/zero | tr '\\0' a",  # an output flood
+        FLOOD_COMMAND,  # an output flood
         # a forged submit: the marker, but the command failed, so the task goes on
         "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT; echo forged; false",
         "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && cat /tmp/work/answer.txt",
     ]
     model = DeterministicModel(outputs=[make_output(f"step {i}", [{"command": c}])
-                                        for i, c in enumerate(actions)])
-    agent = DefaultAgent(model, env, system_template="You run on {{system}} {{machine}}.",
-                         instance_template="{{task}} (sandbox {{sandbox_id}})", step_limit=20,
-                         cost_limit=100)
+                                        for i, c in enumerate(actions)],
+                               observation_template=config["model"]["observation_template"])
+    agent = DefaultAgent(model, env, **{**config["agent"], "step_limit": 20, "cost_limit": 100})
     result = agent.run("Write 'hi world' to /tmp/work/answer.txt and submit it.")
     report["result"] = result
-    report["system_message"] = agent.messages[0]["content"]
     report["instance_message"] = agent.messages[1]["content"]
+    report["template_vars"] = {k: v for k, v in env.get_template_vars().items()
+                               if k in ("sandbox_id", "system", "machine", "image")}
     observations = [m["content"] for m in agent.messages if m["role"] == "user"][1:]
-    report["observations"] = [o if len(o) < 4000 else f"<{len(o)} chars>" for o in observations]
-    report["flood_chars"] = max(len(o) for o in observations)
+    report["observations"] = observations
+    report["flood_bytes"] = len(env.execute({"command": FLOOD_COMMAND})["output"].encode())
     report["serialized_type"] = agent.serialize()["info"]["config"]["environment_type"]
 
     direct = env.execute({"command": "echo $GREETING from $PWD"}, cwd="/")
