@@ -72,6 +72,15 @@ async def lifecycle_steps(env: Any, scratch: Path, out: dict[str, Any]) -> None:
     r = await env.exec("mkdir -p /app && pwd && echo $TASK_VAR $EXTRA && echo err >&2; exit 4",
                        env={"EXTRA": "x"}, cwd="/")
     out["exec"] = [r.stdout, r.stderr, r.return_code]
+    chunks: list[tuple[str, str]] = []
+
+    async def collect(text: str, stream: str) -> None:
+        chunks.append((stream, text))
+
+    with env.scoped_output_callback(collect):  # how a trial streams a phase's logs
+        r = await env.exec("for i in 1 2 3; do echo $i; sleep 0.3; done; printf '\\xc3' >&2; "
+                           "sleep 0.3; printf '\\xa9\\n' >&2")
+    out["streamed"] = {"chunks": chunks, "result": [r.stdout, r.stderr]}
     r = await env.exec("pwd")  # the task's workdir
     out["workdir"] = r.stdout
     try:

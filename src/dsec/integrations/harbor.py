@@ -23,6 +23,7 @@ dsec (tested with 0.26.0).
 
 from __future__ import annotations
 
+import codecs
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
@@ -150,12 +151,22 @@ class DsecEnvironment(BaseEnvironment):
     async def exec(self, command: str, cwd: str | None = None, env: dict[str, str] | None = None,
                    timeout_sec: int | None = None, user: str | int | None = None) -> ExecResult:
         """Run ``bash -c command`` (as harbor's docker environment does), as root or as the
-        named ``user``; a timeout raises dsec's ``CommandTimeout`` (a ``TimeoutError``) after
-        killing the command."""
-        result = await self.sandbox.run(_as_user(self._resolve_user(user), command),
-                                        env=self._merge_env(env),
-                                        cwd=cwd or self.task_env_config.workdir,
-                                        timeout_s=timeout_sec)
+        named ``user``, streaming its output to a trial's output callback if one is set; a
+        timeout raises dsec's ``CommandTimeout`` (a ``TimeoutError``) after killing the
+        command."""
+        argv = _as_user(self._resolve_user(user), command)
+        env, cwd = self._merge_env(env), cwd or self.task_env_config.workdir
+        callback = self._output_callback()
+        if callback is None:
+            result = await self.sandbox.run(argv, env=env, cwd=cwd, timeout_s=timeout_sec)
+        else:  # a trial streams this phase's output live
+            stream = self.sandbox.stream(argv, env=env, cwd=cwd, timeout_s=timeout_sec)
+            decoders = {name: codecs.getincrementaldecoder("utf-8")("replace")
+                        for name in ("stdout", "stderr")}
+            async for chunk in stream:
+                if text := decoders[chunk.stream].decode(chunk.data):
+                    await callback(text, chunk.stream)
+            result = await stream.wait()
         return ExecResult(stdout=result.stdout, stderr=result.stderr,
                           return_code=result.exit_code)
 
