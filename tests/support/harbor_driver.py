@@ -244,7 +244,8 @@ network_mode = "no-network"
 """
 # each phase also counts the sandbox's IPv4 routes: none without network, some with a policy
 ROUTES = "$(($(wc -l < /proc/net/route) - 1))"
-SOLVE = f"#!/bin/bash\necho 42 > /app/answer.txt\necho {ROUTES} > /logs/agent/routes.txt\n"
+# environment/input.txt: loose files of a docker_image task, uploaded into the workdir at start
+SOLVE = f"#!/bin/bash\ncp input.txt /app/answer.txt\necho {ROUTES} > /logs/agent/routes.txt\n"
 TEST = ("#!/bin/bash\nif [ \"$(cat /app/answer.txt)\" = 42 ]; then echo 1; else echo 0; fi "
         f"> /logs/verifier/reward.txt\necho {ROUTES} > /logs/verifier/routes.txt\n")
 
@@ -257,6 +258,7 @@ async def trial(scratch: Path, out: dict[str, Any]) -> None:
     for sub in ("environment", "solution", "tests"):
         (task / sub).mkdir(parents=True)
     (task / "task.toml").write_text(TASK_TOML)
+    (task / "environment" / "input.txt").write_text("42\n")
     (task / "instruction.md").write_text("Write 42 to /app/answer.txt.\n")
     (task / "solution" / "solve.sh").write_text(SOLVE)
     (task / "tests" / "test.sh").write_text(TEST)
