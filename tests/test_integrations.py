@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +129,19 @@ def test_harbor_task_lifecycle(harbor: dict[str, Any]) -> None:
     assert harbor["is_dir"] == [True, True, False]
     assert harbor["network_verifier"]["allow"] == ["10.9.8.7"]  # the verifier phase's policy
     assert harbor["network_back"] == "none"
+
+
+def test_hostile_harbor_public_network_is_not_the_host(harbor: dict[str, Any]) -> None:
+    """harbor's "public" mode: the internet, not the host, its LAN or the cloud's metadata
+    service."""
+    public = [IPv4Network(rule) for rule in harbor["network_public"]]
+    for inside in ("127.0.0.1", "10.1.2.3", "172.17.0.1", "192.168.1.1", "169.254.169.254",
+                   "100.64.0.1"):
+        assert not any(IPv4Address(inside) in net for net in public), inside
+    for outside in ("1.1.1.1", "8.8.8.8", "151.101.0.223"):
+        assert any(IPv4Address(outside) in net for net in public), outside
+    assert "No route to host" in harbor["public_to_host"]
+    assert "Connection refused" in harbor["allowed_to_host"]  # the probe tells them apart
     assert harbor["exec_after_stop"]["raised"] == "RuntimeError"
 
 

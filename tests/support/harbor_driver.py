@@ -124,8 +124,27 @@ async def lifecycle_steps(env: Any, scratch: Path, out: dict[str, Any]) -> None:
     await env.set_network_policy(NetworkPolicy(network_mode=NetworkMode.ALLOWLIST,
                                                allowed_hosts=["10.9.8.7"]))
     out["network_verifier"] = (await sandbox.refresh()).network.model_dump()
+    await env.set_network_policy(NetworkPolicy(network_mode=NetworkMode.PUBLIC))
+    out["network_public"] = (await sandbox.refresh()).network.allow
+    # harbor's "public" is the internet, not the host: the sandbox's gateway (the host end of
+    # its link) is refused by the policy; the control allows it by name and gets an answer
+    gateway = (await env.exec(GATEWAY)).stdout
+    out["public_to_host"] = (await env.exec(probe(gateway))).stderr
+    await env.set_network_policy(NetworkPolicy(network_mode=NetworkMode.ALLOWLIST,
+                                               allowed_hosts=[gateway]))
+    out["allowed_to_host"] = (await env.exec(probe(gateway))).stderr
     await env.set_network_policy(NetworkPolicy(network_mode=NetworkMode.NO_NETWORK))
     out["network_back"] = str((await sandbox.refresh()).network)
+
+
+# the default route's gateway, from /proc/net/route (little-endian hex)
+GATEWAY = ("gw=$(awk '$2 == \"00000000\" {print $3}' /proc/net/route); "
+           "printf '%d.%d.%d.%d' 0x${gw:6:2} 0x${gw:4:2} 0x${gw:2:2} 0x${gw:0:2}")
+
+
+def probe(host: str) -> str:
+    """A TCP connection to port 9 of ``host``: refused by a closed port, or no route."""
+    return f"timeout 5 bash -c 'echo > /dev/tcp/{host}/9'"
 
 
 async def traps(scratch: Path, out: dict[str, Any]) -> None:

@@ -28,6 +28,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from fnmatch import fnmatch
+from ipaddress import IPv4Network
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,20 @@ from ..client.aio import AsyncClient, Sandbox
 from ..protocol.errors import InvalidRequest, NotSupported, UnsafeArchive
 
 ROOT_USERS = (None, "root", 0, "0")
+# Not the internet: this host, its LAN and its cloud's metadata service (169.254.169.254, whose
+# credentials an agent must not read) among them. harbor's "public" allows the rest.
+NOT_PUBLIC = ("0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16",
+              "172.16.0.0/12", "192.0.0.0/24", "192.168.0.0/16", "198.18.0.0/15", "224.0.0.0/3")
+
+
+def public_ipv4() -> list[str]:
+    """Every IPv4 network but ``NOT_PUBLIC``, as CIDR rules (73 of them)."""
+    nets = [IPv4Network("0.0.0.0/0")]
+    for excluded in map(IPv4Network, NOT_PUBLIC):
+        nets = [part for net in nets
+                for part in (net.address_exclude(excluded) if excluded.subnet_of(net) else [net])]
+    return sorted(str(net) for net in nets)
+
 BUSYBOX = "/.dsec/bin/busybox"  # dsec's read-only tools in every sandbox (docs/SECURITY.md)
 
 
@@ -57,9 +72,9 @@ class DsecOptions(EnvironmentOptions):
     ttl_s: int = Field(7200, ge=1, description="sandbox lifetime, a bound if harbor never stops it")
     pids: int | None = Field(None, description="process limit; None: the server's default")
     public_network: Any = Field(
-        {"allow": ["0.0.0.0/0"]},
-        description="dsec network policy for harbor's 'public' mode (all IPv4 egress, the "
-                    "dsec host included, by default)")
+        default_factory=lambda: {"allow": public_ipv4()},
+        description="dsec network policy for harbor's 'public' mode; by default every public "
+                    "IPv4 address (not private, loopback, link-local or CGNAT networks)")
 
 
 class DsecEnvironment(BaseEnvironment):
