@@ -115,11 +115,12 @@ def test_harbor_task_lifecycle(harbor: dict[str, Any]) -> None:
     assert harbor["sandbox_network"] == "none"  # the agent phase: no network
     assert harbor["exec"] == ["/\ntask x\n", "err\n", 4]  # cwd, task and call env, stderr apart
     assert harbor["workdir"] == "/app\n"
-    # streamed to a trial's callback as it came; a character split across chunks stays whole
+    # streamed to a trial's callback as it came; a character split across chunks stays whole,
+    # a sequence cut at the end arrives as a replacement character
     streamed = harbor["streamed"]
     assert [t for s, t in streamed["chunks"] if s == "stdout"] == ["1\n", "2\n", "3\n"]
-    assert "".join(t for s, t in streamed["chunks"] if s == "stderr") == "\u00e9\n"
-    assert streamed["result"] == ["1\n2\n3\n", "\u00e9\n"]
+    assert "".join(t for s, t in streamed["chunks"] if s == "stderr") == "\u00e9\n\ufffd"
+    assert streamed["result"] == ["1\n2\n3\n", "\u00e9\n\ufffd"]
     assert harbor["timeout"]["raised"] == "CommandTimeout" and harbor["timeout"]["timeout_error"]
     assert harbor["other_user"] == ["agent\n/home/agent task\n/tmp\n", True, 1]  # as docker -u
     assert harbor["default_user"] == "agent\n"

@@ -79,7 +79,7 @@ async def lifecycle_steps(env: Any, scratch: Path, out: dict[str, Any]) -> None:
 
     with env.scoped_output_callback(collect):  # how a trial streams a phase's logs
         r = await env.exec("for i in 1 2 3; do echo $i; sleep 0.3; done; printf '\\xc3' >&2; "
-                           "sleep 0.3; printf '\\xa9\\n' >&2")
+                           "sleep 0.3; printf '\\xa9\\n\\xc3' >&2")
     out["streamed"] = {"chunks": chunks, "result": [r.stdout, r.stderr]}
     r = await env.exec("pwd")  # the task's workdir
     out["workdir"] = r.stdout

@@ -181,6 +181,9 @@ class DsecEnvironment(BaseEnvironment):
             async for chunk in stream:
                 if text := decoders[chunk.stream].decode(chunk.data):
                     await callback(text, chunk.stream)
+            for name, decoder in decoders.items():  # a sequence cut at the end
+                if text := decoder.decode(b"", final=True):
+                    await callback(text, name)
             result = await stream.wait()
         return ExecResult(stdout=result.stdout, stderr=result.stderr,
                           return_code=result.exit_code)
