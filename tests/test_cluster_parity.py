@@ -9,7 +9,8 @@ lists the node; an fn call counts against the caller's
 project quota (embedded and cluster alike); and what a dead edge's fn substrate left on the
 host (template cgroups, its directory) is removed when the node's new edge starts.
 
-The E2B front's snapshots and fork, and snapshot quotas and TTLs, run on the Ray edge too.
+The E2B front's snapshots and fork, snapshot quotas and TTLs, and mini-swe-agent's agent loop
+through dsec.integrations run on the Ray edge too.
 
 A VM leftover is not made here: booting a VM under TCG takes minutes on this host.
 """
@@ -36,6 +37,7 @@ from dsec.images.mount import LayerMounter
 from dsec.images.store import ImageStore
 from dsec.network.testbed import Destination
 from dsec.substrates.fn.fn import FnSubstrate
+from test_integrations import check_mini_swe_agent_run, run_mini_swe_agent
 from test_network import fetch
 
 pytest.importorskip("ray", reason="the cluster tests need the `cluster` extra (Ray)")
@@ -416,3 +418,8 @@ def test_e2b_snapshot_and_fork_under_ray(replica: Server) -> None:
                             headers=key).json() == []  # the fork's snapshot went with it
         finally:
             http.delete(f"/e2b/sandboxes/{sb['sandboxID']}", headers=key)
+
+
+def test_mini_swe_agent_under_ray(replica: Server, tmp_path: Path) -> None:
+    """The mini-swe-agent integration's agent loop, on a sandbox of a Ray edge."""
+    check_mini_swe_agent_run(run_mini_swe_agent(replica, tmp_path))

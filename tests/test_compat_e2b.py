@@ -10,13 +10,10 @@ runs ``tests/support/compat_e2b_driver.py``, which reports what each step observ
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import json
 import os
-import shutil
 import struct
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -24,6 +21,7 @@ import httpx
 import pytest
 
 from conftest import Server, make_tcp_server, stop_server
+from support.compat_venvs import compat_python
 from test_projects import unique
 
 DISK = 1024 << 20  # an E2B sandbox's disk (dsec's default disk_mb): what a snapshot of it holds
@@ -31,24 +29,7 @@ DISK = 1024 << 20  # an E2B sandbox's disk (dsec's default disk_mb): what a snap
 # The compatibility matrix: the oldest SDK generation served (a vendored Connect client on
 # httpcore, protobuf's json_format) and the newest (connectrpc on pyqwest, protobuf-py).
 E2B_VERSIONS = ["2.20.0", "2.63.0"]
-VENVS = Path(os.environ.get("DSEC_COMPAT_VENVS", "/var/cache/dsec/compat-venvs"))
 DRIVER = Path(__file__).parent / "support" / "compat_e2b_driver.py"
-
-
-def compat_python(package: str, version: str) -> Path:
-    """The interpreter of a virtualenv with exactly ``package==version``, built once."""
-    root = VENVS / f"{package}-{version}"
-    python, done = root / "bin" / "python", root / ".complete"
-    VENVS.mkdir(parents=True, exist_ok=True)
-    with open(VENVS / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (done.exists() and python.exists()):
-            shutil.rmtree(root, ignore_errors=True)
-            subprocess.run([sys.executable, "-m", "venv", str(root)], check=True)
-            subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                            f"{package}=={version}"], check=True, timeout=900)
-            done.write_text(f"{package}=={version}\n")
-    return python
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,8 @@ from conftest import Server, make_server, make_tcp_server, stop_server
 from dsec.client.archive import extract
 from dsec.store.idempotency import IdempotencyStore
 from dsec.store.local_postgres import LocalPostgres
-from test_compat_e2b import compat_python, e2b_env
+from support.compat_venvs import compat_python
+from test_compat_e2b import e2b_env
 
 SURROGATE = '"\\udc80"'  # JSON text: the escape of a lone surrogate
 JSON = {"content-type": "application/json"}

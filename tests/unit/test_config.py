@@ -21,6 +21,7 @@ ENV_READERS = {
     "cluster/local.py": "Ray's own variable for the test and benchmark cluster",
     "substrates/host/spawn.py": "hands the server's environment to the runtimes it runs",
     "images/builder.py": "hands the environment to mmdebstrap and apt",
+    "integrations/minisweagent.py": "mini-swe-agent's forward_env: host variables a config names",
 }
 
 

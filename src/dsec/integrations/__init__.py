@@ -1,0 +1,1 @@
+"""Adapters that let agent harnesses use dsec sandboxes unchanged."""
