@@ -50,13 +50,28 @@ def loop_mount(image: Path, target: Path, fstype: str = "ext4", data: str | None
     finally:
         os.close(backing)
     try:
-        if _libc.mount(f"/dev/{dev}".encode(), os.fsencode(target), fstype.encode(),
-                       MS_NOSUID | MS_NODEV, data.encode() if data else None) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"mount {image} ({dev}) on {target}: {os.strerror(err)}")
+        mount_device(dev, target, fstype, data)
     finally:
         os.close(loop)  # without a mount, the last close detaches the device (autoclear)
     return dev
+
+
+def mount_device(dev: str, target: Path, fstype: str, data: str | None = None) -> None:
+    """Mount the attached loop device ``dev`` at ``target`` (nosuid, nodev)."""
+    if _libc.mount(f"/dev/{dev}".encode(), os.fsencode(target), fstype.encode(),
+                   MS_NOSUID | MS_NODEV, data.encode() if data else None) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {backing_file(dev)} ({dev}) on {target}: {os.strerror(err)}")
+
+
+def holder(image: Path) -> str | None:
+    """The loop device attached to ``image``, if any. Scans every loop device: for rare
+    paths only (an edge's start), never per sandbox."""
+    target = os.path.realpath(image)
+    for entry in Path("/sys/block").glob("loop*"):
+        if backing_file(entry.name) == target:
+            return entry.name
+    return None
 
 
 def _free_loop(backing: int, image: Path) -> tuple[int, str]:

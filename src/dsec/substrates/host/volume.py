@@ -41,7 +41,14 @@ from pathlib import Path
 from ...images.mount import kernel_supports, unmount
 from ...protocol.errors import CapacityExhausted, NotSupported
 from .image_copy import reflinks
-from .loop import backing_file, loop_mount, mounted_loop, wait_detached
+from .loop import (
+    backing_file,
+    holder,
+    loop_mount,
+    mount_device,
+    mounted_loop,
+    wait_detached,
+)
 
 log = logging.getLogger("dsec.volume")
 
@@ -147,7 +154,24 @@ class DiskVolume:
             raise
 
     def _mount(self) -> None:
+        """Mount the volume file at ``root``. If a loop device still holds the file, its file
+        system is still alive: unmounted here, but kept by a mount namespace made while it was
+        mounted (a process that unshared then). That device is mounted again, the same
+        superblock: a second device would be a second XFS of the same UUID, which the kernel
+        refuses (EINVAL), and two live superblocks over one file would corrupt it."""
         self.root.mkdir(exist_ok=True)
+        dev = holder(self.file)
+        if dev is not None:
+            try:
+                mount_device(dev, self.root, "xfs", XFS_OPTIONS)
+                log.info("disk volume %s: its file system was still alive on %s (kept by "
+                         "another mount namespace); mounted that device again", self.root, dev)
+                return
+            except OSError as exc:  # detached meanwhile (its last holder went): a new device
+                if holder(self.file) is not None:
+                    raise
+                log.info("disk volume %s: %s detached while mounting it (%s)", self.root, dev,
+                         exc.strerror)
         loop_mount(self.file, self.root, "xfs", XFS_OPTIONS)
 
     def close(self) -> None:
