@@ -589,6 +589,30 @@ async def test_the_disk_volume_refuses_what_may_not_fit_and_goes_when_the_server
         shutil.rmtree(plain.state_dir, ignore_errors=True)
 
 
+async def test_a_restarted_server_mounts_its_volume_while_another_namespace_pins_it(
+        images) -> None:  # type: ignore[no-untyped-def]
+    """A process that made a mount namespace while the volume was mounted keeps its file system
+    alive after the server unmounts it; the next start mounts that same file system again
+    (a second loop device would be refused as a duplicate XFS) and serves."""
+    server = make_server("--warm-pool", "0", "--disk-volume-gb", "4").start()
+    pin = subprocess.Popen(["unshare", "-m", "--propagation", "private", "sleep", "600"])
+    try:
+        async with server.client() as client:
+            await (await client.create(ttl_s=60)).stop()
+        server.kill(signal.SIGTERM)
+        assert not os.path.ismount(server.volume)
+        server.start()
+        async with server.client() as client:
+            sb = await client.create(ttl_s=60)
+            await sb.write_file("/work/f", b"served")
+            assert (await sb.fork(1, ttl_s=60))[0].id != sb.id  # the volume clones again
+            assert (await sb.run("cat /work/f")).stdout == "served"
+    finally:
+        pin.kill()
+        pin.wait()
+        stop_server(server)
+
+
 async def test_a_rollback_kills_a_forking_storm_to_the_last_process(
         client: dsec.DSecClient, srv: Server) -> None:
     """Hostile: the sandbox forks sleepers flat out up to its pids limit when it is rolled
