@@ -35,6 +35,7 @@
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <sys/un.h>
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -559,16 +560,44 @@ static int stdio_pipe(int fds[2], int parent_reads)
     return 0;
 }
 
+/* The slave of a master where the kernel has no TIOCGPTPEER (gVisor): /dev/pts/N, opened
+ * without following links and kept only if it is the character device of slave N. */
+static int open_slave_by_number(int master)
+{
+    unsigned n;
+    char path[32];
+    struct stat st;
+    if (ioctl(master, TIOCGPTN, &n))
+        return -1;
+    snprintf(path, sizeof path, "/dev/pts/%u", n);
+    int fd = open(path, O_RDWR | O_NOCTTY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    if (fd < 0)
+        return -1;
+    if (fstat(fd, &st) || !S_ISCHR(st.st_mode) || major(st.st_rdev) < 136 || major(st.st_rdev) > 143 ||
+        (major(st.st_rdev) - 136) * 256 + minor(st.st_rdev) != n ||
+        fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK)) {
+        close(fd);
+        errno = EIO;
+        return -1;
+    }
+    return fd;
+}
+
 /* A pseudo-terminal of cols x rows: fds[0] its master (non-blocking), fds[1] its slave, opened
- * through the master (TIOCGPTPEER), never by a path the sandbox could have replaced. */
+ * through the master (TIOCGPTPEER; by number, checked, where the kernel lacks it). The
+ * sandbox can replace /dev/ptmx itself: it is opened non-blocking (a FIFO or anything else
+ * there cannot hold the agent), and only a real master answers the ioctls. */
 static int open_pty(int fds[2], long long cols, long long rows)
 {
     struct winsize ws = {.ws_row = rows, .ws_col = cols};
-    fds[0] = posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC);
+    fds[0] = posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC | O_NONBLOCK);
     fds[1] = -1;
-    if (fds[0] < 0 || unlockpt(fds[0]) || ioctl(fds[0], TIOCSWINSZ, &ws) ||
-        (fds[1] = ioctl(fds[0], TIOCGPTPEER, O_RDWR | O_NOCTTY | O_CLOEXEC)) < 0 ||
-        fcntl(fds[0], F_SETFL, O_NONBLOCK)) {
+    if (fds[0] >= 0 && !unlockpt(fds[0]) && !ioctl(fds[0], TIOCSWINSZ, &ws)) {
+        fds[1] = ioctl(fds[0], TIOCGPTPEER, O_RDWR | O_NOCTTY | O_CLOEXEC);
+        if (fds[1] < 0 && (errno == ENOTTY || errno == EINVAL))
+            fds[1] = open_slave_by_number(fds[0]);
+    }
+    if (fds[1] < 0) {
         int e = errno;
         close(fds[0]);
         fds[0] = -1;
