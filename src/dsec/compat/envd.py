@@ -38,7 +38,7 @@ import gzip
 import posixpath
 import shlex
 import signal as signals
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -506,51 +506,40 @@ class Envd:
             out.append(info)
         return {"processes": out}
 
-    async def send_signal(self, msg: Message, call: Call) -> Message:
+    async def _on_running(self, msg: Message, call: Call,
+                          action: Callable[[Edge, str, str], Awaitable[None]]) -> Message:
+        """``action(edge, sandbox id, dsec process id)`` on the running process the message
+        selects; dsec's errors as envd's."""
         target: Target = call.state["target"]
+        proc = await self._find(target, msg.get("process") or {}, running_only=True)
+        try:
+            await action(target.edge, target.sandbox_id, proc.id)
+        except DSecError as exc:
+            raise rpc_error(exc, target) from None
+        return {}
+
+    async def send_signal(self, msg: Message, call: Call) -> Message:
         sig = int(msg.get("signal", 0))
         if sig not in (signals.SIGKILL, signals.SIGTERM):
             raise ConnectError("invalid_argument", f"invalid signal {sig}: SIGTERM or SIGKILL")
-        proc = await self._find(target, msg.get("process") or {}, running_only=True)
-        try:
-            await target.edge.signal(target.sandbox_id, proc.id, sig)
-        except DSecError as exc:
-            raise rpc_error(exc, target) from None
-        return {}
+        return await self._on_running(msg, call, lambda edge, sid, p: edge.signal(sid, p, sig))
 
     async def send_input(self, msg: Message, call: Call) -> Message:
-        target: Target = call.state["target"]
-        proc = await self._find(target, msg.get("process") or {}, running_only=True)
         given = msg.get("input") or {}
         data: bytes = given["pty"] if given.get("pty") is not None else given.get("stdin") or b""
-        try:
-            await target.edge.send_stdin(target.sandbox_id, proc.id, data)
-        except DSecError as exc:
-            raise rpc_error(exc, target) from None
-        return {}
+        return await self._on_running(msg, call, lambda edge, sid, p: edge.send_stdin(sid, p, data))
 
     async def close_stdin(self, msg: Message, call: Call) -> Message:
-        target: Target = call.state["target"]
-        proc = await self._find(target, msg.get("process") or {}, running_only=True)
-        try:
-            await target.edge.close_stdin(target.sandbox_id, proc.id)
-        except DSecError as exc:
-            raise rpc_error(exc, target) from None
-        return {}
+        return await self._on_running(msg, call, lambda edge, sid, p: edge.close_stdin(sid, p))
 
     async def update(self, msg: Message, call: Call) -> Message:
         """A PTY's new size (the only update envd knows)."""
-        target: Target = call.state["target"]
-        proc = await self._find(target, msg.get("process") or {}, running_only=True)
         size = (msg.get("pty") or {}).get("size")
         if size is None:
             raise ConnectError("invalid_argument", "an update needs pty.size")
-        try:
-            await target.edge.resize_pty(target.sandbox_id, proc.id, int(size.get("cols") or 0),
-                                         int(size.get("rows") or 0))
-        except DSecError as exc:
-            raise rpc_error(exc, target) from None
-        return {}
+        cols, rows = int(size.get("cols") or 0), int(size.get("rows") or 0)
+        return await self._on_running(msg, call,
+                                      lambda edge, sid, p: edge.resize_pty(sid, p, cols, rows))
 
     # filesystem.Filesystem
     async def _entry(self, target: Target, path: str) -> Message:
