@@ -118,3 +118,36 @@ async def test_a_terminal_is_logged_in_its_trajectory(client: dsec.DSecClient) -
     assert steps[1].request["payload"]["size"] == len("echo logged-$((40+2)); exit 0\n")
     assert steps[2].outcome is not None and steps[2].outcome["chunks"]
 
+
+
+async def test_stdin_and_a_terminal_on_every_substrate(sandbox: dsec.AsyncSandbox,
+                                                       substrate: str) -> None:
+    fed = await sandbox.start("cat", stdin_open=True)
+    await fed.send_stdin("fed\n")
+    await fed.close_stdin()
+    assert (await fed.wait()).stdout == "fed\n"
+    if substrate == "fn":  # its workers have no devpts
+        with pytest.raises(dsec.NotSupported):
+            await sandbox.pty(90, 20, command="sh")
+        return
+    term = await sandbox.pty(90, 20, command="sh")
+    await term.send_stdin("stty size; exit 5\n")
+    result = await term.wait()
+    assert result.exit_code == 5 and "20 90" in result.stdout
+
+
+def test_the_blocking_client_types_into_a_terminal(server: Server) -> None:
+    with dsec.Client(server.url, server.key, autostart=False) as client:
+        sb = client.create(ttl_s=120, memory_mb=256)
+        try:
+            term = sb.pty(80, 24, command="sh")
+            term.resize(100, 40)
+            term.send_stdin(b"stty size; exit\n")
+            assert "40 100" in term.wait().stdout
+            fed = sb.start("cat", stdin_open=True)
+            fed.send_stdin("blocking\n")
+            fed.close_stdin()
+            assert fed.wait().stdout == "blocking\n"
+            assert isinstance(sb.process(term.id), dsec.Pty)
+        finally:
+            sb.stop()

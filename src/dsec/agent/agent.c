@@ -659,8 +659,11 @@ static void do_exec(struct conn *c, const struct req *r)
      * the child's fds 0-2 and controlling terminal. */
     int po[2] = {-1, -1}, pe[2] = {-1, -1}, pi[2] = {-1, -1};
     pid_t pid = -1;
-    if ((tty ? open_pty(po, cols, rows) ||
-                   (pi[0] = fcntl(po[0], F_DUPFD_CLOEXEC, 3)) < 0
+    if (tty && open_pty(po, cols, rows)) {
+        reply_errno(o, errno, "terminal");
+        goto out;
+    }
+    if ((tty ? (pi[0] = fcntl(po[0], F_DUPFD_CLOEXEC, 3)) < 0
              : stdio_pipe(po, 1) || stdio_pipe(pe, 1) || ((in || stdin_open) && stdio_pipe(pi, 0))) ||
         (pid = fork()) < 0) {
         int e = errno;

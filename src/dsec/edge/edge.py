@@ -869,6 +869,9 @@ class Edge:
         """A background process on a new pseudo-terminal: its output is one stream, of which
         the most recent ``max_output_bytes`` are kept for attach."""
         live = self._get(sandbox_id)
+        if not live.substrate.terminals:
+            raise NotSupported(f"{live.substrate.name} sandboxes have no terminals; use a "
+                               "container or a VM", substrate=live.substrate.name)
         args = self._exec_args(live, ExecRequest(
             command=req.command, env=req.env, cwd=req.cwd, timeout_s=req.timeout_s,
             max_output_bytes=req.max_output_bytes))
@@ -877,7 +880,7 @@ class Edge:
         self.metrics.execs.labels(live.row.substrate).inc()
         proc_id, pid = await self._call(
             sandbox_id, lambda a: a.start_pty(**args, cols=req.cols, rows=req.rows),
-            _path_error(args["cwd"]))
+            _pty_error(args["cwd"]))
         return ProcessInfo(id=proc_id, pid=pid, command=" ".join(args["argv"]), running=True,
                            pty=True)
 
@@ -1056,6 +1059,19 @@ def _path_error(path: str) -> Callable[[AgentError], DSecError]:
         if exc.errno == "ENOENT":
             return FileNotFound(f"{path}: no such file or directory", path=path)
         return InvalidRequest(f"{path}: {exc.message} ({exc.errno})", path=path, errno=exc.errno)
+    return error
+
+
+def _pty_error(cwd: str) -> Callable[[AgentError], DSecError]:
+    """A terminal's start: the sandbox's own /dev/ptmx (which it may have replaced) gave no
+    terminal, else as for any exec."""
+    for_exec = _path_error(cwd)
+
+    def error(exc: AgentError) -> DSecError:
+        if exc.message.startswith("terminal:"):
+            return InvalidRequest(f"the sandbox's /dev/ptmx gives no terminal: {exc.message}",
+                                  errno=exc.errno)
+        return for_exec(exc)
     return error
 
 
