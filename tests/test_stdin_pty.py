@@ -117,6 +117,14 @@ async def test_a_terminal_is_logged_in_its_trajectory(client: dsec.DSecClient) -
     assert [s.op for s in steps] == ["pty", "stdin", "output"]
     assert steps[1].request["payload"]["size"] == len("echo logged-$((40+2)); exit 0\n")
     assert steps[2].outcome is not None and steps[2].outcome["chunks"]
+    replay = await client.replay(trajectory)  # the terminal again, typed into, in a new sandbox
+    try:
+        assert [s.op for s in replay.steps] == ["pty", "stdin", "output"]
+        # a terminal echoes input when it comes, around the shell's prompt: its output may
+        # be ordered otherwise in a replay, which the report then says; the rest is the same
+        assert {d.op for d in replay.differences} <= {"output"}
+    finally:
+        await replay.sandbox.stop()
 
 
 
