@@ -384,7 +384,8 @@ def _ms(value: float) -> str:
 ONLY = {"network": "dsec_benchmarks.bench_network:network_series",
         "projects": "dsec_benchmarks.bench_projects:run_projects",
         "state": "dsec_benchmarks.bench_state:run_state",
-        "pause": "dsec_benchmarks.bench_pause:pause_series"}
+        "pause": "dsec_benchmarks.bench_pause:pause_series",
+        "stdin": "dsec_benchmarks.bench_stdin:stdin_series"}
 
 
 def main(quick: bool = False, json_out: Path | None = None, only_trajectory: bool = False,
