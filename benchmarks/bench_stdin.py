@@ -10,8 +10,6 @@ cheapest call of the same size through the same stack:
 
 from __future__ import annotations
 
-import secrets
-import shutil
 import time
 from collections.abc import Awaitable
 
@@ -19,47 +17,41 @@ from rich.console import Console
 
 from dsec.client.aio import Process
 
-from .bench import BENCH_ROOT, IMAGE, Sample, bench_server, compare, phase
+from .bench import Sample, compare, one_sandbox, phase
 
 
 async def stdin_series(console: Console, quick: bool = False) -> list[Sample]:
     rounds = 3 if quick else 10
-    root = BENCH_ROOT / secrets.token_hex(3)
     samples: list[Sample] = []
-    try:
-        async with bench_server(root / "stdin", "--warm-pool", "0") as created:
-            sb = await created.client.create(image=IMAGE, ttl_s=600)
-            created.sandboxes.append(sb)
-            line = b"x" * 99 + b"\n"
-            fed = await sb.start("cat > /dev/null", stdin_open=True)
-            with phase(console, "send_stdin"):
-                samples += await compare(
-                    Sample("write_file, 100 B", []), lambda: _ms(sb.write_file("/tmp/w", line)),
-                    Sample("send_stdin, 100 B", []), lambda: _ms(fed.send_stdin(line)),
-                    20, rounds)
-            await fed.kill()
-            term = await sb.pty(80, 24, command="cat")
-            reader = _Reader(term)
-            counter = iter(range(1 << 30))
-            with phase(console, "a terminal's round trip"):
-                samples += await compare(
-                    Sample("run('echo') round trip", []), lambda: _ms(sb.run("echo x")),
-                    Sample("pty: type a line, read it back", []),
-                    lambda: reader.round_trip(f"m{next(counter)}z"), 20, rounds)
-            await term.kill()
-            throughput = Sample("stdin throughput (MiB/s, not ms)", [])
-            with phase(console, "stdin throughput"):
-                for _ in range(rounds):
-                    counted = await sb.start("wc -c", stdin_open=True)
-                    t0 = time.perf_counter()
-                    for _ in range(64):
-                        await counted.send_stdin(b"y" * (1 << 20))
-                    await counted.close_stdin()
-                    await counted.wait()
-                    throughput.values_ms.append(64 / (time.perf_counter() - t0))
-            samples.append(throughput)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    async with one_sandbox("stdin") as sb:
+        line = b"x" * 99 + b"\n"
+        fed = await sb.start("cat > /dev/null", stdin_open=True)
+        with phase(console, "send_stdin"):
+            samples += await compare(
+                Sample("write_file, 100 B", []), lambda: _ms(sb.write_file("/tmp/w", line)),
+                Sample("send_stdin, 100 B", []), lambda: _ms(fed.send_stdin(line)),
+                20, rounds)
+        await fed.kill()
+        term = await sb.pty(80, 24, command="cat")
+        reader = _Reader(term)
+        counter = iter(range(1 << 30))
+        with phase(console, "a terminal's round trip"):
+            samples += await compare(
+                Sample("run('echo') round trip", []), lambda: _ms(sb.run("echo x")),
+                Sample("pty: type a line, read it back", []),
+                lambda: reader.round_trip(f"m{next(counter)}z"), 20, rounds)
+        await term.kill()
+        throughput = Sample("stdin throughput (MiB/s, not ms)", [])
+        with phase(console, "stdin throughput"):
+            for _ in range(rounds):
+                counted = await sb.start("wc -c", stdin_open=True)
+                t0 = time.perf_counter()
+                for _ in range(64):
+                    await counted.send_stdin(b"y" * (1 << 20))
+                await counted.close_stdin()
+                await counted.wait()
+                throughput.values_ms.append(64 / (time.perf_counter() - t0))
+        samples.append(throughput)
     return samples
 
 
