@@ -132,6 +132,10 @@ def test_stdin_and_pty(observed: dict[str, dict[str, Any]], version: str) -> Non
     assert "stdin not enabled or closed" in o["stdin.not_open"]["message"]
     if version == E2B_VERSIONS[-1]:  # close_stdin came with envd 0.5.2's SDKs
         assert o["stdin.close"] is None and o["stdin.cat"] == ok("one\ntwo\n")
+    if version == E2B_VERSIONS[-1]:  # its stream_input is StreamInput, a client stream
+        assert o["stdin.stream_input"] is None
+        assert o["stdin.streamed"] == ok("".join(f"chunk{i}\n" for i in range(50)))
+        assert raised(o["stdin.stream_unknown"]) == "NotFoundException"
     assert o["pty.pid_in_list"] is True
     assert o["pty.size1"] == "30 100\n"
     assert o["pty.resize"] is None
@@ -332,6 +336,17 @@ def test_connect_wire_and_gateway(e2b_server: Server) -> None:
                 if not flags & 2 and "data" in m["event"]]
         assert data and all(set(d) == {"pty"} for d in data)  # a terminal's output is pty data
         assert b"/dev/pts/" in b"".join(base64.b64decode(d["pty"]) for d in data)
+        # StreamInput, a client stream: a start event, input, then a truncated envelope
+        streamed = {**headers, "Content-Type": "application/connect+json"}
+        no_start = http.post("/process.Process/StreamInput", headers=streamed,
+                             content=envelope({"data": {"input": {"stdin": "eA=="}}}))
+        assert envelopes(no_start.content)[-1][1]["error"]["code"] == "failed_precondition"
+        unknown = http.post("/process.Process/StreamInput", headers=streamed,
+                            content=envelope({"start": {"process": {"pid": 999999}}}))
+        assert envelopes(unknown.content)[-1][1]["error"]["code"] == "not_found"
+        cut = http.post("/process.Process/StreamInput", headers=streamed,
+                        content=envelope({"keepalive": {}})[:-2])
+        assert envelopes(cut.content)[-1][1]["error"]["code"] == "invalid_argument"
         watch = http.post("/filesystem.Filesystem/WatchDir", content=b"{}", headers=unary)
         assert watch.status_code == 501 and watch.json()["code"] == "unimplemented"
         key = {"X-API-Key": e2b_server.key}

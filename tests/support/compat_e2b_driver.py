@@ -146,6 +146,13 @@ def stdin_and_pty_scenario(sb: Sandbox) -> None:
         cmds.send_stdin(cat.pid, "two\n")
         step("stdin.close", lambda: cmds.close_stdin(cat.pid))
         step("stdin.cat", lambda: result(cat.wait()))
+    if hasattr(cmds, "stream_input"):  # newer SDKs: one client stream of input
+        streamed = cmds.run("cat", background=True, stdin=True)
+        step("stdin.stream_input", lambda: cmds.stream_input(
+            streamed.pid, (f"chunk{i}\n" for i in range(50))))
+        cmds.close_stdin(streamed.pid)
+        step("stdin.streamed", lambda: result(streamed.wait()))
+        step("stdin.stream_unknown", lambda: cmds.stream_input(999999, ["x"]))
 
     out: list[bytes] = []
     term = sb.pty.create(e2b.PtySize(rows=30, cols=100))

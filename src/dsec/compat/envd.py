@@ -11,15 +11,15 @@ Served (e2b-dev/infra ``packages/envd/spec``):
   ``multipart/form-data`` or ``application/octet-stream``, optionally gzip-encoded).
 - Connect ``process.Process``: ``Start`` and ``Connect`` (server streams; a command with an
   open stdin, ``stdin=True``, or on a PTY), ``List``, ``SendSignal``, ``SendInput`` (to a
-  command's stdin or a PTY), ``CloseStdin``, ``Update`` (a PTY's size). These are dsec's
-  ``stdin_open`` processes and terminals (``Edge.start_pty``), with their bounds: input waits
-  while 1 MiB is unread, then ``resource_exhausted``.
+  command's stdin or a PTY), ``StreamInput`` (a client stream of the same), ``CloseStdin``,
+  ``Update`` (a PTY's size). These are dsec's ``stdin_open`` processes and terminals
+  (``Edge.start_pty``), with their bounds: input waits while 1 MiB is unread, then
+  ``resource_exhausted``.
 - Connect ``filesystem.Filesystem``: ``Stat``, ``ListDir`` (with depth), ``MakeDir``,
   ``Remove``, ``Move``.
 
-Not served (answered ``unimplemented``): ``StreamInput`` (a client stream: the SDK's
-``stream_input``; ``send_stdin`` is served), directory watching. The envd version reported at create (``ENVD_VERSION``) is the
-newest whose version-gated SDK behaviour this implements (see docs/COMPAT.md).
+Not served (answered ``unimplemented``): directory watching. The envd version reported at
+create (``ENVD_VERSION``) is the newest whose version-gated SDK behaviour this implements (see docs/COMPAT.md).
 
 Users: commands and file operations run as the sandbox's root. ``user`` (E2B's default) and
 ``root`` are accepted and pick the home directory (``/home/user`` or ``/root``), which is the
@@ -211,6 +211,9 @@ class Envd:
                                               unary=self.send_signal),
             "process.Process/SendInput": rpc("process.SendInputRequest", "process.SendInputResponse",
                                              unary=self.send_input),
+            "process.Process/StreamInput": rpc("process.StreamInputRequest",
+                                               "process.StreamInputResponse",
+                                               client_stream=self.stream_input),
             "process.Process/CloseStdin": rpc("process.CloseStdinRequest", "process.CloseStdinResponse",
                                               unary=self.close_stdin),
             "process.Process/Update": rpc("process.UpdateRequest", "process.UpdateResponse",
@@ -525,9 +528,27 @@ class Envd:
         return await self._on_running(msg, call, lambda edge, sid, p: edge.signal(sid, p, sig))
 
     async def send_input(self, msg: Message, call: Call) -> Message:
-        given = msg.get("input") or {}
-        data: bytes = given["pty"] if given.get("pty") is not None else given.get("stdin") or b""
+        data = _input(msg.get("input") or {})
         return await self._on_running(msg, call, lambda edge, sid, p: edge.send_stdin(sid, p, data))
+
+    async def stream_input(self, messages: AsyncIterator[Message], call: Call) -> Message:
+        """A start event naming the process, then its input in order, as it arrives
+        (keepalives ignored); each chunk is one ``send_stdin``, with its bounds."""
+        target: Target = call.state["target"]
+        proc: ProcessInfo | None = None
+        async for msg in messages:
+            if "start" in msg:
+                proc = await self._find(target, msg["start"].get("process") or {}, running_only=True)
+            elif "data" in msg:
+                if proc is None:
+                    raise ConnectError("failed_precondition", "an input stream starts with a "
+                                       "start event naming its process")
+                try:
+                    await target.edge.send_stdin(target.sandbox_id, proc.id,
+                                                 _input(msg["data"].get("input") or {}))
+                except DSecError as exc:
+                    raise rpc_error(exc, target) from None
+        return {}
 
     async def close_stdin(self, msg: Message, call: Call) -> Message:
         return await self._on_running(msg, call, lambda edge, sid, p: edge.close_stdin(sid, p))
@@ -647,6 +668,12 @@ class Envd:
             raise ConnectError("invalid_argument", f"error renaming: "
                                f"{result.stderr_bytes.decode(errors='replace').strip()}")
         return {"entry": await self._entry(target, destination)}
+
+
+def _input(given: Message) -> bytes:
+    """A ProcessInput's bytes: for a PTY or for stdin (dsec has one input channel for both)."""
+    data: bytes = given["pty"] if given.get("pty") is not None else given.get("stdin") or b""
+    return data
 
 
 def _home(username: str | None) -> str:
