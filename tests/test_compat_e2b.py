@@ -336,6 +336,15 @@ def test_connect_wire_and_gateway(e2b_server: Server) -> None:
                 if not flags & 2 and "data" in m["event"]]
         assert data and all(set(d) == {"pty"} for d in data)  # a terminal's output is pty data
         assert b"/dev/pts/" in b"".join(base64.b64decode(d["pty"]) for d in data)
+        other = http.post("/sandboxes", json={"templateID": "base", "timeout": 60},
+                          headers={"X-API-Key": e2b_server.key}).json()
+        try:  # another sandbox's token cannot type into this one's processes
+            typed = http.post("/process.Process/SendInput", headers={
+                **unary, "X-Access-Token": other["envdAccessToken"]},
+                content=json.dumps({"process": {"pid": 1}, "input": {"stdin": "eA=="}}))
+            assert typed.status_code == 401
+        finally:
+            http.delete(f"/sandboxes/{other['sandboxID']}", headers={"X-API-Key": e2b_server.key})
         # StreamInput, a client stream: a start event, input, then a truncated envelope
         streamed = {**headers, "Content-Type": "application/connect+json"}
         no_start = http.post("/process.Process/StreamInput", headers=streamed,
