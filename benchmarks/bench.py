@@ -230,6 +230,20 @@ async def bench_server(state: Path, *args: str) -> AsyncIterator[Created]:
         proc.wait()
 
 
+@asynccontextmanager
+async def one_sandbox(name: str) -> AsyncIterator[AsyncSandbox]:
+    """One container sandbox of IMAGE on a private server without a warm pool, whose state
+    (under BENCH_ROOT) is removed afterwards."""
+    root = BENCH_ROOT / secrets.token_hex(3)
+    try:
+        async with bench_server(root / name, "--warm-pool", "0") as created:
+            sb = await created.client.create(image=IMAGE, ttl_s=600)
+            created.sandboxes.append(sb)
+            yield sb
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def _wait_healthy(state: Path) -> None:
     with httpx.Client(transport=httpx.HTTPTransport(uds=str(state / "api.sock")),
                       base_url="http://dsec") as http:
@@ -384,7 +398,8 @@ def _ms(value: float) -> str:
 ONLY = {"network": "dsec_benchmarks.bench_network:network_series",
         "projects": "dsec_benchmarks.bench_projects:run_projects",
         "state": "dsec_benchmarks.bench_state:run_state",
-        "pause": "dsec_benchmarks.bench_pause:pause_series"}
+        "pause": "dsec_benchmarks.bench_pause:pause_series",
+        "stdin": "dsec_benchmarks.bench_stdin:stdin_series"}
 
 
 def main(quick: bool = False, json_out: Path | None = None, only_trajectory: bool = False,

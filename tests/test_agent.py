@@ -419,3 +419,125 @@ def test_tcp_listen_mode_refuses_a_bad_port() -> None:
     for spec in ("tcp:127.0.0.1:70000", "tcp:7000", "tcp:no.such.address:7000"):
         done = subprocess.run([agent_binary(), "--listen", spec], capture_output=True)
         assert done.returncode == 2 and b"bad TCP address" in done.stderr
+
+
+# stdin for background processes, and terminals
+
+
+async def collect_output(client: AgentClient, id: str) -> tuple[bytes, Exit]:
+    events = [ev async for ev in client.attach(id)]
+    assert isinstance(events[-1], Exit)
+    return b"".join(ev.data for ev in events if isinstance(ev, Output)), events[-1]
+
+
+async def output_until(client: AgentClient, id: str, marker: bytes) -> bytes:
+    seen = b""
+    async with aclosing(client.attach(id)) as events:
+        async for ev in events:
+            seen += ev.data if isinstance(ev, Output) else b""
+            if marker in seen:
+                return seen
+    raise AssertionError(f"{marker!r} never came: {seen!r}")
+
+
+async def test_open_stdin_takes_input_until_closed(client):
+    id_, _ = await client.start(["cat"], env=ENV, stdin=b"first ", stdin_open=True)
+    await client.send_input(id_, b"second\n")
+    await client.send_input(id_, bytes(range(256)))
+    await client.close_stdin(id_)
+    out, exit_ = await collect_output(client, id_)
+    assert out == b"first second\n" + bytes(range(256)) and exit_.exit_code == 0
+    with pytest.raises(AgentError) as ended:
+        await client.send_input(id_, b"late")
+    assert ended.value.errno == "ECHILD"
+
+
+async def test_input_errors_are_typed(client):
+    with pytest.raises(AgentError) as unknown:
+        await client.send_input("987654", b"x")
+    assert unknown.value.errno == "ESRCH"
+    closed, _ = await client.start(["sleep", "30"], env=ENV)  # stdin not kept open
+    with pytest.raises(AgentError) as not_open:
+        await client.send_input(closed, b"x")
+    assert not_open.value.errno == "EPIPE"
+    open_, _ = await client.start(["sleep", "30"], env=ENV, stdin_open=True)
+    await client.close_stdin(open_)
+    with pytest.raises(AgentError) as after_close:
+        await client.send_input(open_, b"x")
+    assert after_close.value.errno == "EPIPE"
+    with pytest.raises(AgentError) as not_tty:
+        await client.resize(open_, 80, 24)
+    assert not_tty.value.errno == "ENOTTY"
+    for id_ in (closed, open_):
+        await client.signal(id_, signal.SIGKILL)
+
+
+async def test_input_is_bounded_when_the_process_does_not_read(client):
+    id_, _ = await client.start(["sleep", "30"], env=ENV, stdin_open=True)
+    chunk = b"x" * (256 << 10)
+    accepted = 0
+    with pytest.raises(AgentError) as full:
+        for _ in range(64):  # the pipe takes 64 KiB, the agent 1 MiB more, then refuses
+            await client.send_input(id_, chunk)
+            accepted += len(chunk)
+    assert full.value.errno == "EAGAIN" and accepted <= (1 << 20) + (64 << 10)
+    await client.signal(id_, signal.SIGKILL)
+    await collect_output(client, id_)
+
+
+async def test_malformed_input_frames_are_refused(client):
+    id_, _ = await client.start(["sleep", "30"], env=ENV, stdin_open=True)
+    for kind, fields in (("I", [("id", id_)]), ("Z", [("id", id_), ("cols", 0), ("rows", 5)]),
+                         ("I", [("id", "abc"), ("data", b"x")]),
+                         ("P", [("argv", "sh"), ("mode", "wait")])):
+        with pytest.raises(AgentError) as refused:
+            await client._call(kind, fields)
+        assert refused.value.errno in ("EINVAL", "ESRCH")
+    with pytest.raises(AgentError) as no_token:
+        await AgentClient(client.address).send_input(id_, b"x")
+    assert no_token.value.errno == "EACCES"
+    await client.signal(id_, signal.SIGKILL)
+
+
+async def test_pty_runs_on_a_terminal_of_its_size(client):
+    script = "stty size; read line; stty size; echo got:$line; exit 3"
+    id_, _ = await client.start_pty(["sh", "-c", script], env=ENV, cols=100, rows=30)
+    await output_until(client, id_, b"30 100\r\n")
+    await client.resize(id_, 132, 43)
+    await client.send_input(id_, b"hello\n")
+    out, exit_ = await collect_output(client, id_)
+    assert b"30 100\r\n" in out and b"43 132\r\n" in out and b"got:hello\r\n" in out
+    assert exit_.exit_code == 3
+    with pytest.raises(AgentError) as ended:
+        await client.resize(id_, 80, 24)
+    assert ended.value.errno == "ECHILD"
+
+
+async def test_pty_is_the_controlling_terminal_and_input_can_interrupt(client):
+    id_, _ = await client.start_pty(["sh", "-c", "tty; sleep 30; echo not-interrupted"], env=ENV)
+    with pytest.raises(AgentError) as not_closable:
+        await client.close_stdin(id_)
+    assert not_closable.value.errno == "EINVAL"
+    await output_until(client, id_, b"/dev/pts/")
+    await asyncio.sleep(0.2)  # sh is now in sleep
+    await client.send_input(id_, b"\x03")  # ^C: SIGINT to the terminal's foreground group
+    out, exit_ = await collect_output(client, id_)
+    assert b"/dev/pts/" in out and b"not-interrupted" not in out
+    assert exit_.signal == signal.SIGINT
+
+
+async def test_pty_output_keeps_only_the_last_max_output_bytes(client):
+    id_, _ = await client.start_pty(
+        ["sh", "-c", "head -c 8000000 /dev/zero | tr '\\0' y; echo; echo END"], env=ENV,
+        max_output=64 << 10)
+
+    async def running() -> bool:
+        return {p.id: p for p in await client.list()}[id_].running
+
+    deadline = time.monotonic() + 30
+    while await running():  # nobody attached: the agent alone bounds what it keeps
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    out, exit_ = await collect_output(client, id_)
+    assert exit_.exit_code == 0 and exit_.stdout_truncated
+    assert len(out) <= 64 << 10 and out.endswith(b"END\r\n")

@@ -211,6 +211,27 @@ async def test_pause_and_resume_under_ray(replica: Server) -> None:
             await sb.stop()
 
 
+async def test_stdin_and_a_terminal_under_ray(replica: Server) -> None:
+    """send_stdin, close_stdin, a PTY's input, resize and output through the Ray edge actor."""
+    async with replica.client() as client:
+        sb = await client.create(ttl_s=300)
+        try:
+            fed = await sb.start("cat", stdin_open=True)
+            await fed.send_stdin("through ray\n")
+            await fed.close_stdin()
+            assert (await fed.wait()).stdout == "through ray\n"
+            with pytest.raises(dsec.ProcessExited):
+                await fed.send_stdin("late")
+            term = await sb.pty(100, 30, command="sh")
+            await term.resize(132, 43)
+            await term.send_stdin("stty size; exit 4\n")
+            result = await term.wait()
+            assert result.exit_code == 4 and "43 132" in result.stdout
+            assert isinstance(await sb.process(term.id), dsec.AsyncPty)
+        finally:
+            await sb.stop()
+
+
 async def test_fork_trajectory_under_ray(replica: Server) -> None:
     """Checkpoints are taken on the Ray edge (the snapshot op through the actor) and logged
     in PostgreSQL; a fork restores one without running a step again."""

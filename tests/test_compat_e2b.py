@@ -10,6 +10,7 @@ runs ``tests/support/compat_e2b_driver.py``, which reports what each step observ
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import struct
@@ -101,6 +102,28 @@ def test_background_connect_kill(observed: dict[str, dict[str, Any]], version: s
     assert (o["sync.bg_wait"]["exit_code"], o["sync.bg_wait"]["stdout"]) == (-1, "started\n")
     assert o["sync.bg_kill_again"] is False
     assert o["sync.bg_finished"] == ok("bg done\n")
+
+
+@pytest.mark.parametrize("version", E2B_VERSIONS)
+def test_stdin_and_pty(observed: dict[str, dict[str, Any]], version: str) -> None:
+    o = observed[version]
+    assert o["stdin.send"] is None and o["stdin.read_line"] == ok("got:hello\n")
+    assert raised(o["stdin.after_end"]) == "NotFoundException"
+    assert raised(o["stdin.not_open"]) == "SandboxException"
+    assert "stdin not enabled or closed" in o["stdin.not_open"]["message"]
+    if version == E2B_VERSIONS[-1]:  # close_stdin came with envd 0.5.2's SDKs
+        assert o["stdin.close"] is None and o["stdin.cat"] == ok("one\ntwo\n")
+    if version == E2B_VERSIONS[-1]:  # its stream_input is StreamInput, a client stream
+        assert o["stdin.stream_input"] is None
+        assert o["stdin.streamed"] == ok("".join(f"chunk{i}\n" for i in range(50)))
+        assert raised(o["stdin.stream_unknown"]) == "NotFoundException"
+    assert o["pty.pid_in_list"] is True
+    assert o["pty.size1"] == "30 100\n"
+    assert o["pty.resize"] is None
+    assert raised(o["pty.wait"]) == "CommandExitException" and o["pty.wait"]["exit_code"] == 3
+    assert "43 132" in o["pty.output"] and "xterm-256color" in o["pty.output"]
+    assert o["pty.kill"] is True and o["pty.kill_again"] is False
+    assert raised(o["pty.killed_wait"]) == "CommandExitException"
 
 
 @pytest.mark.parametrize("version", E2B_VERSIONS)
@@ -288,8 +311,32 @@ def test_connect_wire_and_gateway(e2b_server: Server) -> None:
         port = http.post("/process.Process/List", content=b"{}", headers={**unary, "E2b-Sandbox-Port": "8080"})
         assert port.status_code == 502 and "port is not open" in port.json()["message"]
         pty = http.post("/process.Process/Start", headers=headers, content=envelope(
-            {**start, "pty": {"size": {"cols": 80, "rows": 24}}}))
-        assert envelopes(pty.content)[-1][1]["error"]["code"] == "unimplemented"
+            {"process": {"cmd": "/bin/sh", "args": ["-c", "tty"]},
+             "pty": {"size": {"cols": 80, "rows": 24}}}))
+        data = [m["event"]["data"] for flags, m in envelopes(pty.content)
+                if not flags & 2 and "data" in m["event"]]
+        assert data and all(set(d) == {"pty"} for d in data)  # a terminal's output is pty data
+        assert b"/dev/pts/" in b"".join(base64.b64decode(d["pty"]) for d in data)
+        other = http.post("/sandboxes", json={"templateID": "base", "timeout": 60},
+                          headers={"X-API-Key": e2b_server.key}).json()
+        try:  # another sandbox's token cannot type into this one's processes
+            typed = http.post("/process.Process/SendInput", headers={
+                **unary, "X-Access-Token": other["envdAccessToken"]},
+                content=json.dumps({"process": {"pid": 1}, "input": {"stdin": "eA=="}}))
+            assert typed.status_code == 401
+        finally:
+            http.delete(f"/sandboxes/{other['sandboxID']}", headers={"X-API-Key": e2b_server.key})
+        # StreamInput, a client stream: a start event, input, then a truncated envelope
+        streamed = {**headers, "Content-Type": "application/connect+json"}
+        no_start = http.post("/process.Process/StreamInput", headers=streamed,
+                             content=envelope({"data": {"input": {"stdin": "eA=="}}}))
+        assert envelopes(no_start.content)[-1][1]["error"]["code"] == "failed_precondition"
+        unknown = http.post("/process.Process/StreamInput", headers=streamed,
+                            content=envelope({"start": {"process": {"pid": 999999}}}))
+        assert envelopes(unknown.content)[-1][1]["error"]["code"] == "not_found"
+        cut = http.post("/process.Process/StreamInput", headers=streamed,
+                        content=envelope({"keepalive": {}})[:-2])
+        assert envelopes(cut.content)[-1][1]["error"]["code"] == "invalid_argument"
         watch = http.post("/filesystem.Filesystem/WatchDir", content=b"{}", headers=unary)
         assert watch.status_code == 501 and watch.json()["code"] == "unimplemented"
         key = {"X-API-Key": e2b_server.key}

@@ -8,10 +8,11 @@ signatures. Errors are ``DSecError`` and its subclasses (the tree is in ``dsec.p
 from .client.aio import AsyncClient, CommandResult, DSecClient, OutputChunk
 from .client.aio import OutputStream as AsyncOutputStream
 from .client.aio import Process as AsyncProcess
+from .client.aio import Pty as AsyncPty
 from .client.aio import Replay as AsyncReplay
 from .client.aio import Sandbox as AsyncSandbox
 from .client.aio import Session as AsyncSession
-from .client.sync import Client, OutputStream, Process, Replay, Sandbox, Session
+from .client.sync import Client, OutputStream, Process, Pty, Replay, Sandbox, Session
 from .protocol.errors import (
                               CapacityExhausted,
                               CheckpointNotFound,
@@ -26,6 +27,7 @@ from .protocol.errors import (
                               InvalidRequest,
                               NotSupported,
                               PayloadTooLarge,
+                              ProcessExited,
                               ProcessNotFound,
                               ProjectExists,
                               ProjectNotFound,
@@ -38,6 +40,8 @@ from .protocol.errors import (
                               ServerUnavailable,
                               SnapshotCorrupt,
                               SnapshotNotFound,
+                              StdinClosed,
+                              StdinFull,
                               StepInterrupted,
                               TrajectoryDiverged,
                               TrajectoryExists,
@@ -64,7 +68,7 @@ __all__ = [
     "OutputStream", "FileEntry", "ProcessInfo",
     "SandboxInfo", "DSecError", "CapacityExhausted", "CommandTimeout", "FileNotFound",
     "ImageBuildError", "ImageNotFound", "InvalidRequest", "NotSupported", "PayloadTooLarge",
-    "ProcessNotFound",
+    "ProcessNotFound", "ProcessExited", "StdinClosed", "StdinFull", "Pty", "AsyncPty",
     "SandboxDied", "SandboxError", "SandboxNotFound", "ServerUnavailable", "Unauthorized",
     "Snapshot", "SnapshotCorrupt", "SnapshotNotFound", "CheckpointNotFound",
     "TrajectoryDiverged", "StepInterrupted", "TrajectoryExists", "TrajectoryNotFound",

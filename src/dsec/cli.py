@@ -547,12 +547,13 @@ def project_quota(name: str, sandboxes: int | None, cpu: float | None,
 @click.option("--only-trajectory", is_flag=True,
               help="only the trajectory series (log overhead, fast-forward)")
 @click.option("--only", type=click.Choice(["fn", "microvm", "vm", "cluster", "projects",
-                                           "network", "state", "pause"]), default=None,
+                                           "network", "state", "pause", "stdin"]), default=None,
               help="run one series alone: fn (call latency and throughput), microvm or vm "
                    "(against containers), cluster (a local Ray cluster against one node), "
                    "projects (nested-project key against the admin key), network (policy cost "
                    "on create, set_network), state (snapshot, create from one, fork, rollback), "
-                   "pause (pause, resume, a call on a paused sandbox)")
+                   "pause (pause, resume, a call on a paused sandbox), stdin (input to a "
+                   "process, a terminal's round trip, stdin throughput)")
 @click.option("--sizes", default="100", help="cluster series: burst sizes, comma-separated")
 def bench(quick: bool, json_out: Path | None, only_trajectory: bool, only: str | None,
           sizes: str) -> None:

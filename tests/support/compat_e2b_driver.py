@@ -108,6 +108,7 @@ def sync_scenario() -> None:
     step("sync.read_missing", lambda: files.read("/home/user/nope.txt"))
     step("sync.python", lambda: (files.write("/home/user/main.py", "print(6 * 7)"),
                                  result(cmds.run("python3 main.py")))[1])
+    stdin_and_pty_scenario(sb)  # after the listings: the PTY's login bash leaves a history
 
     before = sb.get_info().end_at
     step("sync.set_timeout", lambda: (sb.set_timeout(300), sb.get_info().end_at > before)[1])
@@ -126,6 +127,47 @@ def sync_scenario() -> None:
     time.sleep(max(0.0, 2.5 - (time.monotonic() - short_created)))
     step("sync.expired_run", lambda: result(short.commands.run("echo x")))
     step("sync.expired_info", lambda: short.get_info().sandbox_id)
+
+
+def stdin_and_pty_scenario(sb: Sandbox) -> None:
+    """``stdin=True`` + ``send_stdin`` (+ ``close_stdin`` where the SDK has it) and a PTY:
+    create, type, resize, wait, kill."""
+    cmds, files = sb.commands, sb.files
+    reader = cmds.run("read line; echo got:$line", background=True, stdin=True)
+    step("stdin.send", lambda: cmds.send_stdin(reader.pid, "hello\n"))
+    step("stdin.read_line", lambda: result(reader.wait()))
+    step("stdin.after_end", lambda: cmds.send_stdin(reader.pid, "late\n"))
+    closed = cmds.run("sleep 30", background=True)
+    step("stdin.not_open", lambda: cmds.send_stdin(closed.pid, "x"))
+    cmds.kill(closed.pid)
+    if hasattr(cmds, "close_stdin"):  # newer SDKs
+        cat = cmds.run("cat", background=True, stdin=True)
+        cmds.send_stdin(cat.pid, "one\n")
+        cmds.send_stdin(cat.pid, "two\n")
+        step("stdin.close", lambda: cmds.close_stdin(cat.pid))
+        step("stdin.cat", lambda: result(cat.wait()))
+    if hasattr(cmds, "stream_input"):  # newer SDKs: one client stream of input
+        streamed = cmds.run("cat", background=True, stdin=True)
+        step("stdin.stream_input", lambda: cmds.stream_input(
+            streamed.pid, (f"chunk{i}\n" for i in range(50))))
+        cmds.close_stdin(streamed.pid)
+        step("stdin.streamed", lambda: result(streamed.wait()))
+        step("stdin.stream_unknown", lambda: cmds.stream_input(999999, ["x"]))
+
+    out: list[bytes] = []
+    term = sb.pty.create(e2b.PtySize(rows=30, cols=100))
+    observed["pty.pid_in_list"] = term.pid in [p.pid for p in cmds.list()]
+    sb.pty.send_stdin(term.pid, b"stty size > /tmp/size1\n")
+    wait_for(lambda: files.exists("/tmp/size1") and bool(files.read("/tmp/size1")), 20)
+    step("pty.size1", lambda: files.read("/tmp/size1"))
+    step("pty.resize", lambda: sb.pty.resize(term.pid, e2b.PtySize(rows=43, cols=132)))
+    sb.pty.send_stdin(term.pid, b"stty size; echo $TERM; exit 3\n")
+    step("pty.wait", lambda: result(term.wait(on_pty=lambda data: out.append(bytes(data)))))
+    observed["pty.output"] = b"".join(out).decode(errors="replace")
+    doomed = sb.pty.create(e2b.PtySize(rows=24, cols=80))
+    step("pty.kill", lambda: sb.pty.kill(doomed.pid))
+    step("pty.killed_wait", lambda: result(doomed.wait()))
+    step("pty.kill_again", lambda: sb.pty.kill(doomed.pid))
 
 
 async def async_scenario() -> None:

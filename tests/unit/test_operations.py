@@ -29,16 +29,24 @@ from dsec.control.projects import Projects as ProjectAccess
 from dsec.control.routing import Router
 from dsec.edge.edge import Edge
 from dsec.protocol.digest import OPS, STREAM_OPS, call_arguments, step_request
-from dsec.protocol.models import ExecRequest, ExecResult, FileEntry, ProcessInfo
+from dsec.protocol.models import (
+    ExecRequest,
+    ExecResult,
+    FileEntry,
+    ProcessInfo,
+    PtyRequest,
+)
 from dsec.protocol.ops import BY_STEP, OPERATIONS, Operation
 from dsec.protocol.outcome import decode, encode
 from dsec.store.sqlite import StateStore
 from dsec.trajectory.recorder import RecordedEdge
 
 EDGES = [Edge, RecordedEdge, RemoteEdge]
-ASYNC = {"Client": aio.AsyncClient, "Sandbox": aio.Sandbox, "Process": aio.Process}
-SYNC = {"Client": sync.Client, "Sandbox": sync.Sandbox, "Process": sync.Process}
+ASYNC = {"Client": aio.AsyncClient, "Sandbox": aio.Sandbox, "Process": aio.Process,
+         "Pty": aio.Pty}
+SYNC = {"Client": sync.Client, "Sandbox": sync.Sandbox, "Process": sync.Process, "Pty": sync.Pty}
 TWINS = [(aio.AsyncClient, sync.Client), (aio.Sandbox, sync.Sandbox), (aio.Process, sync.Process),
+         (aio.Pty, sync.Pty),
          (aio.Session, sync.Session),
          (aio.OutputStream, sync.OutputStream),
          (aio.Replay, sync.Replay), (Projects, SyncProjects)]
@@ -160,6 +168,7 @@ def test_trajectory_steps_are_the_table_s() -> None:
 
 SAMPLES: dict[Any, Any] = {
     ExecRequest: ExecRequest(command=["echo", "hi"], env={"A": "1"}, stdin_b64="aGk="),
+    PtyRequest: PtyRequest(command="bash", cols=100, rows=30, env={"TERM": "vt100"}),
     str: "/work/a.txt", bytes: b"\x00data", int: 7, bool: True,
 }
 RESULTS: dict[Any, Any] = {

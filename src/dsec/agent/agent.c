@@ -7,6 +7,10 @@
  * Objects are never freed while a poll round is being handled: they are marked dead and
  * swept at the end of the round, so every pollfd entry can be checked against its object.
  *
+ * A background process may keep its stdin open for `I` (input) frames, bounded by STDIN_CAP
+ * bytes not yet written (more is refused with EAGAIN: the client waits or gives up), or run on
+ * a pseudo-terminal (`P`), whose output log keeps the most recent max_output bytes.
+ *
  * Build: gcc -O2 -static -Wall -Wextra -o dsec-agent agent.c
  */
 #define _GNU_SOURCE
@@ -31,11 +35,13 @@
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <sys/un.h>
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/wait.h>
+#include <termios.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -46,6 +52,8 @@
 #define HIGH_WATER (256 << 10)     /* wait mode: stop reading pipes above this much unsent */
 #define KEEP_FINISHED 256
 #define DEFAULT_MAX_OUTPUT (16 << 20)
+#define STDIN_CAP (1 << 20)        /* input accepted but not yet written to a process */
+#define WINSIZE_MAX 10000          /* a terminal's columns and rows */
 
 /* ---------- buffers and frames ---------- */
 
@@ -254,7 +262,7 @@ struct conn {
     struct buf in, out;
     struct proc *proc;   /* wait-mode exec streaming to this connection */
     struct proc *attach; /* background process this connection is attached to */
-    size_t off;          /* attach: next log byte to send */
+    size_t off;          /* attach: absolute offset of the next log frame to send */
     int file_fd;         /* file read in progress */
 };
 
@@ -265,11 +273,17 @@ struct proc {
     char *cmd;
     int background, running, dead, nattach;
     int out[2]; /* stdout/stderr read ends; -1 once closed or handed to the sinks */
-    int in;     /* stdin write end while data remains */
+    int in;     /* stdin write end (a terminal's: a dup of its master) while open */
+    int stdin_open; /* takes `I` frames; 0: closed once stdin_data is written */
+    int tty;        /* on a pseudo-terminal: out[0] is its master, out[1] unused */
     struct buf stdin_data;
     size_t max_output, kept[2];
     int truncated[2], timed_out, status;
-    struct buf log; /* background: `o` frames, replayed to each attacher */
+    /* background: `o` frames, replayed to each attacher. A terminal keeps the last max_output
+     * bytes: log.off is where its live frames start, log_base the absolute offset of log.p[0]
+     * (attachers count in absolute offsets, so dropping old frames moves nobody). */
+    struct buf log;
+    size_t log_base;
     struct conn *waiter;
     long long start, deadline, duration;
 };
@@ -326,6 +340,24 @@ static void put_exit(struct buf *b, const struct proc *p)
     frame_end(b, at);
 }
 
+/* A terminal's log: drop whole frames from the front while it holds more than max_output
+ * bytes (and flag the loss as truncation); the dead prefix is reclaimed once it is half the
+ * buffer, so the memory stays under twice the cap and each byte is moved at most once. */
+static void log_trim(struct proc *p)
+{
+    struct buf *b = &p->log;
+    while (b->len - b->off > p->max_output) {
+        b->off += 4 + get_u32(b->p + b->off);
+        p->truncated[0] = 1;
+    }
+    if (b->off && b->off >= b->len / 2) {
+        memmove(b->p, b->p + b->off, b->len - b->off);
+        p->log_base += b->off;
+        b->len -= b->off;
+        b->off = 0;
+    }
+}
+
 /* One read from pipe i; keeps up to max_output bytes per stream. Returns bytes read, 0 at EOF
  * (pipe closed) or -1 if nothing is available. */
 static ssize_t proc_read(struct proc *p, int i)
@@ -339,7 +371,7 @@ static ssize_t proc_read(struct proc *p, int i)
         p->out[i] = -1;
         return 0;
     }
-    size_t keep = p->max_output - p->kept[i];
+    size_t keep = p->tty ? (size_t)n : p->max_output - p->kept[i];
     if ((size_t)n > keep)
         p->truncated[i] = 1;
     else
@@ -352,6 +384,8 @@ static ssize_t proc_read(struct proc *p, int i)
         field(dst, "data", chunk, keep);
         frame_end(dst, at);
     }
+    if (p->tty)
+        log_trim(p);
     return n;
 }
 
@@ -380,7 +414,8 @@ static void proc_exited(struct proc *p, int status)
      * now, so read at most a pipe's worth; whatever descendants still write is dropped by a
      * sink (so they never get SIGPIPE). */
     for (int i = 0; i < 2; i++) {
-        long long left = p->out[i] >= 0 ? fcntl(p->out[i], F_GETPIPE_SZ) : 0;
+        /* a terminal's master is no pipe: its line discipline buffers at most a few pages */
+        long long left = p->out[i] < 0 ? 0 : p->tty ? 16 * PIPE_CHUNK : fcntl(p->out[i], F_GETPIPE_SZ);
         ssize_t n;
         while (left > 0 && (n = proc_read(p, i)) > 0)
             left -= n;
@@ -391,6 +426,7 @@ static void proc_exited(struct proc *p, int status)
     if (p->in >= 0)
         close(p->in);
     p->in = -1;
+    p->stdin_open = 0;
     buf_free(&p->stdin_data);
     if (p->background) {
         evict_finished();
@@ -415,16 +451,24 @@ static void reap(void)
             }
 }
 
+/* Writes pending input without blocking. Once it is all written, stdin is closed unless it
+ * stays open for `I` frames; a child that stopped reading (EPIPE) closes it for good. */
 static void write_stdin(struct proc *p)
 {
     struct buf *b = &p->stdin_data;
     while (buf_pending(b)) {
         ssize_t n = write(p->in, b->p + b->off, buf_pending(b));
-        if (n < 0 && errno == EAGAIN)
+        if (n < 0 && (errno == EAGAIN || errno == EINTR))
             return;
-        if (n < 0)
-            break; /* EPIPE: the child does not read its stdin */
+        if (n < 0) { /* EPIPE: the child does not read its stdin (EIO: nor its terminal) */
+            p->stdin_open = 0;
+            break;
+        }
         b->off += n;
+    }
+    if (p->stdin_open) {
+        b->len = b->off = 0;
+        return;
     }
     close(p->in);
     p->in = -1;
@@ -466,12 +510,16 @@ static int confine_self(void)
 }
 
 static void __attribute__((noreturn))
-child(char **argv, char **envp, const char *cwd, int in, int out, int err, int privileged)
+child(char **argv, char **envp, const char *cwd, int in, int out, int err, int privileged, int tty)
 {
     struct sigaction dfl = {.sa_handler = SIG_DFL};
     sigset_t none;
 
     setsid();
+    if (tty && ioctl(in, TIOCSCTTY, 0)) { /* the terminal is the new session's */
+        dprintf(err, "dsec-agent: cannot take the terminal: %s\n", strerror(errno));
+        _exit(126);
+    }
     if (in >= 0)
         dup2(in, 0); /* otherwise fd 0 stays the agent's /dev/null */
     dup2(out, 1);
@@ -512,11 +560,59 @@ static int stdio_pipe(int fds[2], int parent_reads)
     return 0;
 }
 
+/* The slave of a master where the kernel has no TIOCGPTPEER (gVisor): /dev/pts/N, opened
+ * without following links and kept only if it is the character device of slave N. */
+static int open_slave_by_number(int master)
+{
+    unsigned n;
+    char path[32];
+    struct stat st;
+    if (ioctl(master, TIOCGPTN, &n))
+        return -1;
+    snprintf(path, sizeof path, "/dev/pts/%u", n);
+    int fd = open(path, O_RDWR | O_NOCTTY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    if (fd < 0)
+        return -1;
+    if (fstat(fd, &st) || !S_ISCHR(st.st_mode) || major(st.st_rdev) < 136 || major(st.st_rdev) > 143 ||
+        (major(st.st_rdev) - 136) * 256 + minor(st.st_rdev) != n ||
+        fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK)) {
+        close(fd);
+        errno = EIO;
+        return -1;
+    }
+    return fd;
+}
+
+/* A pseudo-terminal of cols x rows: fds[0] its master (non-blocking), fds[1] its slave, opened
+ * through the master (TIOCGPTPEER; by number, checked, where the kernel lacks it). The
+ * sandbox can replace /dev/ptmx itself: it is opened non-blocking (a FIFO or anything else
+ * there cannot hold the agent), and only a real master answers the ioctls. */
+static int open_pty(int fds[2], long long cols, long long rows)
+{
+    struct winsize ws = {.ws_row = rows, .ws_col = cols};
+    fds[0] = posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC | O_NONBLOCK);
+    fds[1] = -1;
+    if (fds[0] >= 0 && !unlockpt(fds[0]) && !ioctl(fds[0], TIOCSWINSZ, &ws)) {
+        fds[1] = ioctl(fds[0], TIOCGPTPEER, O_RDWR | O_NOCTTY | O_CLOEXEC);
+        if (fds[1] < 0 && (errno == ENOTTY || errno == EINVAL))
+            fds[1] = open_slave_by_number(fds[0]);
+    }
+    if (fds[1] < 0) {
+        int e = errno;
+        close(fds[0]);
+        fds[0] = -1;
+        errno = e;
+        return -1;
+    }
+    return 0;
+}
+
+/* `E` (exec) and `P` (a background exec on a new pseudo-terminal). */
 static void do_exec(struct conn *c, const struct req *r)
 {
     struct buf *o = &c->out;
-    int nargv = 0, nenv = 0, background = 0, privileged;
-    long long timeout, max_output;
+    int nargv = 0, nenv = 0, background = 0, privileged, stdin_open, tty = r->type == 'P';
+    long long timeout, max_output, cols, rows;
     char *cwd, *mode;
     struct field *in = get(r, "stdin");
     struct stat st;
@@ -532,10 +628,18 @@ static void do_exec(struct conn *c, const struct req *r)
     if (get_str(r, "cwd", &cwd) || get_str(r, "mode", &mode) ||
         get_num(r, "timeout_ms", 10, 0, LLONG_MAX / 2, 0, &timeout) ||
         get_num(r, "max_output", 10, 0, SIZE_MAX / 2, DEFAULT_MAX_OUTPUT, &max_output) ||
-        get_flag(r, "privileged", &privileged))
+        get_flag(r, "privileged", &privileged) || get_flag(r, "stdin_open", &stdin_open) ||
+        get_num(r, "cols", 10, 1, WINSIZE_MAX, 80, &cols) ||
+        get_num(r, "rows", 10, 1, WINSIZE_MAX, 24, &rows))
         return reply_err(o, EINVAL, "malformed exec field");
     if (mode && !(background = !strcmp(mode, "background")) && strcmp(mode, "wait"))
         return reply_err(o, EINVAL, "mode must be wait or background");
+    if (tty && (mode || in || stdin_open))
+        return reply_err(o, EINVAL, "a terminal runs in the background and takes input as `I` frames");
+    if (stdin_open && !background)
+        return reply_err(o, EINVAL, "stdin_open needs mode background");
+    background |= tty;
+    stdin_open |= tty;
     if (cwd && stat(cwd, &st))
         return reply_errno(o, errno, cwd);
     if (cwd && !S_ISDIR(st.st_mode))
@@ -551,9 +655,16 @@ static void do_exec(struct conn *c, const struct req *r)
             envp[nenv++] = r->f[i].v;
     }
 
+    /* A terminal: its master is read as stdout and (a dup) written as stdin; its slave is
+     * the child's fds 0-2 and controlling terminal. */
     int po[2] = {-1, -1}, pe[2] = {-1, -1}, pi[2] = {-1, -1};
     pid_t pid = -1;
-    if (stdio_pipe(po, 1) || stdio_pipe(pe, 1) || (in && stdio_pipe(pi, 0)) ||
+    if (tty && open_pty(po, cols, rows)) {
+        reply_errno(o, errno, "terminal");
+        goto out;
+    }
+    if ((tty ? (pi[0] = fcntl(po[0], F_DUPFD_CLOEXEC, 3)) < 0
+             : stdio_pipe(po, 1) || stdio_pipe(pe, 1) || ((in || stdin_open) && stdio_pipe(pi, 0))) ||
         (pid = fork()) < 0) {
         int e = errno;
         for (int i = 0; i < 2; i++)
@@ -562,7 +673,8 @@ static void do_exec(struct conn *c, const struct req *r)
         goto out;
     }
     if (pid == 0)
-        child(argv, envp, cwd, pi[1], po[1], pe[1], privileged);
+        tty ? child(argv, envp, cwd, po[1], po[1], po[1], privileged, 1)
+            : child(argv, envp, cwd, pi[1], po[1], pe[1], privileged, 0);
     close(po[1]), close(pe[1]), close(pi[1]);
 
     struct proc *p = xcalloc(1, sizeof *p);
@@ -570,6 +682,8 @@ static void do_exec(struct conn *c, const struct req *r)
     p->background = background;
     p->running = 1;
     p->out[0] = po[0], p->out[1] = pe[0], p->in = pi[0];
+    p->stdin_open = stdin_open;
+    p->tty = tty;
     p->max_output = max_output;
     p->start = now_ms();
     p->deadline = timeout ? p->start + timeout : 0;
@@ -640,6 +754,74 @@ static void do_signal(struct conn *c, const struct req *r)
     reply_ok(&c->out);
 }
 
+/* A running background process whose stdin is the request's concern: ESRCH for an unknown
+ * id, ECHILD once it has exited. */
+static struct proc *input_proc(struct conn *c, const struct req *r)
+{
+    struct proc *p = find_proc(r);
+    if (!p)
+        reply_err(&c->out, ESRCH, "no such process");
+    else if (!p->running)
+        reply_err(&c->out, ECHILD, "process has exited");
+    return p && p->running ? p : NULL;
+}
+
+/* `I`: input for a process's stdin (or terminal). All or nothing: EAGAIN while the data would
+ * take more than STDIN_CAP bytes not yet written (the process is not reading). */
+static void do_input(struct conn *c, const struct req *r)
+{
+    struct field *d = get(r, "data");
+    struct proc *p = input_proc(c, r);
+    struct buf *b;
+    if (!p)
+        return;
+    if (!d)
+        return reply_err(&c->out, EINVAL, "input needs data");
+    if (!p->stdin_open)
+        return reply_err(&c->out, EPIPE, "stdin is closed");
+    b = &p->stdin_data;
+    if (buf_pending(b) + d->n > STDIN_CAP)
+        return reply_err(&c->out, EAGAIN, "stdin buffer full: the process is not reading");
+    memmove(b->p, b->p + b->off, buf_pending(b));
+    b->len -= b->off;
+    b->off = 0;
+    buf_put(b, d->v, d->n);
+    write_stdin(p);
+    reply_ok(&c->out);
+}
+
+/* `W`: close a process's stdin once the input already accepted is written. */
+static void do_close_stdin(struct conn *c, const struct req *r)
+{
+    struct proc *p = input_proc(c, r);
+    if (!p)
+        return;
+    if (p->tty)
+        return reply_err(&c->out, EINVAL, "a terminal's input is not closed; send ^D (\\x04)");
+    p->stdin_open = 0;
+    if (p->in >= 0 && !buf_pending(&p->stdin_data))
+        write_stdin(p); /* nothing left: closes now */
+    reply_ok(&c->out);
+}
+
+/* `Z`: a terminal's new size (the kernel sends its foreground group SIGWINCH). */
+static void do_resize(struct conn *c, const struct req *r)
+{
+    struct proc *p = input_proc(c, r);
+    long long cols, rows;
+    if (!p)
+        return;
+    if (get_num(r, "cols", 10, 1, WINSIZE_MAX, -1, &cols) ||
+        get_num(r, "rows", 10, 1, WINSIZE_MAX, -1, &rows) || cols < 0 || rows < 0)
+        return reply_err(&c->out, EINVAL, "resize needs cols and rows of 1 to 10000");
+    if (!p->tty)
+        return reply_err(&c->out, ENOTTY, "not a terminal");
+    struct winsize ws = {.ws_row = rows, .ws_col = cols};
+    if (p->in < 0 || ioctl(p->in, TIOCSWINSZ, &ws))
+        return reply_errno(&c->out, p->in < 0 ? EIO : errno, "resize");
+    reply_ok(&c->out);
+}
+
 static void do_list(struct conn *c)
 {
     struct buf *o = &c->out;
@@ -651,6 +833,7 @@ static void do_list(struct conn *c)
         field_int(o, "pid", p->pid);
         field_str(o, "argv", p->cmd);
         field_int(o, "running", p->running);
+        field_int(o, "tty", p->tty);
         if (!p->running)
             put_status(o, p->status);
         frame_end(o, at);
@@ -1026,7 +1209,11 @@ static void dispatch(struct conn *c, const struct req *r)
         return reply_err(&c->out, EACCES, token_len ? "bad token" : "agent not claimed");
     switch (r->type) {
     case 'H': return reply_ok(&c->out);
-    case 'E': return do_exec(c, r);
+    case 'E':
+    case 'P': return do_exec(c, r);
+    case 'I': return do_input(c, r);
+    case 'W': return do_close_stdin(c, r);
+    case 'Z': return do_resize(c, r);
     case 'A': return do_attach(c, r);
     case 'K': return do_signal(c, r);
     case 'L': return do_list(c);
@@ -1060,10 +1247,14 @@ static int conn_fill(struct conn *c)
     struct proc *p = c->attach;
     if (!p)
         return 0;
-    if (c->off < p->log.len) {
-        size_t n = p->log.len - c->off;
-        n = n < ATTACH_CHUNK ? n : ATTACH_CHUNK;
-        buf_put(o, p->log.p + c->off, n);
+    if (c->off < p->log_base + p->log.off) /* a terminal dropped frames it had not sent */
+        c->off = p->log_base + p->log.off;
+    if (c->off < p->log_base + p->log.len) { /* whole frames, so dropping never splits one */
+        const char *q = p->log.p + (c->off - p->log_base);
+        size_t n = 0, left = p->log_base + p->log.len - c->off;
+        while (n < left && (!n || n + 4 + get_u32(q + n) <= ATTACH_CHUNK))
+            n += 4 + get_u32(q + n);
+        buf_put(o, q, n);
         c->off += n;
         return 1;
     }
@@ -1078,7 +1269,7 @@ static int conn_fill(struct conn *c)
 static int want_write(const struct conn *c)
 {
     return buf_pending(&c->out) || c->file_fd >= 0 ||
-           (c->attach && (c->off < c->attach->log.len || !c->attach->running));
+           (c->attach && (c->off < c->attach->log_base + c->attach->log.len || !c->attach->running));
 }
 
 /* Sends until the socket is full or nothing is left; closes a finished connection. */
@@ -1377,7 +1568,7 @@ int main(int argc, char **argv)
             for (int i = 0; i < 2; i++)
                 if (want_read(p, i))
                     watch(p->out[i], POLLIN, W_OUT, p, i);
-            if (p->in >= 0)
+            if (p->in >= 0 && (buf_pending(&p->stdin_data) || !p->stdin_open))
                 watch(p->in, POLLOUT, W_IN, p, 0);
         }
         for (int i = 0; i < nsinks; i++)

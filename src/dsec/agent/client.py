@@ -75,6 +75,7 @@ class ProcInfo:
     running: bool
     exit_code: int | None  # None while running
     signal: int | None
+    tty: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +108,7 @@ def _entry(f: Frame) -> Entry:
 
 def _exec_fields(
     argv: list[str], env: dict[str, str], cwd: str | None, stdin: bytes | None,
-    timeout_ms: int, max_output: int, mode: str, privileged: bool = False,
+    timeout_ms: int, max_output: int, mode: str | None, privileged: bool = False,
 ) -> list[tuple[str, Value]]:
     if not argv:
         raise ValueError("argv must not be empty")
@@ -119,7 +120,8 @@ def _exec_fields(
         fields.append(("stdin", stdin))
     if privileged:
         fields.append(("privileged", 1))
-    return fields + [("timeout_ms", timeout_ms), ("max_output", max_output), ("mode", mode)]
+    fields += [("timeout_ms", timeout_ms), ("max_output", max_output)]
+    return fields if mode is None else [*fields, ("mode", mode)]
 
 
 class AgentClient:
@@ -245,13 +247,41 @@ class AgentClient:
 
     async def start(
         self, argv: list[str], *, env: dict[str, str], cwd: str | None = None, stdin: bytes | None = None,
-        timeout_ms: int = 0, max_output: int = 16 << 20,
+        timeout_ms: int = 0, max_output: int = 16 << 20, stdin_open: bool = False,
     ) -> tuple[str, int]:
         """Start ``argv`` in the background; returns ``(id, pid)``. Its output (up to
-        ``max_output`` per stream) is kept for ``attach``."""
+        ``max_output`` per stream) is kept for ``attach``. ``stdin_open`` keeps its stdin open
+        after ``stdin`` for ``send_input`` until ``close_stdin``."""
         fields = _exec_fields(argv, env, cwd, stdin, timeout_ms, max_output, "background")
+        if stdin_open:
+            fields.append(("stdin_open", 1))
         (f,) = await self._call("E", fields, until="S")
         return f.text("id"), f.num("pid")
+
+    async def start_pty(
+        self, argv: list[str], *, env: dict[str, str], cwd: str | None = None, cols: int = 80,
+        rows: int = 24, timeout_ms: int = 0, max_output: int = 16 << 20,
+    ) -> tuple[str, int]:
+        """Start ``argv`` on a new pseudo-terminal of ``cols`` x ``rows``, in the background;
+        returns ``(id, pid)``. Its terminal output is one stream (fd 1) of which the last
+        ``max_output`` bytes are kept for ``attach``; input goes through ``send_input``."""
+        fields = _exec_fields(argv, env, cwd, None, timeout_ms, max_output, None)
+        (f,) = await self._call("P", [*fields, ("cols", cols), ("rows", rows)], until="S")
+        return f.text("id"), f.num("pid")
+
+    async def send_input(self, id: str, data: bytes) -> None:
+        """Queue ``data`` for a background process's stdin (or terminal). AgentError
+        ``EAGAIN`` while 1 MiB of earlier input is still unread (nothing is queued),
+        ``EPIPE`` once its stdin is closed, ``ECHILD`` once it has exited."""
+        await self._call("I", [("id", id), ("data", data)])
+
+    async def close_stdin(self, id: str) -> None:
+        """Close a background process's stdin once the input queued so far is written."""
+        await self._call("W", [("id", id)])
+
+    async def resize(self, id: str, cols: int, rows: int) -> None:
+        """Set a terminal's size (its foreground process group gets SIGWINCH)."""
+        await self._call("Z", [("id", id), ("cols", cols), ("rows", rows)])
 
     def attach(self, id: str) -> AsyncGenerator[Output | Exit, None]:
         """Output of a background process from its start, then live, then its Exit."""
@@ -268,6 +298,7 @@ class AgentClient:
                 f.text("id"), f.num("pid"), f.text("argv"), bool(f.num("running")),
                 None if f.get("exit_code") is None else f.num("exit_code"),
                 None if f.get("signal") is None else f.num("signal"),
+                bool(f.num("tty")),
             )
             for f in await self._call("L")
             if f.type == "p"

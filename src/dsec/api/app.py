@@ -37,6 +37,8 @@ from ..protocol.models import (
     FileEntry,
     NetworkRequest,
     ProcessInfo,
+    PtyRequest,
+    ResizeRequest,
     RollbackRequest,
     SandboxInfo,
     SignalRequest,
@@ -224,6 +226,36 @@ def create_app(control: ControlPlane) -> FastAPI:
     async def signal(sandbox_id: str, process: str, req: SignalRequest,
                      call: Call = Depends(call_of)) -> Response:
         await router.edge_for(sandbox_id, call).signal(sandbox_id, process, req.signal)
+        return Response(status_code=204)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/processes/{process}/stdin", dependencies=auth,
+              status_code=204)
+    async def send_stdin(sandbox_id: str, process: str, request: Request,
+                         call: Call = Depends(call_of)) -> Response:
+        """The body's bytes, for the process's stdin (or terminal); see docs/API.md."""
+        data = await request.body()
+        await router.edge_for(sandbox_id, call).send_stdin(sandbox_id, process, data)
+        return Response(status_code=204)
+
+    @app.delete("/v1/sandboxes/{sandbox_id}/processes/{process}/stdin", dependencies=auth,
+                status_code=204)
+    async def close_stdin(sandbox_id: str, process: str,
+                          call: Call = Depends(call_of)) -> Response:
+        await router.edge_for(sandbox_id, call).close_stdin(sandbox_id, process)
+        return Response(status_code=204)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/ptys", dependencies=auth, status_code=201)
+    async def start_pty(sandbox_id: str, req: PtyRequest,
+                        call: Call = Depends(call_of)) -> ProcessInfo:
+        """A command on a new pseudo-terminal, in the background (output: attach)."""
+        return await router.edge_for(sandbox_id, call).start_pty(sandbox_id, req)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/processes/{process}/resize", dependencies=auth,
+              status_code=204)
+    async def resize_pty(sandbox_id: str, process: str, req: ResizeRequest,
+                         call: Call = Depends(call_of)) -> Response:
+        await router.edge_for(sandbox_id, call).resize_pty(sandbox_id, process, req.cols,
+                                                           req.rows)
         return Response(status_code=204)
 
     @app.get("/v1/sandboxes/{sandbox_id}/files", dependencies=auth,

@@ -38,6 +38,7 @@ from ..protocol.errors import (
     DSecError,
     FileNotFound,
     InvalidRequest,
+    ProcessNotFound,
     ServerUnavailable,
 )
 from ..protocol.fn import DEFAULT_IMAGE, CodeResult, Language, RunCodeRequest
@@ -49,6 +50,7 @@ from ..protocol.models import (
     ForkTrajectoryRequest,
     NetworkRequest,
     ProcessInfo,
+    PtyRequest,
     ReplayReport,
     ReplayRequest,
     SandboxInfo,
@@ -199,6 +201,19 @@ class Process:
         self.pid = info.pid
         self.command = info.command
 
+    async def send_stdin(self, data: bytes | str) -> None:
+        """Write to the process's stdin (started with ``stdin_open=True``) or terminal. At
+        most 1 MiB a call; waits while the process leaves 1 MiB of earlier input unread, up
+        to 10 s, then raises ``StdinFull`` (nothing of ``data`` was taken). ``StdinClosed``
+        after ``close_stdin``, ``ProcessExited`` once it ended."""
+        content = data.encode() if isinstance(data, str) else data
+        await self.sandbox._call("send_stdin", {"process": self.id, "data": content}, _none,
+                                 content=content)
+
+    async def close_stdin(self) -> None:
+        """Close the process's stdin (EOF) once the input already sent is written."""
+        await self.sandbox._call("close_stdin", {"process": self.id}, _none)
+
     def stream(self) -> OutputStream:
         """Everything the process printed from its start, then live output until it ends."""
         return OutputStream(self.sandbox._events("attach", {"process": self.id}), None)
@@ -212,6 +227,18 @@ class Process:
 
     async def kill(self) -> None:
         await self.signal(9)
+
+
+class Pty(Process):
+    """A command on a pseudo-terminal (``Sandbox.pty``): ``send_stdin`` types, ``stream``
+    gives the terminal's output (one stream, ``stdout``; the most recent ``max_output_bytes``
+    are kept for a later reader), ``resize``, ``wait``, ``kill``. Find it again after a
+    reconnect with ``Sandbox.process(id)``."""
+
+    async def resize(self, cols: int, rows: int) -> None:
+        """The terminal's new size; its foreground programs get SIGWINCH."""
+        await self.sandbox._call("resize_pty", {"process": self.id, "cols": cols, "rows": rows},
+                                 _none, json={"cols": cols, "rows": rows})
 
 
 class Session:
@@ -394,15 +421,40 @@ class Sandbox:
 
     async def start(self, command: str | list[str], *, env: dict[str, str] | None = None,
                     cwd: str | None = None, stdin: bytes | str | None = None,
-                    timeout_s: float | None = None, max_output_bytes: int | None = None) -> Process:
-        """Start a command in the background and return at once."""
+                    timeout_s: float | None = None, max_output_bytes: int | None = None,
+                    stdin_open: bool = False) -> Process:
+        """Start a command in the background and return at once. With ``stdin_open`` its
+        stdin stays open (after ``stdin``) for ``Process.send_stdin`` until ``close_stdin``."""
         req = self._exec_request(command, env, cwd, stdin, timeout_s, max_output_bytes, None)
+        if stdin_open:
+            req = req.model_copy(update={"stdin_open": True})
         info = await self._call("start_process", {"req": req}, _model(ProcessInfo),
                                 json=req.model_dump(exclude_unset=True))
         return Process(self, info)
 
+    async def pty(self, cols: int = 80, rows: int = 24, command: str | list[str] = "bash", *,
+                  env: dict[str, str] | None = None, cwd: str | None = None,
+                  timeout_s: float | None = None, max_output_bytes: int | None = None) -> Pty:
+        """Start ``command`` on a new pseudo-terminal of ``cols`` x ``rows`` (TERM is
+        xterm-256color unless ``env`` or the sandbox sets it)."""
+        req = _validated(PtyRequest, command=command, cols=cols, rows=rows, env=env or {},
+                         cwd=cwd, timeout_s=timeout_s,
+                         **({} if max_output_bytes is None else
+                            {"max_output_bytes": max_output_bytes}))
+        info = await self._call("start_pty", {"req": req}, _model(ProcessInfo),
+                                json=req.model_dump(exclude_unset=True))
+        return Pty(self, info)
+
     async def processes(self) -> list[ProcessInfo]:
         return await self._call("processes", {}, _models(ProcessInfo))
+
+    async def process(self, process_id: str) -> Process:
+        """A background process (a ``Pty`` for a terminal) by id, e.g. after a reconnect;
+        ``ProcessNotFound`` if the sandbox does not know it."""
+        for info in await self.processes():
+            if info.id == process_id:
+                return (Pty if info.pty else Process)(self, info)
+        raise ProcessNotFound(f"no process {process_id!r}", process_id=process_id)
 
     def session(self, name: str) -> Session:
         return Session(self, name)

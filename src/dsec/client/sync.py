@@ -122,6 +122,28 @@ class Process:
         """SIGKILL the process."""
         self._loop.call(self._async.kill())
 
+    def send_stdin(self, data: bytes | str) -> None:
+        """Write to the process's stdin (started with ``stdin_open=True``) or terminal; see
+        ``AsyncProcess.send_stdin`` for the bounds (``StdinFull``, ``StdinClosed``)."""
+        self._loop.call(self._async.send_stdin(data))
+
+    def close_stdin(self) -> None:
+        """Close the process's stdin (EOF) once the input already sent is written."""
+        self._loop.call(self._async.close_stdin())
+
+
+class Pty(Process):
+    """A command on a pseudo-terminal (``Sandbox.pty``): ``send_stdin`` types, ``stream``
+    gives the terminal's output, ``resize``, ``wait``, ``kill``."""
+
+    def __init__(self, loop: _Loop, pty: aio.Pty) -> None:
+        super().__init__(loop, pty)
+        self._pty = pty
+
+    def resize(self, cols: int, rows: int) -> None:
+        """The terminal's new size; its foreground programs get SIGWINCH."""
+        self._loop.call(self._pty.resize(cols, rows))
+
 
 class Session:
     """A named shell session: cwd and exported environment persist between its commands."""
@@ -210,15 +232,30 @@ class Sandbox:
 
     def start(self, command: str | list[str], *, env: dict[str, str] | None = None,
               cwd: str | None = None, stdin: bytes | str | None = None,
-              timeout_s: float | None = None, max_output_bytes: int | None = None) -> Process:
-        """Start a command in the background and return at once."""
+              timeout_s: float | None = None, max_output_bytes: int | None = None,
+              stdin_open: bool = False) -> Process:
+        """Start a command in the background and return at once. With ``stdin_open`` its
+        stdin stays open (after ``stdin``) for ``Process.send_stdin`` until ``close_stdin``."""
         return Process(self._loop, self._loop.call(self._async.start(
             command, env=env, cwd=cwd, stdin=stdin, timeout_s=timeout_s,
+            max_output_bytes=max_output_bytes, stdin_open=stdin_open)))
+
+    def pty(self, cols: int = 80, rows: int = 24, command: str | list[str] = "bash", *,
+            env: dict[str, str] | None = None, cwd: str | None = None,
+            timeout_s: float | None = None, max_output_bytes: int | None = None) -> Pty:
+        """Start ``command`` on a new pseudo-terminal of ``cols`` x ``rows``."""
+        return Pty(self._loop, self._loop.call(self._async.pty(
+            cols, rows, command, env=env, cwd=cwd, timeout_s=timeout_s,
             max_output_bytes=max_output_bytes)))
 
     def processes(self) -> builtins.list[ProcessInfo]:
         """The sandbox's background processes, running and ended."""
         return self._loop.call(self._async.processes())
+
+    def process(self, process_id: str) -> Process:
+        """A background process (a ``Pty`` for a terminal) by id, e.g. after a reconnect."""
+        found = self._loop.call(self._async.process(process_id))
+        return Pty(self._loop, found) if isinstance(found, aio.Pty) else Process(self._loop, found)
 
     def session(self, name: str) -> Session:
         """A named shell session: cwd and exported environment persist between its commands."""

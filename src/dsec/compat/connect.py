@@ -1,5 +1,6 @@
 """The server side of the Connect protocol (https://connectrpc.com/docs/protocol/) over
-HTTP/1.1: unary and server-streaming calls, each in the JSON or the binary protobuf codec.
+HTTP/1.1: unary, server-streaming and client-streaming calls, each in the JSON or the binary
+protobuf codec.
 
 - Unary: ``POST /<package>.<Service>/<Method>`` with ``Content-Type: application/json`` (or
   ``application/proto``); the answer is the message, or an error as
@@ -8,6 +9,8 @@ HTTP/1.1: unary and server-streaming calls, each in the JSON or the binary proto
   body and each answer message are *envelopes* (one flag byte, a 4-byte big-endian length,
   the message); the stream always ends with an end-of-stream envelope (flag ``0x02``) holding
   ``{}`` or ``{"error": {...}}``, under HTTP 200.
+- Client streaming: the same content types; the request body is envelopes, read and handed
+  to the handler one by one as they arrive; the answer is one envelope and the end of stream.
 - ``Connect-Timeout-Ms`` bounds a call: handlers see it as ``Call.timeout_s``; a stream that
   outlives it ends with ``deadline_exceeded``.
 
@@ -81,6 +84,7 @@ class Call:
 
 Unary = Callable[[Message, Call], Awaitable[Message]]
 Stream = Callable[[Message, Call], AsyncIterator[Message]]
+ClientStream = Callable[[AsyncIterator[Message], Call], Awaitable[Message]]
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,7 @@ class Method:
     output: str
     unary: Unary | None = None
     stream: Stream | None = None
+    client_stream: ClientStream | None = None
 
 
 class Service:
@@ -105,7 +110,7 @@ class Service:
         if method is None:
             return _unary_error(ConnectError("unimplemented", f"{name} is not implemented by dsec"))
         content_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
-        streaming = method.stream is not None
+        streaming = method.stream is not None or method.client_stream is not None
         prefix = "application/connect+" if streaming else "application/"
         codec = content_type[len(prefix):] if content_type.startswith(prefix) else ""
         if codec not in ("json", "proto"):
@@ -113,6 +118,8 @@ class Service:
                             f"{prefix}proto", status_code=415, media_type="text/plain",
                             headers={"Accept-Post": f"{prefix}json, {prefix}proto"})
         call = Call(request, None)
+        if method.client_stream is not None:
+            return await self._serve_client_stream(method, method.client_stream, call, codec)
         try:
             call.timeout_s = _timeout(request)
             body = await request.body()
@@ -160,6 +167,39 @@ class Service:
         if codec == "json":
             return json.dumps(self.schema.to_json(name, message), separators=(",", ":")).encode()
         return self.schema.encode(name, message)
+
+    async def _serve_client_stream(self, method: Method, handler: ClientStream, call: Call,
+                                   codec: str) -> Response:
+        """The handler reads the request's messages as they arrive (bounded by the call's
+        timeout); its one answer, or its error, ends the stream."""
+        encoding = call.request.headers.get("connect-content-encoding")
+
+        async def messages() -> AsyncIterator[Message]:
+            async for data in _request_envelopes(call.request, encoding):
+                yield self._decode(method.input, codec, data)
+
+        try:
+            call.timeout_s = _timeout(call.request)
+            if self.prepare is not None:
+                await self.prepare(call)
+            async with asyncio.timeout(call.timeout_s):
+                answer = await handler(messages(), call)
+        except PlainHttpError as exc:
+            return exc.response()
+        except ConnectError as exc:
+            return self._stream_error(exc, codec)
+        except TimeoutError:
+            return self._stream_error(ConnectError(
+                "deadline_exceeded", f"the call's timeout of {call.timeout_s}s "
+                "(Connect-Timeout-Ms) expired"), codec)
+        except (OSError, EOFError, ValueError) as exc:  # bad gzip
+            return self._stream_error(ConnectError("invalid_argument",
+                                                   f"malformed request: {exc}"), codec)
+        except Exception as exc:  # a bug: still a proper Connect error
+            log.exception("client stream %s failed", method.input)
+            return self._stream_error(ConnectError("internal", f"internal error: {exc!r}"), codec)
+        return Response(_envelope(0, self._encode(method.output, codec, answer)) + _end_stream(None),
+                        media_type=f"application/connect+{codec}")
 
     def _stream_error(self, exc: ConnectError, codec: str) -> Response:
         return Response(_end_stream(exc), media_type=f"application/connect+{codec}")
@@ -244,7 +284,28 @@ def _first_envelope(body: bytes, encoding: str | None) -> bytes:
     flags, size = struct.unpack(">BI", body[:5])
     if size > _MAX_MESSAGE or len(body) < 5 + size:
         raise ConnectError("invalid_argument", "truncated request envelope")
-    data = body[5:5 + size]
+    return _payload(flags, body[5:5 + size], encoding)
+
+
+async def _request_envelopes(request: Request, encoding: str | None) -> AsyncIterator[bytes]:
+    """The messages of a streamed request body, each as soon as its envelope is whole."""
+    pending = bytearray()
+    async for chunk in request.stream():
+        pending += chunk
+        while len(pending) >= 5:
+            flags, size = struct.unpack(">BI", pending[:5])
+            if size > _MAX_MESSAGE:
+                raise ConnectError("resource_exhausted", f"a request message over {_MAX_MESSAGE} bytes")
+            if len(pending) < 5 + size:
+                break
+            data = bytes(pending[5:5 + size])
+            del pending[:5 + size]
+            yield _payload(flags, data, encoding)
+    if pending:
+        raise ConnectError("invalid_argument", "truncated request envelope")
+
+
+def _payload(flags: int, data: bytes, encoding: str | None) -> bytes:
     if flags & 1:
         if (encoding or "identity").lower() != "gzip":
             raise ConnectError("internal", f"compressed envelope with encoding {encoding!r}")

@@ -9,14 +9,17 @@ Served (e2b-dev/infra ``packages/envd/spec``):
 
 - REST ``envd.yaml``: ``GET /health``, ``GET /files`` (download), ``POST /files`` (upload,
   ``multipart/form-data`` or ``application/octet-stream``, optionally gzip-encoded).
-- Connect ``process.Process``: ``Start`` and ``Connect`` (server streams), ``List``,
-  ``SendSignal``, ``CloseStdin``, ``SendInput`` (refused: stdin is never open).
+- Connect ``process.Process``: ``Start`` and ``Connect`` (server streams; a command with an
+  open stdin, ``stdin=True``, or on a PTY), ``List``, ``SendSignal``, ``SendInput`` (to a
+  command's stdin or a PTY), ``StreamInput`` (a client stream of the same), ``CloseStdin``,
+  ``Update`` (a PTY's size). These are dsec's ``stdin_open`` processes and terminals
+  (``Edge.start_pty``), with their bounds: input waits while 1 MiB is unread, then
+  ``resource_exhausted``.
 - Connect ``filesystem.Filesystem``: ``Stat``, ``ListDir`` (with depth), ``MakeDir``,
   ``Remove``, ``Move``.
 
-Not served (answered ``unimplemented``): PTYs, commands with an open stdin, ``StreamInput``,
-``Update``, directory watching. The envd version reported at create (``ENVD_VERSION``) is the
-newest whose version-gated SDK behaviour this implements (see docs/COMPAT.md).
+Not served (answered ``unimplemented``): directory watching. The envd version reported at
+create (``ENVD_VERSION``) is the newest whose version-gated SDK behaviour this implements (see docs/COMPAT.md).
 
 Users: commands and file operations run as the sandbox's root. ``user`` (E2B's default) and
 ``root`` are accepted and pick the home directory (``/home/user`` or ``/root``), which is the
@@ -35,7 +38,7 @@ import gzip
 import posixpath
 import shlex
 import signal as signals
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -53,9 +56,13 @@ from ..protocol.errors import (
     FileNotFound,
     InvalidRequest,
     NotSupported,
+    PayloadTooLarge,
+    ProcessExited,
     ProcessNotFound,
     SandboxDied,
     SandboxNotFound,
+    StdinClosed,
+    StdinFull,
 )
 from ..protocol.models import (
     DEFAULT_MAX_OUTPUT,
@@ -63,6 +70,7 @@ from ..protocol.models import (
     ExecResult,
     FileEntry,
     ProcessInfo,
+    PtyRequest,
 )
 from .auth import Keys
 from .connect import Call, ConnectError, Method, PlainHttpError, Service
@@ -107,8 +115,12 @@ def gone(sandbox_id: str) -> PlainHttpError:
 def rpc_error(exc: DSecError, target: Target) -> Exception:
     if isinstance(exc, (SandboxNotFound, SandboxDied)):
         return gone(target.sandbox_id)
-    if isinstance(exc, (FileNotFound, ProcessNotFound)):
+    if isinstance(exc, (FileNotFound, ProcessNotFound, ProcessExited)):
         return ConnectError("not_found", exc.message)
+    if isinstance(exc, StdinClosed):
+        return ConnectError("failed_precondition", f"stdin not enabled or closed: {exc.message}")
+    if isinstance(exc, (StdinFull, PayloadTooLarge)):
+        return ConnectError("resource_exhausted", exc.message)
     if isinstance(exc, InvalidRequest):
         return ConnectError("invalid_argument", exc.message)
     if isinstance(exc, NotSupported):
@@ -199,8 +211,13 @@ class Envd:
                                               unary=self.send_signal),
             "process.Process/SendInput": rpc("process.SendInputRequest", "process.SendInputResponse",
                                              unary=self.send_input),
+            "process.Process/StreamInput": rpc("process.StreamInputRequest",
+                                               "process.StreamInputResponse",
+                                               client_stream=self.stream_input),
             "process.Process/CloseStdin": rpc("process.CloseStdinRequest", "process.CloseStdinResponse",
                                               unary=self.close_stdin),
+            "process.Process/Update": rpc("process.UpdateRequest", "process.UpdateResponse",
+                                          unary=self.update),
             "filesystem.Filesystem/Stat": rpc("filesystem.StatRequest", "filesystem.StatResponse",
                                               unary=self.stat),
             "filesystem.Filesystem/ListDir": rpc("filesystem.ListDirRequest", "filesystem.ListDirResponse",
@@ -354,23 +371,28 @@ class Envd:
     async def start(self, msg: Message, call: Call) -> AsyncIterator[Message]:
         target: Target = call.state["target"]
         home: str = call.state["home"]
-        if msg.get("pty") is not None:
-            raise ConnectError("unimplemented", "PTY sessions are not supported by dsec")
-        if msg.get("stdin"):
-            raise ConnectError("unimplemented", "commands with an open stdin (stdin=True) are not "
-                               "supported by dsec: pass the input in the command or a file")
         config = msg.get("process") or {}
         if not config.get("cmd"):
             raise ConnectError("invalid_argument", "process.cmd is required")
         cwd = resolve(config["cwd"], home) if config.get("cwd") else home
         env = {"HOME": home, **config.get("envs", {})}
+        command = [config["cmd"], *config.get("args", [])]
+        pty = msg.get("pty")
         try:
-            req = ExecRequest(command=[config["cmd"], *config.get("args", [])], env=env, cwd=cwd,
-                              timeout_s=call.timeout_s)
+            if pty is not None:
+                size = pty.get("size") or {}
+                req: ExecRequest | PtyRequest = PtyRequest(
+                    command=command, env=env, cwd=cwd, timeout_s=call.timeout_s,
+                    cols=size.get("cols") or 80, rows=size.get("rows") or 24)
+            else:
+                req = ExecRequest(command=command, env=env, cwd=cwd, timeout_s=call.timeout_s,
+                                  stdin_open=bool(msg.get("stdin")))
         except ValueError as exc:
             raise ConnectError("invalid_argument", str(exc)) from None
         try:
-            proc = await target.edge.start_process(target.sandbox_id, req)
+            proc = (await target.edge.start_pty(target.sandbox_id, req)
+                    if isinstance(req, PtyRequest) else
+                    await target.edge.start_process(target.sandbox_id, req))
         except FileNotFound:
             raise ConnectError("invalid_argument", f"error starting process: working directory "
                                f"'{cwd}' does not exist") from None
@@ -381,27 +403,28 @@ class Envd:
         procs[proc.pid] = _Started(proc.id, config, msg.get("tag"))
         while len(procs) > _REMEMBERED_PROCS:
             del procs[next(iter(procs))]
-        async for event in self._process_events(target, proc.id, proc.pid, call, own_timeout=True):
+        async for event in self._process_events(target, proc, call, own_timeout=True):
             yield {"event": event}
 
     async def connect(self, msg: Message, call: Call) -> AsyncIterator[Message]:
         target: Target = call.state["target"]
         proc = await self._find(target, msg.get("process") or {}, running_only=False)
-        async for event in self._process_events(target, proc.id, proc.pid, call, own_timeout=False):
+        async for event in self._process_events(target, proc, call, own_timeout=False):
             yield {"event": event}
 
-    async def _process_events(self, target: Target, proc_id: str, pid: int, call: Call,
+    async def _process_events(self, target: Target, proc: ProcessInfo, call: Call,
                               own_timeout: bool) -> AsyncIterator[Message]:
-        """start, the output (from the process's start: dsec keeps it), end; keepalives in
+        """start, the output (from the process's start: dsec keeps it; a PTY's as ``pty``
+        data, its most recent bytes), end; keepalives in
         between when the client asked for them (``Keepalive-Ping-Interval``). A process
         killed by this call's own timeout ends the call with ``deadline_exceeded``; seen
         from a later Connect, it simply ended (``signal: killed``)."""
-        yield {"start": {"pid": pid}}
+        yield {"start": {"pid": proc.pid}}
         try:
             keepalive_s: float | None = max(1.0, float(call.headers.get("keepalive-ping-interval", "")))
         except ValueError:
             keepalive_s = None
-        events = aiter(target.edge.attach(target.sandbox_id, proc_id))
+        events = aiter(target.edge.attach(target.sandbox_id, proc.id))
 
         async def following() -> Output | ExecResult:
             return await anext(events)
@@ -423,7 +446,8 @@ class Envd:
                 except DSecError as exc:
                     raise rpc_error(exc, target) from None
                 if isinstance(event, Output):
-                    yield {"data": {"stdout" if event.fd == 1 else "stderr": event.data}}
+                    stream = "pty" if proc.pty else "stdout" if event.fd == 1 else "stderr"
+                    yield {"data": {stream: event.data}}
                     continue
                 if event.timed_out and own_timeout:
                     raise ConnectError("deadline_exceeded", "the command's timeout expired; its "
@@ -485,26 +509,58 @@ class Envd:
             out.append(info)
         return {"processes": out}
 
-    async def send_signal(self, msg: Message, call: Call) -> Message:
+    async def _on_running(self, msg: Message, call: Call,
+                          action: Callable[[Edge, str, str], Awaitable[None]]) -> Message:
+        """``action(edge, sandbox id, dsec process id)`` on the running process the message
+        selects; dsec's errors as envd's."""
         target: Target = call.state["target"]
-        sig = int(msg.get("signal", 0))
-        if sig not in (signals.SIGKILL, signals.SIGTERM):
-            raise ConnectError("invalid_argument", f"invalid signal {sig}: SIGTERM or SIGKILL")
         proc = await self._find(target, msg.get("process") or {}, running_only=True)
         try:
-            await target.edge.signal(target.sandbox_id, proc.id, sig)
+            await action(target.edge, target.sandbox_id, proc.id)
         except DSecError as exc:
             raise rpc_error(exc, target) from None
         return {}
 
+    async def send_signal(self, msg: Message, call: Call) -> Message:
+        sig = int(msg.get("signal", 0))
+        if sig not in (signals.SIGKILL, signals.SIGTERM):
+            raise ConnectError("invalid_argument", f"invalid signal {sig}: SIGTERM or SIGKILL")
+        return await self._on_running(msg, call, lambda edge, sid, p: edge.signal(sid, p, sig))
+
     async def send_input(self, msg: Message, call: Call) -> Message:
-        await self._find(call.state["target"], msg.get("process") or {}, running_only=True)
-        raise ConnectError("failed_precondition", "stdin not enabled or closed: dsec starts "
-                           "commands with their stdin closed")
+        data = _input(msg.get("input") or {})
+        return await self._on_running(msg, call, lambda edge, sid, p: edge.send_stdin(sid, p, data))
+
+    async def stream_input(self, messages: AsyncIterator[Message], call: Call) -> Message:
+        """A start event naming the process, then its input in order, as it arrives
+        (keepalives ignored); each chunk is one ``send_stdin``, with its bounds."""
+        target: Target = call.state["target"]
+        proc: ProcessInfo | None = None
+        async for msg in messages:
+            if "start" in msg:
+                proc = await self._find(target, msg["start"].get("process") or {}, running_only=True)
+            elif "data" in msg:
+                if proc is None:
+                    raise ConnectError("failed_precondition", "an input stream starts with a "
+                                       "start event naming its process")
+                try:
+                    await target.edge.send_stdin(target.sandbox_id, proc.id,
+                                                 _input(msg["data"].get("input") or {}))
+                except DSecError as exc:
+                    raise rpc_error(exc, target) from None
+        return {}
 
     async def close_stdin(self, msg: Message, call: Call) -> Message:
-        await self._find(call.state["target"], msg.get("process") or {}, running_only=True)
-        return {}  # stdin is never open, so it is closed already
+        return await self._on_running(msg, call, lambda edge, sid, p: edge.close_stdin(sid, p))
+
+    async def update(self, msg: Message, call: Call) -> Message:
+        """A PTY's new size (the only update envd knows)."""
+        size = (msg.get("pty") or {}).get("size")
+        if size is None:
+            raise ConnectError("invalid_argument", "an update needs pty.size")
+        cols, rows = int(size.get("cols") or 0), int(size.get("rows") or 0)
+        return await self._on_running(msg, call,
+                                      lambda edge, sid, p: edge.resize_pty(sid, p, cols, rows))
 
     # filesystem.Filesystem
     async def _entry(self, target: Target, path: str) -> Message:
@@ -612,6 +668,12 @@ class Envd:
             raise ConnectError("invalid_argument", f"error renaming: "
                                f"{result.stderr_bytes.decode(errors='replace').strip()}")
         return {"entry": await self._entry(target, destination)}
+
+
+def _input(given: Message) -> bytes:
+    """A ProcessInput's bytes: for a PTY or for stdin (dsec has one input channel for both)."""
+    data: bytes = given["pty"] if given.get("pty") is not None else given.get("stdin") or b""
+    return data
 
 
 def _home(username: str | None) -> str:

@@ -369,6 +369,14 @@ ENVD = Schema(
         "process.SendSignalRequest": (
             F(1, "process", "message", "process.ProcessSelector"), F(2, "signal", "enum", "process.Signal")),
         "process.SendSignalResponse": (),
+        "process.StreamInputRequest": (
+            F(1, "start", "message", "process.StreamInputRequest.StartEvent"),
+            F(2, "data", "message", "process.StreamInputRequest.DataEvent"),
+            F(3, "keepalive", "message", "process.StreamInputRequest.KeepAlive")),
+        "process.StreamInputRequest.StartEvent": (F(1, "process", "message", "process.ProcessSelector"),),
+        "process.StreamInputRequest.DataEvent": (F(2, "input", "message", "process.ProcessInput"),),
+        "process.StreamInputRequest.KeepAlive": (),
+        "process.StreamInputResponse": (),
         "process.CloseStdinRequest": (F(1, "process", "message", "process.ProcessSelector"),),
         "process.CloseStdinResponse": (),
         "process.ConnectRequest": (F(1, "process", "message", "process.ProcessSelector"),),

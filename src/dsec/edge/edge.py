@@ -35,11 +35,15 @@ from ..protocol.errors import (
     FileNotFound,
     InvalidRequest,
     NotSupported,
+    PayloadTooLarge,
+    ProcessExited,
     ProcessNotFound,
     SandboxDied,
     SandboxError,
     SandboxNotFound,
     SnapshotNotFound,
+    StdinClosed,
+    StdinFull,
 )
 from ..protocol.fn import CodeResult, RunCodeRequest
 from ..protocol.models import (
@@ -49,6 +53,7 @@ from ..protocol.models import (
     FileEntry,
     Network,
     ProcessInfo,
+    PtyRequest,
     SandboxInfo,
     Snapshot,
     b64,
@@ -75,6 +80,9 @@ SNAPSHOT_MEMORY = "memory.bin"  # and a `full` snapshot's saved memory and devic
 EXPORT_WAIT_S = 60.0  # how long a create elsewhere waits for a snapshot's export to finish
 FETCHED_SWEEP_S = 10.0  # how often an edge drops its copies of snapshots deleted elsewhere
 AGENT_DEATH_GRACE_S = 5.0  # how long a dying sandbox may take to be seen dead (see _still_alive)
+STDIN_CHUNK_MAX = 1 << 20  # one send_stdin: at most what the agent holds for a process
+STDIN_WAIT_S = 10.0  # how long send_stdin waits for a process to read earlier input
+TERM = "xterm-256color"  # a terminal's TERM unless the sandbox's or the call's env sets one
 
 
 def default_edge_id(state_dir: Path) -> str:
@@ -820,6 +828,8 @@ class Edge:
 
     async def stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[Output | ExecResult]:
         """Output chunks as they come, then one ExecResult (with empty stdout/stderr)."""
+        if req.stdin_open:
+            raise InvalidRequest("stdin_open is for background processes (start_process)")
         live = await self._awake(sandbox_id)
         args = self._exec_args(live, req)
         self.metrics.execs.labels(live.row.substrate).inc()
@@ -850,15 +860,63 @@ class Edge:
         live = self._get(sandbox_id)
         args = self._exec_args(live, req)
         self.metrics.execs.labels(live.row.substrate).inc()
-        proc_id, pid = await self._call(sandbox_id, lambda a: a.start(**args),
-                                        _path_error(args["cwd"]))
+        proc_id, pid = await self._call(
+            sandbox_id, lambda a: a.start(**args, stdin_open=req.stdin_open),
+            _path_error(args["cwd"]))
         return ProcessInfo(id=proc_id, pid=pid, command=" ".join(args["argv"]), running=True)
+
+    async def start_pty(self, sandbox_id: str, req: PtyRequest) -> ProcessInfo:
+        """A background process on a new pseudo-terminal: its output is one stream, of which
+        the most recent ``max_output_bytes`` are kept for attach."""
+        live = self._get(sandbox_id)
+        if not live.substrate.terminals:
+            raise NotSupported(f"{live.substrate.name} sandboxes have no terminals; use a "
+                               "container or a VM", substrate=live.substrate.name)
+        args = self._exec_args(live, ExecRequest(
+            command=req.command, env=req.env, cwd=req.cwd, timeout_s=req.timeout_s,
+            max_output_bytes=req.max_output_bytes))
+        del args["stdin"]
+        args["env"] = {"TERM": TERM, **args["env"]}
+        self.metrics.execs.labels(live.row.substrate).inc()
+        proc_id, pid = await self._call(
+            sandbox_id, lambda a: a.start_pty(**args, cols=req.cols, rows=req.rows),
+            _pty_error(args["cwd"]))
+        return ProcessInfo(id=proc_id, pid=pid, command=" ".join(args["argv"]), running=True,
+                           pty=True)
 
     async def processes(self, sandbox_id: str) -> builtins.list[ProcessInfo]:
         procs = await self._call(sandbox_id, lambda a: a.list(), _path_error(""))
         return [ProcessInfo(id=p.id, pid=p.pid, command=p.command, running=p.running,
-                            exit_code=p.exit_code, signal=p.signal or 0)
+                            exit_code=p.exit_code, signal=p.signal or 0, pty=p.tty)
                 for p in procs]
+
+    async def send_stdin(self, sandbox_id: str, process: str, data: bytes) -> None:
+        """Queue ``data`` for the process's stdin (or terminal). Back-pressure: while the
+        process leaves 1 MiB of earlier input unread this waits, up to STDIN_WAIT_S, then
+        raises StdinFull with nothing of ``data`` taken."""
+        if len(data) > STDIN_CHUNK_MAX:
+            raise PayloadTooLarge(f"one input is at most {STDIN_CHUNK_MAX} bytes",
+                                  limit=STDIN_CHUNK_MAX)
+        deadline = time.monotonic() + STDIN_WAIT_S
+        delay = 0.005
+        while True:
+            try:
+                return await self._call(sandbox_id, lambda a: a.send_input(process, data),
+                                        _process_error(process))
+            except StdinFull:
+                if time.monotonic() + delay > deadline:
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 0.1)
+
+    async def close_stdin(self, sandbox_id: str, process: str) -> None:
+        await self._call(sandbox_id, lambda a: a.close_stdin(process), _process_error(process))
+
+    async def resize_pty(self, sandbox_id: str, process: str, cols: int, rows: int) -> None:
+        if not (1 <= cols <= 10_000 and 1 <= rows <= 10_000):
+            raise InvalidRequest("cols and rows are 1 to 10000", cols=cols, rows=rows)
+        await self._call(sandbox_id, lambda a: a.resize(process, cols, rows),
+                         _process_error(process))
 
     async def attach(self, sandbox_id: str, process: str) -> AsyncIterator[Output | ExecResult]:
         live = await self._awake(sandbox_id)
@@ -1004,9 +1062,29 @@ def _path_error(path: str) -> Callable[[AgentError], DSecError]:
     return error
 
 
+def _pty_error(cwd: str) -> Callable[[AgentError], DSecError]:
+    """A terminal's start: the sandbox's own /dev/ptmx (which it may have replaced) gave no
+    terminal, else as for any exec."""
+    for_exec = _path_error(cwd)
+
+    def error(exc: AgentError) -> DSecError:
+        if exc.message.startswith("terminal:"):
+            return InvalidRequest(f"the sandbox's /dev/ptmx gives no terminal: {exc.message}",
+                                  errno=exc.errno)
+        return for_exec(exc)
+    return error
+
+
 def _process_error(proc_id: str) -> Callable[[AgentError], DSecError]:
     def error(exc: AgentError) -> DSecError:
         if exc.errno in ("ENOENT", "ESRCH"):
             return ProcessNotFound(f"no process {proc_id!r}", process_id=proc_id)
-        return InvalidRequest(f"{exc.message} ({exc.errno})")
+        if exc.errno == "ECHILD":
+            return ProcessExited(f"process {proc_id} has exited", process_id=proc_id)
+        if exc.errno == "EPIPE":
+            return StdinClosed(f"the stdin of process {proc_id} is closed", process_id=proc_id)
+        if exc.errno == "EAGAIN":
+            return StdinFull(f"process {proc_id} has not read 1 MiB of earlier input",
+                             process_id=proc_id)
+        return InvalidRequest(f"{exc.message} ({exc.errno})", process_id=proc_id)
     return error

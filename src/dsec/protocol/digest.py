@@ -18,6 +18,8 @@ import hashlib
 import json
 from typing import Any
 
+from pydantic import BaseModel
+
 from .models import ExecRequest
 from .ops import BY_METHOD, STEP_NAMES, STREAM_STEPS, Operation
 
@@ -81,9 +83,15 @@ def step_request(op: Operation, arguments: dict[str, Any]) -> StepRequest:
     if op.exec_param is not None:
         req: ExecRequest = arguments[op.exec_param]
         stdin = None if req.stdin_b64 is None else base64.b64decode(req.stdin_b64)
-        return StepRequest(op.step, req.model_dump(exclude={"stdin_b64"}), stdin)
-    params = {p.name: arguments[p.name] for p in op.params if p.name != op.payload}
+        # stdin_open enters only when set: exec steps logged before it existed keep their digest
+        exclude = {"stdin_b64"} if req.stdin_open else {"stdin_b64", "stdin_open"}
+        return StepRequest(op.step, req.model_dump(exclude=exclude), stdin)
+    params = {p.name: _plain(arguments[p.name]) for p in op.params if p.name != op.payload}
     return StepRequest(op.step, params, None if op.payload is None else arguments[op.payload])
+
+
+def _plain(value: Any) -> Any:
+    return value.model_dump() if isinstance(value, BaseModel) else value
 
 
 def step(method: str, **arguments: Any) -> StepRequest:
@@ -98,6 +106,9 @@ def call_arguments(op: Operation, request: StepRequest) -> dict[str, Any]:
         stdin = None if request.payload is None else base64.b64encode(request.payload).decode()
         return {op.exec_param: ExecRequest(**request.params, stdin_b64=stdin)}
     arguments = dict(request.params)
+    for p in op.params:  # a request model (a terminal's) is logged as its fields
+        if isinstance(p.type, type) and issubclass(p.type, BaseModel):
+            arguments[p.name] = p.type(**arguments[p.name])
     if op.payload is not None:
         arguments[op.payload] = request.payload or b""
     return arguments

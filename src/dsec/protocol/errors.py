@@ -16,10 +16,11 @@ The tree (catch ``DSecError`` for all of them)::
     │                    FileNotFound (also a builtin FileNotFoundError)
     ├── CommandTimeout (408)            also a builtin TimeoutError
     ├── conflicts (409): TrajectoryExists, TrajectoryDiverged > StepInterrupted,
-    │                    ProjectExists, DelegationExceeded
+    │                    ProjectExists, DelegationExceeded, ProcessExited, StdinClosed
     ├── SandboxDied (410)               the sandbox ended under the call (details: reason)
     ├── refusals (413, 422, 429, 501, 503): PayloadTooLarge, IdempotencyKeyReused,
-    │       UnsafeArchive, QuotaExceeded, NotSupported, CapacityExhausted, ServerUnavailable
+    │       UnsafeArchive, QuotaExceeded, StdinFull, NotSupported, CapacityExhausted,
+    │       ServerUnavailable
     ├── fn calls (422): RemoteError (the function raised), ResultRefused (not plain data)
     └── failures (500): SandboxError, ImageBuildError, SnapshotCorrupt; MethodNotAllowed (405)
 
@@ -91,6 +92,23 @@ class FileNotFound(DSecError, FileNotFoundError):
 
 class ProcessNotFound(DSecError):
     code, status = "process_not_found", 404
+
+
+class ProcessExited(DSecError):
+    """Input, a close of stdin or a resize for a process that has already ended."""
+    code, status = "process_exited", 409
+
+
+class StdinClosed(DSecError):
+    """Input for a process whose stdin is closed: it was started without ``stdin_open``, it
+    was closed (``close_stdin``), or the process closed it itself."""
+    code, status = "stdin_closed", 409
+
+
+class StdinFull(DSecError):
+    """The process has not read the input already sent (1 MiB waits in the sandbox) and did
+    not make room in time; nothing of this input was taken. Send it again later."""
+    code, status = "stdin_full", 429
 
 
 class RouteNotFound(DSecError):
@@ -254,6 +272,9 @@ ERRORS: dict[str, type[DSecError]] = {
         ImageBuildError,
         FileNotFound,
         ProcessNotFound,
+        ProcessExited,
+        StdinClosed,
+        StdinFull,
         RouteNotFound,
         MethodNotAllowed,
         PayloadTooLarge,

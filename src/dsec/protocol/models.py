@@ -219,6 +219,8 @@ class ExecRequest(_Request):
     timeout_s: float | None = Field(60.0, gt=0, description="None waits forever")
     max_output_bytes: int = Field(DEFAULT_MAX_OUTPUT, ge=0, le=1 << 30, description="cap per stream")
     session: str | None = Field(None, description="named shell session whose cwd and env persist")
+    stdin_open: bool = Field(False, description="a background process's stdin stays open "
+                             "(after stdin_b64) for send_stdin until close_stdin")
 
     @field_validator("stdin_b64")
     @classmethod
@@ -258,6 +260,25 @@ class ProcessInfo(_Model):
     running: bool
     exit_code: int | None = None
     signal: int = 0
+    pty: bool = False
+
+
+class PtyRequest(_Request):
+    command: str | list[str] = Field(
+        "bash", description="a shell string (run by dsec's own /.dsec/bin/sh -c) or an argv list")
+    cols: int = Field(80, ge=1, le=10_000)
+    rows: int = Field(24, ge=1, le=10_000)
+    env: dict[str, str] = Field(default_factory=dict, description="TERM is xterm-256color "
+                                "unless set here or in the sandbox's env")
+    cwd: str | None = None
+    timeout_s: float | None = Field(None, gt=0, description="None runs until it exits or is killed")
+    max_output_bytes: int = Field(DEFAULT_MAX_OUTPUT, ge=0, le=1 << 30,
+                                  description="the most recent output kept for replay")
+
+
+class ResizeRequest(_Request):
+    cols: int = Field(ge=1, le=10_000)
+    rows: int = Field(ge=1, le=10_000)
 
 
 class SignalRequest(_Request):

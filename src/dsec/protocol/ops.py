@@ -45,6 +45,7 @@ from .models import (
     FileEntry,
     Network,
     ProcessInfo,
+    PtyRequest,
     SandboxInfo,
     Snapshot,
 )
@@ -138,6 +139,16 @@ OPERATIONS: tuple[Operation, ...] = (
         step="output", kind="stream", sdk="Process.stream"),
     _op("signal", (PROCESS, Param("signal", int)), None,
         f"POST {SANDBOX}/processes/{{process}}/signal", step="signal", sdk="Process.signal"),
+    _op("send_stdin", (PROCESS, Param("data", bytes)), None,
+        f"POST {SANDBOX}/processes/{{process}}/stdin", step="stdin", payload="data",
+        sdk="Process.send_stdin"),
+    _op("close_stdin", (PROCESS,), None, f"DELETE {SANDBOX}/processes/{{process}}/stdin",
+        step="close_stdin", sdk="Process.close_stdin"),
+    # terminals: background processes on a pseudo-terminal (attach, signal and stdin as above)
+    _op("start_pty", (Param("req", PtyRequest),), ProcessInfo, f"POST {SANDBOX}/ptys",
+        step="pty", sdk="Sandbox.pty"),
+    _op("resize_pty", (PROCESS, Param("cols", int), Param("rows", int)), None,
+        f"POST {SANDBOX}/processes/{{process}}/resize", step="resize", sdk="Pty.resize"),
     # files
     _op("read_file", (PATH,), bytes, f"GET {SANDBOX}/files", step="read", sdk="Sandbox.read_file"),
     _op("write_file", (PATH, Param("data", bytes), Param("mode", int, 0o644),

@@ -44,6 +44,9 @@ class Substrate(ABC):
     # Whether ``snapshot_disk`` takes a paused sandbox as it is and leaves it paused; the edge
     # resumes a paused sandbox before snapshotting it otherwise.
     snapshots_paused: bool = False
+    # Whether its sandboxes have a devpts of their own for terminals (``Edge.start_pty``); the
+    # edge refuses a terminal otherwise.
+    terminals: bool = False
 
     async def prepare(self) -> None:  # noqa: B027 (optional hook: nothing to do by default)
         """One-time host preparation when the edge starts."""

@@ -61,6 +61,7 @@ class ContainerSubstrate(Substrate):
     disk_volume = True
     snapshots_paused = True  # the cgroup freezer is how it snapshots: a paused one stays so
     rollback_keeps_network = True  # its wiring is removed at the kill; the edge wires the new init
+    terminals = True  # a devpts instance of its own (oci_spec.py)
 
     def __init__(self, state_dir: Path, edge_id: str, volume: DiskVolume, runtime: str = "crun",
                  mounter: LayerMounter | None = None) -> None:

@@ -94,6 +94,7 @@ class QemuSubstrate(Substrate):
     pvh: bool  # enter the uncompressed kernel directly instead of through firmware
     network_policies = True
     rollback_keeps_network = True  # the host's tap outlives QEMU: plugged again on restart
+    terminals = True  # the guest's own devpts (guest.py)
 
     def __init__(self, state_dir: Path, edge_id: str, accel: str = "kvm",
                  kvm_device: Path = Path("/dev/kvm"), snapshots: bool = False) -> None:
