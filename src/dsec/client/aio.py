@@ -41,6 +41,7 @@ from ..protocol.errors import (
     ServerUnavailable,
 )
 from ..protocol.fn import DEFAULT_IMAGE, CodeResult, Language, RunCodeRequest
+from ..protocol.gc_models import GcReport
 from ..protocol.models import (
     CreateRequest,
     ExecRequest,
@@ -801,6 +802,12 @@ class AsyncClient:
     def projects(self) -> Projects:
         """Projects, quotas and project keys (see docs/PROJECTS.md)."""
         return Projects(self._t)
+
+    async def gc(self, dry_run: bool = False) -> GcReport:
+        """Collect garbage now (admin key): what past retention was removed, by kind (with
+        ``dry_run``: what would be, removing nothing). See docs/RETENTION.md."""
+        return GcReport.model_validate(await self._t.json(
+            "POST", "/v1/admin/gc", params={"dry_run": "true" if dry_run else "false"}))
 
     # fn substrate: calls into pre-warmed, jailed workers (see docs/FN.md)
     async def call(self, fn: Callable[..., V], *args: Any, substrate: str = "fn",

@@ -30,6 +30,7 @@ from typing import (
 
 from ..protocol.errors import DSecError
 from ..protocol.fn import DEFAULT_IMAGE, CodeResult, Language
+from ..protocol.gc_models import GcReport
 from ..protocol.models import (
     FileEntry,
     ProcessInfo,
@@ -463,6 +464,10 @@ class Client:
     def projects(self) -> SyncProjects:
         """Projects, quotas and project keys (see docs/PROJECTS.md)."""
         return SyncProjects(self._loop.call, self._async.projects())
+
+    def gc(self, dry_run: bool = False) -> GcReport:
+        """Collect garbage now (admin key); see ``AsyncClient.gc``."""
+        return self._loop.call(self._async.gc(dry_run))
 
     # fn substrate
     def call(self, fn: Callable[..., V], *args: Any, substrate: str = "fn",

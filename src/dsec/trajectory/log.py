@@ -32,7 +32,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from ..protocol.digest import StepRequest
 from ..protocol.errors import TrajectoryDiverged, TrajectoryExists, TrajectoryNotFound
@@ -88,7 +88,20 @@ CREATE TABLE IF NOT EXISTS trajectory_checkpoints (
     PRIMARY KEY (trajectory, generation, step)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS trajectory_checkpoints_snapshot ON trajectory_checkpoints (snapshot);
+CREATE INDEX IF NOT EXISTS trajectory_generations_sandbox ON trajectory_generations (sandbox_id);
+CREATE INDEX IF NOT EXISTS trajectories_sandbox ON trajectories (sandbox_id);
 """
+
+
+def step_blob_refs(request: str, outcome: str | None) -> Iterator[str]:
+    """The blob names a step row's request (its payload) and outcome (its bytes) hold."""
+    payload = json.loads(request).get("payload")
+    if isinstance(payload, dict) and isinstance(payload.get("sha256"), str):
+        yield payload["sha256"]
+    stored = json.loads(outcome) if outcome else {}
+    for ref in (stored.get("bytes") or {}).values():
+        if isinstance(ref, dict) and isinstance(ref.get("sha256"), str):
+            yield ref["sha256"]
 
 
 @dataclass
@@ -219,6 +232,30 @@ class TrajectoryLog:
             return [snapshot for snapshot in held if self._db.execute(
                 "SELECT 1 FROM trajectory_checkpoints WHERE snapshot=? LIMIT 1",
                 (snapshot,)).fetchone() is None]
+
+    def created_before(self, cutoff: float, limit: int) -> builtins.list[str]:
+        """Ids of up to ``limit`` trajectories created before ``cutoff``, oldest first."""
+        return [r["id"] for r in self._db.execute(
+            "SELECT id FROM trajectories WHERE created_at<? ORDER BY created_at LIMIT ?",
+            (cutoff, limit))]
+
+    def blob_refs(self, page: int = 1000) -> Iterator[str]:
+        """The blob names every logged step holds (payloads and outcome bytes), read a page
+        at a time. Only the places the log writes refs to are read: what a sandbox put in a
+        result's ``value`` names nothing."""
+        after: tuple[str, int, int] = ("", 0, 0)
+        while True:
+            rows = self._db.execute(
+                "SELECT trajectory, generation, step, request, outcome FROM trajectory_steps "
+                "WHERE (trajectory, generation, step) > (?,?,?) AND (request LIKE ? OR "
+                "outcome LIKE ?) ORDER BY trajectory, generation, step LIMIT ?",
+                (*after, '%"sha256"%', '%"sha256"%', page)).fetchall()
+            for r in rows:
+                yield from step_blob_refs(r["request"], r["outcome"])
+            if len(rows) < page:
+                return
+            last = rows[-1]
+            after = (last["trajectory"], last["generation"], last["step"])
 
     def list(self, limit: int = 100) -> list[TrajectoryRow]:
         rows = self._db.execute("SELECT id FROM trajectories ORDER BY created_at DESC LIMIT ?",
