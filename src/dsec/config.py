@@ -123,7 +123,7 @@ class Settings:
                                   option="--gc-interval")
     blob_grace_s: int = _setting(3600, "seconds an unreferenced blob is kept after it was last "
                                  "written (covers a step between its blob's write and its "
-                                 "commit)")
+                                 "commit)", option="--blob-grace")
 
     @classmethod
     def load(cls, environ: Mapping[str, str] | None = None, **options: Any) -> Settings:
