@@ -25,8 +25,8 @@ from test_cli import dsec_cli
 from test_metrics import scrape
 
 RETAIN_S = 3
-srv, client = own_server("--warm-pool", "0", "--retain-ended", str(RETAIN_S), "--retain-failed",
-                         str(RETAIN_S), "--gc-interval", "1", "--blob-grace", "2")
+srv, client = own_server("--warm-pool", "0", "--retain-ended-s", str(RETAIN_S), "--retain-failed-s",
+                         str(RETAIN_S), "--gc-interval-s", "1", "--blob-grace-s", "2")
 BIG = "head -c 12000 /dev/urandom | base64 -w0"  # above the log's 4 KiB: a blob
 
 
@@ -141,11 +141,28 @@ async def test_a_sandbox_cannot_steer_the_collector(srv: Server, client: dsec.DS
     await client.delete_trajectory(hostile_trajectory)
 
 
+async def test_a_snapshot_keeps_its_parents_record_until_its_ttl(srv: Server,
+                                                                  client: dsec.DSecClient) -> None:
+    """A snapshot needs its parent's record (a full one restores the parent's machine): the
+    record outlives the retention while the snapshot lives, and goes after it expired."""
+    parent = await client.create(ttl_s=120)
+    snap = await parent.snapshot(ttl_s=RETAIN_S + 4)
+    await parent.stop()
+    await asyncio.sleep(RETAIN_S + 2)
+    assert (await client.get(parent.id)).info.state == "stopped"
+
+    async def collected() -> bool:
+        return await gone(client, parent.id)
+    await until(collected)
+    assert snap.id not in [s.id for s in await client.snapshots()]
+    assert scrape(srv)["dsec_snapshots_expired_total{}"] >= 1
+
+
 @pytest.fixture(scope="module")
 def manual(images: ImageStore) -> Iterator[Server]:
     """Retention of a second, collection only when asked (the background waits an hour)."""
-    server = make_server("--warm-pool", "0", "--retain-ended", "1", "--gc-interval", "3600",
-                         "--blob-grace", "1").start()
+    server = make_server("--warm-pool", "0", "--retain-ended-s", "1", "--gc-interval-s", "3600",
+                         "--blob-grace-s", "1").start()
     yield server
     stop_server(server)
 
