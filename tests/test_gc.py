@@ -27,6 +27,7 @@ from test_metrics import scrape
 RETAIN_S = 3
 srv, client = own_server("--warm-pool", "0", "--retain-ended-s", str(RETAIN_S), "--retain-failed-s",
                          str(RETAIN_S), "--gc-interval-s", "1", "--blob-grace-s", "2")
+TRAJECTORY_TTL_S = 4
 BIG = "head -c 12000 /dev/urandom | base64 -w0"  # above the log's 4 KiB: a blob
 
 
@@ -162,7 +163,7 @@ async def test_a_snapshot_keeps_its_parents_record_until_its_ttl(srv: Server,
 def manual(images: ImageStore) -> Iterator[Server]:
     """Retention of a second, collection only when asked (the background waits an hour)."""
     server = make_server("--warm-pool", "0", "--retain-ended-s", "1", "--gc-interval-s", "3600",
-                         "--blob-grace-s", "1").start()
+                         "--blob-grace-s", "1", "--trajectory-ttl-s", str(TRAJECTORY_TTL_S)).start()
     yield server
     stop_server(server)
 
@@ -203,3 +204,24 @@ async def test_gc_needs_an_admin_key(manual: Server) -> None:
     with httpx.Client(transport=httpx.HTTPTransport(uds=str(manual.state_dir / "api.sock")),
                       base_url="http://dsec", headers={"authorization": f"Bearer {key}"}) as http:
         assert http.post("/v1/admin/gc", params={"dry_run": "false"}).status_code == 403
+
+
+async def test_a_trajectory_past_its_ttl_is_deleted_with_its_sandbox(manual: Server) -> None:
+    async with manual.client() as c:
+        trajectory = new_id("ttl")
+        sb = await c.create(ttl_s=300, trajectory=trajectory)
+        out = (await sb.run(BIG)).stdout_bytes
+        young = {r.kind: r.count for r in (await c.gc(dry_run=True)).removed}
+        assert young["trajectories"] == 0
+        await asyncio.sleep(TRAJECTORY_TTL_S + 0.5)
+        assert {r.kind: r.count for r in (await c.gc(dry_run=True)).removed}["trajectories"] == 1
+        assert (await c.trajectory(trajectory)).sandbox.state == "running"
+        removed = {r.kind: r.count for r in (await c.gc()).removed}
+        assert removed["trajectories"] == 1
+        assert removed["blobs"] >= 1 and not blob(manual, out).exists()  # unnamed, and old
+        with pytest.raises(dsec.TrajectoryNotFound):
+            await c.trajectory(trajectory)
+        assert (await c.get(sb.id)).info.state == "stopped"
+        await asyncio.sleep(1.5)  # the record's retention
+        assert {r.kind: r.count for r in (await c.gc()).removed}["sandboxes"] == 1
+        assert await gone(c, sb.id)
