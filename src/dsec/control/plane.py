@@ -28,5 +28,7 @@ class ControlPlane:
         self.gc.start()
 
     async def close(self) -> None:
-        await self.gc.close()
-        await self.router.close()
+        try:
+            await self.gc.close()
+        finally:  # the edges close (and unmount) whatever the lease's give-up met
+            await self.router.close()
