@@ -225,3 +225,18 @@ async def test_a_trajectory_past_its_ttl_is_deleted_with_its_sandbox(manual: Ser
         await asyncio.sleep(1.5)  # the record's retention
         assert {r.kind: r.count for r in (await c.gc()).removed}["sandboxes"] == 1
         assert await gone(c, sb.id)
+
+
+async def test_a_trajectorys_own_ttl_overrides_the_servers(manual: Server) -> None:
+    async with manual.client() as c:
+        short, long = new_id("short"), new_id("long")
+        await c.create(ttl_s=300, trajectory=short, trajectory_ttl_s=1)
+        await c.create(ttl_s=300, trajectory=long, trajectory_ttl_s=3600)
+        with pytest.raises(dsec.InvalidRequest):
+            await c.create(ttl_s=60, trajectory_ttl_s=5)  # no trajectory to expire
+        await asyncio.sleep(TRAJECTORY_TTL_S + 0.5)  # past the server's TTL too
+        assert {r.kind: r.count for r in (await c.gc()).removed}["trajectories"] == 1
+        with pytest.raises(dsec.TrajectoryNotFound):
+            await c.trajectory(short)
+        assert (await c.trajectory(long)).sandbox.state == "running"
+        await c.delete_trajectory(long)

@@ -241,3 +241,18 @@ def test_a_sweep_cut_short_is_undone_by_the_next(tmp_path: Path) -> None:
     os.rename(path, path.with_name(f".gc.{digest}.dead"))  # the collector died here
     assert list(blobs.candidates(time.time() - 60)) == []
     assert path.read_bytes() == b"a" * 10
+
+
+# trajectories
+def test_a_trajectory_expires_by_its_own_ttl_else_the_servers(state) -> None:
+    _, log, _ = state
+    log.create("own", "sb-1", {"trajectory_ttl_s": 10}, "debian-minbase", "sha256:x", None)
+    log.create("default", "sb-2", {}, "debian-minbase", "sha256:x", None)
+    log.branch("own", 1, 0, "own/fork", "sb-3", {"trajectory_ttl_s": 10}, "debian-minbase",
+               "sha256:x", None)
+    now = time.time()
+    assert log.expired(now + 5, 0, 100) == []
+    assert set(log.expired(now + 11, 0, 100)) == {"own", "own/fork"}  # no server TTL
+    assert log.expired(now + 5, 3, 100) == ["default"]
+    assert set(log.expired(now + 11, 3, 100)) == {"own", "own/fork", "default"}
+    assert len(log.expired(now + 11, 3, 2)) == 2

@@ -642,7 +642,8 @@ class AsyncClient:
                      labels: dict[str, str] | None = None, trajectory: str | None = None,
                      on_divergence: OnDivergence = "raise",
                      idempotency_key: str | None = None, snapshot: str | None = None,
-                     checkpoint: Checkpoint | None = None) -> Sandbox:
+                     checkpoint: Checkpoint | None = None,
+                     trajectory_ttl_s: int | None = None) -> Sandbox:
         """Start a sandbox of ``image`` on ``substrate`` (``container``, ``fn``, ``microvm``,
         ``vm``). An option left None takes the server's default (see ``CreateRequest``):
         ``cpu`` (1.0), ``memory_mb`` (512), ``pids`` (512), ``disk_mb`` (1024), ``ttl_s``
@@ -656,6 +657,8 @@ class AsyncClient:
         file system is snapshotted after each such step (the previous snapshot is kept when
         a step wrote nothing): ``fork_trajectory``, and forks and replays of the trajectory,
         start from a step's checkpoint instead of re-executing the steps before it.
+        ``trajectory_ttl_s``: the trajectory is deleted (its sandbox stopped) that many
+        seconds after it was created (default: the server's trajectory TTL, or never).
 
         The create carries an ``Idempotency-Key`` (``idempotency_key``, else a fresh one) and
         is retried with it for ``retry_s`` while the server cannot be reached or the
@@ -665,7 +668,8 @@ class AsyncClient:
         info = await _create(self._t, dict(
             substrate=substrate, image=image, cpu=cpu, memory_mb=memory_mb, pids=pids,
             disk_mb=disk_mb, ttl_s=ttl_s, network=network, env=env, runtime=runtime,
-            labels=labels, trajectory=trajectory, snapshot=snapshot, checkpoint=checkpoint),
+            labels=labels, trajectory=trajectory, snapshot=snapshot, checkpoint=checkpoint,
+            trajectory_ttl_s=trajectory_ttl_s),
             idempotency_key,
             self._retry_s)
         attachment = None if trajectory is None else Attachment(

@@ -125,9 +125,10 @@ class SandboxRecords:
 
 
 class ExpiredTrajectories:
-    """Trajectories created more than ``ttl_s`` ago (0: kept until deleted), deleted the way
-    a client deletes one (``delete``: the recorder's, which stops its sandbox and deletes its
-    checkpoints' snapshots); their blobs go with the next blob collections."""
+    """Trajectories past their TTL (their own ``trajectory_ttl_s``, else ``ttl_s`` from
+    their creation; 0: kept until deleted), deleted the way a client deletes one
+    (``delete``: the recorder's, which stops the sandbox and deletes its checkpoints'
+    snapshots); their blobs and records go with later collections."""
 
     name = "trajectories"
 
@@ -140,9 +141,7 @@ class ExpiredTrajectories:
     async def collect(self, now: float, dry_run: bool) -> list[Removed]:
         """At most ``BATCH`` a collection (the next one takes the rest); one with calls
         under way is skipped until a later one."""
-        if self.ttl_s <= 0:
-            return [Removed(kind="trajectories", count=0, bytes=0)]
-        expired = await asyncio.to_thread(self.log.created_before, now - self.ttl_s, BATCH)
+        expired = await asyncio.to_thread(self.log.expired, now, self.ttl_s, BATCH)
         count = 0
         for trajectory in expired:
             if not dry_run:

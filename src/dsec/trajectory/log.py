@@ -49,7 +49,8 @@ CREATE TABLE IF NOT EXISTS trajectories (
     sandbox_id TEXT NOT NULL,
     request TEXT NOT NULL,
     created_at REAL NOT NULL,
-    created_by TEXT
+    created_by TEXT,
+    expires_at REAL
 );
 CREATE TABLE IF NOT EXISTS trajectory_generations (
     trajectory TEXT NOT NULL,
@@ -112,6 +113,7 @@ class TrajectoryRow:
     request: dict[str, Any]
     created_at: float
     created_by: str | None
+    expires_at: float | None = None  # its own TTL's end (None: the server's TTL, if any)
 
 
 @dataclass
@@ -151,6 +153,7 @@ class TrajectoryLog:
         self.blobs = blobs
         self.owner = owner
         self._db = open_database(db, SCHEMA)
+        self._db.add_columns("trajectories", {"expires_at": "REAL"})  # a log of before TTLs
 
     def close(self) -> None:
         self._db.close()
@@ -198,8 +201,11 @@ class TrajectoryLog:
                 forked_at_step: int | None = None) -> None:
         """A trajectory's row and its first generation's, in the caller's transaction."""
         now = time.time()
-        self._db.execute("INSERT INTO trajectories VALUES (?,?,?,?,?,?)",
-                         (trajectory, 1, sandbox_id, json.dumps(request), now, caller))
+        ttl = request.get("trajectory_ttl_s")  # a fork's request carries its source's
+        self._db.execute("INSERT INTO trajectories (id, generation, sandbox_id, request, "
+                         "created_at, created_by, expires_at) VALUES (?,?,?,?,?,?,?)",
+                         (trajectory, 1, sandbox_id, json.dumps(request), now, caller,
+                          None if ttl is None else now + ttl))
         self._db.execute(
             "INSERT INTO trajectory_generations (trajectory, generation, sandbox_id, image, "
             "image_digest, started_at, forked_at_step, reason) VALUES (?,?,?,?,?,?,?,?)",
@@ -233,11 +239,13 @@ class TrajectoryLog:
                 "SELECT 1 FROM trajectory_checkpoints WHERE snapshot=? LIMIT 1",
                 (snapshot,)).fetchone() is None]
 
-    def created_before(self, cutoff: float, limit: int) -> builtins.list[str]:
-        """Ids of up to ``limit`` trajectories created before ``cutoff``, oldest first."""
+    def expired(self, now: float, default_ttl_s: float, limit: int) -> builtins.list[str]:
+        """Ids of up to ``limit`` trajectories past their TTL at ``now``: their own, else
+        ``default_ttl_s`` from their creation (0: none), oldest first."""
         return [r["id"] for r in self._db.execute(
-            "SELECT id FROM trajectories WHERE created_at<? ORDER BY created_at LIMIT ?",
-            (cutoff, limit))]
+            "SELECT id FROM trajectories WHERE expires_at < ? OR (expires_at IS NULL AND "
+            "? > 0 AND created_at < ?) ORDER BY created_at LIMIT ?",
+            (now, default_ttl_s, now - default_ttl_s, limit))]
 
     def blob_refs(self, page: int = 1000) -> Iterator[str]:
         """The blob names every logged step holds (payloads and outcome bytes), read a page
