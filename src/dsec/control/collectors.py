@@ -49,11 +49,11 @@ class SandboxRecords:
         totals = {kind: [0, 0] for kind in ("sandboxes", "failed_creates", "events")}
         for kind, never_ran, retain in (("sandboxes", False, self.retain_ended_s),
                                         ("failed_creates", True, self.retain_failed_s)):
-            after = ""
+            after: tuple[float, str] = (0.0, "")
             while batch := await asyncio.to_thread(self._ended, now - retain, never_ran, after):
                 after = batch[-1]
-                for k, n, b in await asyncio.to_thread(self._remove, batch, never_ran,
-                                                       now - retain, dry_run, kind):
+                for k, n, b in await asyncio.to_thread(self._remove, [i for _, i in batch],
+                                                       never_ran, now - retain, dry_run, kind):
                     totals[k][0] += n
                     totals[k][1] += b
         after_seq = 0
@@ -66,21 +66,26 @@ class SandboxRecords:
             totals["events"][1] += b
         return [Removed(kind=k, count=n, bytes=b) for k, (n, b) in totals.items()]
 
-    def _collectable(self, never_ran: bool) -> str:
-        """The condition on a record ``s`` of ``sandboxes``: ended before ``?`` and nothing
-        needs it any more."""
-        return (f"s.state NOT IN {LIVE_IN} AND s.ended_at < ? AND "
-                f"s.runtime {'=' if never_ran else '<>'} '{{}}' "
-                "AND NOT EXISTS (SELECT 1 FROM trajectories t WHERE t.sandbox_id = s.id) "
-                "AND NOT EXISTS (SELECT 1 FROM trajectory_generations g WHERE g.sandbox_id = s.id) "
-                "AND NOT EXISTS (SELECT 1 FROM snapshots n WHERE n.sandbox_id = s.id) "
-                "AND NOT EXISTS (SELECT 1 FROM sandbox_projects r WHERE r.sandbox_id = s.id "
+    def _collectable(self, never_ran: bool, s: str = "s") -> str:
+        """The condition on a record ``s`` of ``sandboxes`` (an alias, or the table's name in
+        a DELETE): ended before ``?`` and nothing needs it any more."""
+        return (f"{s}.state NOT IN {LIVE_IN} AND {s}.ended_at < ? AND "
+                f"{s}.runtime {'=' if never_ran else '<>'} '{{}}' "
+                f"AND NOT EXISTS (SELECT 1 FROM trajectories t WHERE t.sandbox_id = {s}.id) "
+                "AND NOT EXISTS (SELECT 1 FROM trajectory_generations g WHERE "
+                f"g.sandbox_id = {s}.id) "
+                f"AND NOT EXISTS (SELECT 1 FROM snapshots n WHERE n.sandbox_id = {s}.id) "
+                f"AND NOT EXISTS (SELECT 1 FROM sandbox_projects r WHERE r.sandbox_id = {s}.id "
                 "AND r.released_at IS NULL)")
 
-    def _ended(self, cutoff: float, never_ran: bool, after: str) -> list[str]:
-        return [r["id"] for r in self._db.execute(
-            f"SELECT s.id FROM sandboxes s WHERE {self._collectable(never_ran)} AND s.id > ? "
-            "ORDER BY s.id LIMIT ?", (*LIVE_STATES, cutoff, after, BATCH))]
+    def _ended(self, cutoff: float, never_ran: bool,
+               after: tuple[float, str]) -> list[tuple[float, str]]:
+        """(ended_at, id) of the next batch, in that order: a range of the ``ended_at``
+        index, so a pass reads the records past retention, not every record."""
+        return [(r["ended_at"], r["id"]) for r in self._db.execute(
+            f"SELECT s.ended_at, s.id FROM sandboxes s WHERE {self._collectable(never_ran)} "
+            "AND (s.ended_at, s.id) > (?, ?) ORDER BY s.ended_at, s.id LIMIT ?",
+            (*LIVE_STATES, cutoff, *after, BATCH))]
 
     def _remove(self, ids: list[str], never_ran: bool, cutoff: float, dry_run: bool,
                 kind: str) -> list[tuple[str, int, int]]:
@@ -101,8 +106,8 @@ class SandboxRecords:
             events[1] += b
         with self._db.transaction():
             rows = self._db.execute(
-                f"DELETE FROM sandboxes WHERE id IN ({marks}) AND id IN (SELECT s.id FROM "
-                f"sandboxes s WHERE {self._collectable(never_ran)}) "
+                f"DELETE FROM sandboxes WHERE id IN ({marks}) AND "
+                f"{self._collectable(never_ran, 'sandboxes')} "
                 "RETURNING LENGTH(request) + LENGTH(runtime)",
                 (*ids, *LIVE_STATES, cutoff)).fetchall()
             self._db.execute(f"DELETE FROM sandbox_projects WHERE sandbox_id IN ({marks}) AND "

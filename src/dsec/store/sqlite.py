@@ -68,7 +68,7 @@ CREATE TABLE IF NOT EXISTS events (
 );
 CREATE INDEX IF NOT EXISTS events_sandbox ON events(sandbox_id);
 CREATE INDEX IF NOT EXISTS events_at ON events(at);
-CREATE INDEX IF NOT EXISTS sandboxes_ended ON sandboxes(ended_at);
+CREATE INDEX IF NOT EXISTS sandboxes_ended ON sandboxes(ended_at, id);
 CREATE INDEX IF NOT EXISTS snapshots_sandbox ON snapshots(sandbox_id);
 """
 
