@@ -42,9 +42,6 @@ class SandboxRecords:
         self.retain_ended_s = retain_ended_s
         self.retain_failed_s = retain_failed_s
 
-    def close(self) -> None:
-        self._db.close()
-
     async def collect(self, now: float, dry_run: bool) -> list[Removed]:
         totals = {kind: [0, 0] for kind in ("sandboxes", "failed_creates", "events")}
         for kind, never_ran, retain in (("sandboxes", False, self.retain_ended_s),

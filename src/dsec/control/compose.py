@@ -1,7 +1,8 @@
 """The embedded composition root of a server's control plane (one edge in this process), and
 ``plane``, the pieces every root builds the same way around its directory of edges (projects,
-trajectory log, router, idempotency, garbage collection). The cluster's root is ``cluster.compose``: the control
-plane knows no Ray; ``dsec.server`` picks the root by ``ray_address``."""
+trajectory log, router, idempotency, garbage collection). The cluster's root is
+``cluster.compose``: the control plane knows no Ray; ``dsec.server`` picks the root by
+``ray_address``."""
 
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def garbage_collector(settings: Settings, store: StateStore, registry: Collector
     """The collectors of the settings' retention: shared ones (the state store's records and
     trajectories, run by one replica at a time), local ones (this host's blob area)."""
     recorder = router.trajectories()
-    shared: list[Collector] = [SandboxRecords(store.url, settings.retain_ended_s, settings.retain_failed_s),
-              ExpiredTrajectories(recorder.log, recorder.delete, settings.trajectory_ttl_s)]
+    shared: list[Collector] = [
+        SandboxRecords(store.url, settings.retain_ended_s, settings.retain_failed_s),
+        ExpiredTrajectories(recorder.log, recorder.delete, settings.trajectory_ttl_s)]
     local: list[Collector] = [UnreferencedBlobs(recorder.log, blobs, settings.blob_grace_s)]
     return GarbageCollector(Leases(store.url), shared, local, settings.gc_interval_s, registry)

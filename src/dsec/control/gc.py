@@ -60,7 +60,10 @@ class GarbageCollector:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        await asyncio.to_thread(self.leases.give_up, LEASE, self.holder)
+        try:
+            await asyncio.to_thread(self.leases.give_up, LEASE, self.holder)
+        finally:
+            self.leases.close()
 
     async def _forever(self) -> None:
         while True:
