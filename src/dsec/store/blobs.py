@@ -57,10 +57,15 @@ class BlobStore:
         return digest
 
     def get(self, digest: str) -> bytes:
-        try:
-            return self.path(digest).read_bytes()
-        except FileNotFoundError:
-            raise DSecError(f"blob sha256:{digest} is missing from {self.root}") from None
+        """The blob's bytes; also while a sweep holds it aside to re-check it (a step that
+        committed after the sweep's scan reads it then)."""
+        path = self.path(digest)
+        for candidate in (path, *path.parent.glob(f"{ASIDE}{digest}.*"), path):
+            try:
+                return candidate.read_bytes()
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+        raise DSecError(f"blob sha256:{digest} is missing from {self.root}")
 
     # collection
     def candidates(self, cutoff: float) -> Iterator[tuple[str, int]]:
