@@ -238,5 +238,6 @@ async def test_a_trajectorys_own_ttl_overrides_the_servers(manual: Server) -> No
         assert {r.kind: r.count for r in (await c.gc()).removed}["trajectories"] == 1
         with pytest.raises(dsec.TrajectoryNotFound):
             await c.trajectory(short)
-        assert (await c.trajectory(long)).sandbox.state == "running"
+        kept = await c.trajectory(long)
+        assert kept.sandbox.state == "running" and kept.expires_at == kept.created_at + 3600
         await c.delete_trajectory(long)

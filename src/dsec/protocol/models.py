@@ -320,6 +320,8 @@ class TrajectoryInfo(_Model):
     steps: int = Field(description="logged steps of the current generation")
     last_step: int = Field(description="highest logged step of the current generation (0: none)")
     generations: list[GenerationInfo] = Field(default_factory=list)
+    expires_at: float | None = Field(None, description="when its own TTL (`trajectory_ttl_s`) "
+                                     "deletes it; None: kept until deleted, or the server's TTL")
 
 
 class StepRecord(_Model):
