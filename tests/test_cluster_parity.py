@@ -23,11 +23,13 @@ import os
 import secrets
 import shutil
 import signal
+import time
 from dataclasses import fields
 from pathlib import Path
 from typing import Iterator
 
 import cloudpickle
+import httpx
 import pytest
 
 import dsec
@@ -38,6 +40,7 @@ from dsec.images.store import ImageStore
 from dsec.network.testbed import Destination
 from dsec.substrates.fn.fn import FnSubstrate
 from test_integrations import check_mini_swe_agent_run, run_mini_swe_agent
+from test_metrics import scrape
 from test_network import fetch
 
 pytest.importorskip("ray", reason="the cluster tests need the `cluster` extra (Ray)")
@@ -123,7 +126,11 @@ def serve_args(ray_cluster: LocalRayCluster, local_postgres: LocalPostgres, serv
             "--log-format": "json", "--network-services": str(services), "--vm-accel": "tcg",
             "--kvm-device": "/dev/kvm", "--vm-warm-pool": "1", "--vm-snapshots": None,
             "--state-url": url, "--ray": ray_cluster.address, "--image-store": str(images.root),
-            "--shared-snapshots": str(ray_cluster.state_dir / "shared-snapshots")}
+            "--shared-snapshots": str(ray_cluster.state_dir / "shared-snapshots"),
+            # garbage collection: a retention long past the tests, and no pass before the
+            # GC test's own replicas take the lease (its loop sleeps an interval first)
+            "--retain-ended-s": "86400", "--retain-failed-s": "86400", "--trajectory-ttl-s": "86400",
+            "--gc-interval-s": "3600", "--blob-grace-s": "600"}
 
 
 @pytest.fixture(scope="module")
@@ -444,3 +451,57 @@ def test_e2b_snapshot_and_fork_under_ray(replica: Server) -> None:
 def test_mini_swe_agent_under_ray(replica: Server, tmp_path: Path) -> None:
     """The mini-swe-agent integration's agent loop, on a sandbox of a Ray edge."""
     check_mini_swe_agent_run(run_mini_swe_agent(replica, tmp_path))
+
+
+def test_two_replicas_collect_each_record_once(ray_cluster: LocalRayCluster, replica: Server,
+                                               serve_args: dict[str, str | None]) -> None:
+    """Two more API replicas on the cluster and its PostgreSQL, with a short retention,
+    collecting every second: the records the sandboxes ended by this module left go, and
+    the replicas' counts of what they removed add up to what went, exactly."""
+    import psycopg  # the cluster extra's
+
+    url = serve_args["--state-url"]
+    assert url is not None
+    with dsec.Client(replica.url, replica.key, autostart=False) as client:
+        ended = [client.create(ttl_s=60) for _ in range(4)]
+        for sb in ended:
+            sb.stop()
+
+    def records() -> int:
+        with psycopg.connect(url) as db:
+            return db.execute("SELECT COUNT(*) FROM sandboxes").fetchone()[0]  # type: ignore[index]
+
+    before = records()
+    short = {**serve_args, "--retain-ended-s": "2", "--retain-failed-s": "2", "--gc-interval-s": "1",
+             "--blob-grace-s": "2"}
+    replicas = []
+    try:
+        for _ in range(2):
+            short["--port"] = str(free_port())
+            args = [part for option, value in short.items()
+                    for part in ([option] if value is None else [option, value])]
+            replicas.append(Server(ray_cluster.state_dir, args).start())
+        with dsec.Client(replica.url, replica.key, autostart=False) as client:
+            deadline = time.monotonic() + 120
+            for sb in ended:
+                while True:
+                    try:
+                        client.get(sb.id)
+                    except dsec.SandboxNotFound:
+                        break
+                    assert time.monotonic() < deadline, "the replicas did not collect"
+                    time.sleep(0.5)
+        counted = None
+        while True:  # until a collection or two removed nothing more
+            now = sum(scrape(r).get("dsec_gc_removed_total{kind=sandboxes}", 0) for r in replicas)
+            if now == counted:
+                break
+            counted = now
+            time.sleep(2.5)
+        assert counted == before - records() >= len(ended)
+        dry = httpx.post(f"{replicas[0].url}/v1/admin/gc", params={"dry_run": "true"},
+                         headers={"authorization": f"Bearer {replica.key}"}, timeout=60)
+        assert dry.status_code == 200 and dry.json()["dry_run"] is True
+    finally:
+        for r in replicas:
+            r.kill(signal.SIGTERM)

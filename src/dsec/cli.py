@@ -232,6 +232,26 @@ def snapshot_rm(snapshot_ids: tuple[str, ...]) -> None:
     _run(go())
 
 
+@main.command()
+@click.option("--dry-run", is_flag=True, help="report what would be removed; remove nothing")
+@click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
+def gc(dry_run: bool, as_json: bool) -> None:
+    """Collect garbage now (admin key): remove what is past the server's retention (ended
+    sandboxes' records and events, failed creates, expired trajectories, unreferenced
+    blobs...) and report it by kind, count and bytes."""
+    async def go() -> None:
+        async with DSecClient() as client:
+            report = await client.gc(dry_run=dry_run)
+        if as_json:
+            click.echo(report.model_dump_json())
+            return
+        table = Table("kind", "would remove" if dry_run else "removed", "bytes")
+        for r in report.removed:
+            table.add_row(r.kind, str(r.count), str(r.bytes))
+        Console().print(table)
+    _run(go())
+
+
 @main.group()
 def trajectory() -> None:
     """Show, export and replay trajectory logs."""

@@ -110,6 +110,20 @@ class Settings:
     e2b_templates: str = _setting("", "E2B template mapping added to base=python-3.11: "
                                   "name=image,name=image")
     sandboxfusion_image: str = _setting("python-3.11", "image of SandboxFusion's run_code")
+    retain_ended_s: int = _setting(7 * 86400, "seconds an ended sandbox's record and events "
+                                   "are kept (one a trajectory or snapshot still names is kept "
+                                   "with it)", option="--retain-ended-s")
+    retain_failed_s: int = _setting(7 * 86400, "seconds the record of a create that failed "
+                                    "(a sandbox that never ran) is kept",
+                                    option="--retain-failed-s")
+    trajectory_ttl_s: int = _setting(0, "seconds a trajectory is kept after it was created "
+                                     "(0: until deleted)", option="--trajectory-ttl-s")
+    gc_interval_s: int = _setting(300, "seconds between background garbage collections (in a "
+                                  "cluster, run by the one replica holding the GC lease)",
+                                  option="--gc-interval-s")
+    blob_grace_s: int = _setting(3600, "seconds an unreferenced blob is kept after it was last "
+                                 "written (covers a step between its blob's write and its "
+                                 "commit)", option="--blob-grace-s")
 
     @classmethod
     def load(cls, environ: Mapping[str, str] | None = None, **options: Any) -> Settings:

@@ -24,6 +24,7 @@ from dsec.cluster.edge_actor import CALLS, STREAMS
 from dsec.cluster.remote import RemoteEdge
 from dsec.config import Settings
 from dsec.control.directory import LocalEdges
+from dsec.control.gc import GarbageCollector
 from dsec.control.plane import ControlPlane
 from dsec.control.projects import Projects as ProjectAccess
 from dsec.control.routing import Router
@@ -38,6 +39,7 @@ from dsec.protocol.models import (
 )
 from dsec.protocol.ops import BY_STEP, OPERATIONS, Operation
 from dsec.protocol.outcome import decode, encode
+from dsec.store.lease import Leases
 from dsec.store.sqlite import StateStore
 from dsec.trajectory.recorder import RecordedEdge
 
@@ -119,8 +121,9 @@ def routes(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], An
     state = Path(tmp_path_factory.mktemp("state"))
     store, registry = StateStore(state / "state.db"), CollectorRegistry()
     projects = ProjectAccess(store, registry)
+    gc = GarbageCollector(Leases(store.url), [], [], 300, registry)
     app = create_app(ControlPlane(Settings(state_dir=state), store, registry, projects,
-                                  Router(LocalEdges([]), projects)))
+                                  Router(LocalEdges([]), projects), gc))
     return dict(_endpoints(app.routes))
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
@@ -30,6 +31,7 @@ from ..agent.client import Output
 from ..control.idempotency import REPLAYED_HEADER
 from ..control.plane import ControlPlane
 from ..protocol.errors import DSecError, InvalidRequest, Unauthorized
+from ..protocol.gc_models import GcReport
 from ..protocol.models import (
     CreateRequest,
     ExecRequest,
@@ -126,6 +128,13 @@ def create_app(control: ControlPlane) -> FastAPI:
         """Prometheus exposition (scrape with ``authorization: Bearer <admin key>``)."""
         projects.require_admin()
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/admin/gc", dependencies=auth)
+    async def gc(dry_run: bool = False) -> GcReport:
+        """Collect garbage now, past the server's retention (admin key only): what was
+        removed, by kind; with ``dry_run``, what would be, removing nothing."""
+        projects.require_admin()
+        return await control.gc.collect(time.time(), dry_run)
 
     @app.get("/v1/health")
     async def health() -> dict[str, Any]:

@@ -42,6 +42,7 @@ from ..protocol.errors import (
     ServerUnavailable,
 )
 from ..protocol.fn import DEFAULT_IMAGE, CodeResult, Language, RunCodeRequest
+from ..protocol.gc_models import GcReport
 from ..protocol.models import (
     CreateRequest,
     ExecRequest,
@@ -693,7 +694,8 @@ class AsyncClient:
                      labels: dict[str, str] | None = None, trajectory: str | None = None,
                      on_divergence: OnDivergence = "raise",
                      idempotency_key: str | None = None, snapshot: str | None = None,
-                     checkpoint: Checkpoint | None = None) -> Sandbox:
+                     checkpoint: Checkpoint | None = None,
+                     trajectory_ttl_s: int | None = None) -> Sandbox:
         """Start a sandbox of ``image`` on ``substrate`` (``container``, ``fn``, ``microvm``,
         ``vm``). An option left None takes the server's default (see ``CreateRequest``):
         ``cpu`` (1.0), ``memory_mb`` (512), ``pids`` (512), ``disk_mb`` (1024), ``ttl_s``
@@ -707,6 +709,8 @@ class AsyncClient:
         file system is snapshotted after each such step (the previous snapshot is kept when
         a step wrote nothing): ``fork_trajectory``, and forks and replays of the trajectory,
         start from a step's checkpoint instead of re-executing the steps before it.
+        ``trajectory_ttl_s``: the trajectory is deleted (its sandbox stopped) that many
+        seconds after it was created (default: the server's trajectory TTL, or never).
 
         The create carries an ``Idempotency-Key`` (``idempotency_key``, else a fresh one) and
         is retried with it for ``retry_s`` while the server cannot be reached or the
@@ -716,7 +720,8 @@ class AsyncClient:
         info = await _create(self._t, dict(
             substrate=substrate, image=image, cpu=cpu, memory_mb=memory_mb, pids=pids,
             disk_mb=disk_mb, ttl_s=ttl_s, network=network, env=env, runtime=runtime,
-            labels=labels, trajectory=trajectory, snapshot=snapshot, checkpoint=checkpoint),
+            labels=labels, trajectory=trajectory, snapshot=snapshot, checkpoint=checkpoint,
+            trajectory_ttl_s=trajectory_ttl_s),
             idempotency_key,
             self._retry_s)
         attachment = None if trajectory is None else Attachment(
@@ -853,6 +858,12 @@ class AsyncClient:
     def projects(self) -> Projects:
         """Projects, quotas and project keys (see docs/PROJECTS.md)."""
         return Projects(self._t)
+
+    async def gc(self, dry_run: bool = False) -> GcReport:
+        """Collect garbage now (admin key): what past retention was removed, by kind (with
+        ``dry_run``: what would be, removing nothing). See docs/RETENTION.md."""
+        return GcReport.model_validate(await self._t.json(
+            "POST", "/v1/admin/gc", params={"dry_run": "true" if dry_run else "false"}))
 
     # fn substrate: calls into pre-warmed, jailed workers (see docs/FN.md)
     async def call(self, fn: Callable[..., V], *args: Any, substrate: str = "fn",

@@ -30,6 +30,7 @@ from typing import (
 
 from ..protocol.errors import DSecError
 from ..protocol.fn import DEFAULT_IMAGE, CodeResult, Language
+from ..protocol.gc_models import GcReport
 from ..protocol.models import (
     FileEntry,
     ProcessInfo,
@@ -407,17 +408,19 @@ class Client:
                labels: dict[str, str] | None = None, trajectory: str | None = None,
                on_divergence: OnDivergence = "raise",
                idempotency_key: str | None = None, snapshot: str | None = None,
-               checkpoint: Checkpoint | None = None) -> Sandbox:
+               checkpoint: Checkpoint | None = None,
+               trajectory_ttl_s: int | None = None) -> Sandbox:
         """Start a sandbox of ``image`` on ``substrate``; options left None take the server's
         defaults (see ``AsyncClient.create``). With ``trajectory``, every call is logged under
-        that new trajectory id (snapshotted after each step with ``checkpoint``). With
+        that new trajectory id (snapshotted after each step with ``checkpoint``; deleted
+        ``trajectory_ttl_s`` after its creation, if given). With
         ``snapshot``, it starts from that file system. Retried
         under one ``Idempotency-Key`` while the server cannot be reached: never a second sandbox."""
         return self._sandbox(self._loop.call(self._async.create(
             substrate, image, cpu=cpu, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb,
             ttl_s=ttl_s, network=network, env=env, runtime=runtime, labels=labels,
             trajectory=trajectory, on_divergence=on_divergence, idempotency_key=idempotency_key,
-            snapshot=snapshot, checkpoint=checkpoint)))
+            snapshot=snapshot, checkpoint=checkpoint, trajectory_ttl_s=trajectory_ttl_s)))
 
     def create_many(self, n: int, *, concurrency: int = 32,
                     idempotency_key: str | None = None,
@@ -500,6 +503,10 @@ class Client:
     def projects(self) -> SyncProjects:
         """Projects, quotas and project keys (see docs/PROJECTS.md)."""
         return SyncProjects(self._loop.call, self._async.projects())
+
+    def gc(self, dry_run: bool = False) -> GcReport:
+        """Collect garbage now (admin key); see ``AsyncClient.gc``."""
+        return self._loop.call(self._async.gc(dry_run))
 
     # fn substrate
     def call(self, fn: Callable[..., V], *args: Any, substrate: str = "fn",

@@ -601,17 +601,20 @@ class Edge:
             raise SnapshotNotFound(f"no snapshot {snapshot_id!r}", snapshot=snapshot_id)
         await self._remove_snapshot(snapshot_id)
 
-    async def _remove_snapshot(self, snapshot_id: str) -> None:
-        if self.store.delete_snapshot(snapshot_id):
-            await asyncio.to_thread(remove_tree, self._snapshot_dir(snapshot_id))
-            if self.shared is not None:
-                await asyncio.to_thread(self.shared.remove, snapshot_id)
-            self.store.event("snapshot_deleted", None, snapshot=snapshot_id)
-            for listener in self.on_snapshot_deleted:
-                try:
-                    listener(snapshot_id)
-                except Exception:  # a listener's failure must not fail the delete
-                    log.exception("snapshot delete listener failed for %s", snapshot_id)
+    async def _remove_snapshot(self, snapshot_id: str) -> bool:
+        """Whether this call removed it (a concurrent delete finds it gone)."""
+        if not self.store.delete_snapshot(snapshot_id):
+            return False
+        await asyncio.to_thread(remove_tree, self._snapshot_dir(snapshot_id))
+        if self.shared is not None:
+            await asyncio.to_thread(self.shared.remove, snapshot_id)
+        self.store.event("snapshot_deleted", None, snapshot=snapshot_id)
+        for listener in self.on_snapshot_deleted:
+            try:
+                listener(snapshot_id)
+            except Exception:  # a listener's failure must not fail the delete
+                log.exception("snapshot delete listener failed for %s", snapshot_id)
+        return True
 
     # pause / resume
     async def pause(self, sandbox_id: str) -> SandboxInfo:
@@ -1007,7 +1010,10 @@ class Edge:
             if live.row.expires_at <= now:
                 await self.stop(sandbox_id, "expired", _expiry_reason(live.row))
         for snapshot_id in self.store.expired_snapshots(self.id, now):
-            await self._remove_snapshot(snapshot_id)
+            if await self._remove_snapshot(snapshot_id):
+                self.metrics.snapshots_expired.inc()
+                log.info("removed snapshot %s: its TTL ended", snapshot_id,
+                         extra={"kind": "snapshots", "snapshot": snapshot_id})
 
 
 def _expiry_reason(row: SandboxRow) -> str:

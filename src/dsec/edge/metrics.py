@@ -1,4 +1,5 @@
-"""Prometheus metrics of an edge: what it created (and how fast), ran, refused and reaped.
+"""Prometheus metrics of an edge: what it created (and how fast), ran, refused and reaped
+(sandboxes past their TTL, snapshots past theirs).
 
 Counts of live and warm sandboxes are read from the edge when scraped (``EdgeCollector``),
 so they can never drift from the truth.
@@ -36,6 +37,10 @@ class EdgeMetrics:
             "dsec_sandboxes_ended_total",
             "Sandboxes that ended: stopped by a client, expired (TTL, by the reaper) or died",
             ["substrate", "state"], registry=registry)
+        self.snapshots_expired = Counter(
+            "dsec_snapshots_expired_total",
+            "Snapshots whose TTL ended, deleted by their edge's reaper (the snapshots' part of "
+            "retention: see docs/RETENTION.md)", registry=registry)
 
     def watch(self, edge: Edge) -> None:
         self.registry.register(EdgeCollector(edge))

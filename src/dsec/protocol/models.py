@@ -31,6 +31,7 @@ DEFAULT_DISK_MB = 1024  # the size warm-pool sandboxes and spare disk files have
 # underscore, so no segment is "-", "." or "..": "/-/" separates an id from a sub-resource.
 TRAJECTORY_ID = r"^[A-Za-z0-9_][A-Za-z0-9_.@+=-]*(/[A-Za-z0-9_][A-Za-z0-9_.@+=-]*)*$"
 STEP_MAX = (1 << 63) - 1  # steps and generations are SQLite integers
+TRAJECTORY_TTL_MAX = 100 * 365 * 86400  # a century: a number a time stamp can still add
 SNAPSHOT_ID = r"^sn-[A-Za-z0-9-]+$"
 
 
@@ -138,10 +139,17 @@ class CreateRequest(_Request):
                           "step ('every_step') or every k-th, so that a fork at a step "
                           "restores it instead of re-executing the steps before")
 
+    trajectory_ttl_s: StrictInt | None = Field(
+        None, ge=1, le=TRAJECTORY_TTL_MAX, description="with a trajectory: delete it (and "
+        "stop its sandbox) this many seconds after it was created, as `delete_trajectory` "
+        "does; its forks keep the same TTL (default: the server's --trajectory-ttl-s)")
+
     @model_validator(mode="after")
     def _checkpoint_needs_trajectory(self) -> CreateRequest:
         if self.checkpoint is not None and self.trajectory is None:
             raise ValueError("checkpoint needs a trajectory (checkpoints are its steps')")
+        if self.trajectory_ttl_s is not None and self.trajectory is None:
+            raise ValueError("trajectory_ttl_s needs a trajectory")
         return self
 
     def checkpointed(self, step: int) -> bool:
@@ -333,6 +341,8 @@ class TrajectoryInfo(_Model):
     steps: int = Field(description="logged steps of the current generation")
     last_step: int = Field(description="highest logged step of the current generation (0: none)")
     generations: list[GenerationInfo] = Field(default_factory=list)
+    expires_at: float | None = Field(None, description="when its own TTL (`trajectory_ttl_s`) "
+                                     "deletes it; None: kept until deleted, or the server's TTL")
 
 
 class StepRecord(_Model):

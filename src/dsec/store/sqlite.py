@@ -66,6 +66,10 @@ CREATE TABLE IF NOT EXISTS events (
     kind TEXT NOT NULL,
     detail TEXT NOT NULL DEFAULT '{}'
 );
+CREATE INDEX IF NOT EXISTS events_sandbox ON events(sandbox_id);
+CREATE INDEX IF NOT EXISTS events_at ON events(at);
+CREATE INDEX IF NOT EXISTS sandboxes_ended ON sandboxes(ended_at, id);
+CREATE INDEX IF NOT EXISTS snapshots_sandbox ON snapshots(sandbox_id);
 """
 
 LIVE_STATES = ("starting", "running", "paused")

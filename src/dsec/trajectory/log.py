@@ -32,7 +32,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from ..protocol.digest import StepRequest
 from ..protocol.errors import TrajectoryDiverged, TrajectoryExists, TrajectoryNotFound
@@ -49,7 +49,8 @@ CREATE TABLE IF NOT EXISTS trajectories (
     sandbox_id TEXT NOT NULL,
     request TEXT NOT NULL,
     created_at REAL NOT NULL,
-    created_by TEXT
+    created_by TEXT,
+    expires_at REAL
 );
 CREATE TABLE IF NOT EXISTS trajectory_generations (
     trajectory TEXT NOT NULL,
@@ -88,7 +89,20 @@ CREATE TABLE IF NOT EXISTS trajectory_checkpoints (
     PRIMARY KEY (trajectory, generation, step)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS trajectory_checkpoints_snapshot ON trajectory_checkpoints (snapshot);
+CREATE INDEX IF NOT EXISTS trajectory_generations_sandbox ON trajectory_generations (sandbox_id);
+CREATE INDEX IF NOT EXISTS trajectories_sandbox ON trajectories (sandbox_id);
 """
+
+
+def step_blob_refs(request: str, outcome: str | None) -> Iterator[str]:
+    """The blob names a step row's request (its payload) and outcome (its bytes) hold."""
+    payload = json.loads(request).get("payload")
+    if isinstance(payload, dict) and isinstance(payload.get("sha256"), str):
+        yield payload["sha256"]
+    stored = json.loads(outcome) if outcome else {}
+    for ref in (stored.get("bytes") or {}).values():
+        if isinstance(ref, dict) and isinstance(ref.get("sha256"), str):
+            yield ref["sha256"]
 
 
 @dataclass
@@ -99,6 +113,7 @@ class TrajectoryRow:
     request: dict[str, Any]
     created_at: float
     created_by: str | None
+    expires_at: float | None = None  # its own TTL's end (None: the server's TTL, if any)
 
 
 @dataclass
@@ -138,6 +153,7 @@ class TrajectoryLog:
         self.blobs = blobs
         self.owner = owner
         self._db = open_database(db, SCHEMA)
+        self._db.add_columns("trajectories", {"expires_at": "REAL"})  # a log of before TTLs
 
     def close(self) -> None:
         self._db.close()
@@ -185,8 +201,11 @@ class TrajectoryLog:
                 forked_at_step: int | None = None) -> None:
         """A trajectory's row and its first generation's, in the caller's transaction."""
         now = time.time()
-        self._db.execute("INSERT INTO trajectories VALUES (?,?,?,?,?,?)",
-                         (trajectory, 1, sandbox_id, json.dumps(request), now, caller))
+        ttl = request.get("trajectory_ttl_s")  # a fork's request carries its source's
+        self._db.execute("INSERT INTO trajectories (id, generation, sandbox_id, request, "
+                         "created_at, created_by, expires_at) VALUES (?,?,?,?,?,?,?)",
+                         (trajectory, 1, sandbox_id, json.dumps(request), now, caller,
+                          None if ttl is None else now + ttl))
         self._db.execute(
             "INSERT INTO trajectory_generations (trajectory, generation, sandbox_id, image, "
             "image_digest, started_at, forked_at_step, reason) VALUES (?,?,?,?,?,?,?,?)",
@@ -219,6 +238,32 @@ class TrajectoryLog:
             return [snapshot for snapshot in held if self._db.execute(
                 "SELECT 1 FROM trajectory_checkpoints WHERE snapshot=? LIMIT 1",
                 (snapshot,)).fetchone() is None]
+
+    def expired(self, now: float, default_ttl_s: float, limit: int) -> builtins.list[str]:
+        """Ids of up to ``limit`` trajectories past their TTL at ``now``: their own, else
+        ``default_ttl_s`` from their creation (0: none), oldest first."""
+        return [r["id"] for r in self._db.execute(
+            "SELECT id FROM trajectories WHERE expires_at < ? OR (expires_at IS NULL AND "
+            "? > 0 AND created_at < ?) ORDER BY created_at LIMIT ?",
+            (now, default_ttl_s, now - default_ttl_s, limit))]
+
+    def blob_refs(self, page: int = 1000) -> Iterator[str]:
+        """The blob names every logged step holds (payloads and outcome bytes), read a page
+        at a time. Only the places the log writes refs to are read: what a sandbox put in a
+        result's ``value`` names nothing."""
+        after: tuple[str, int, int] = ("", 0, 0)
+        while True:
+            rows = self._db.execute(
+                "SELECT trajectory, generation, step, request, outcome FROM trajectory_steps "
+                "WHERE (trajectory, generation, step) > (?,?,?) AND (request LIKE ? OR "
+                "outcome LIKE ?) ORDER BY trajectory, generation, step LIMIT ?",
+                (*after, '%"sha256"%', '%"sha256"%', page)).fetchall()
+            for r in rows:
+                yield from step_blob_refs(r["request"], r["outcome"])
+            if len(rows) < page:
+                return
+            last = rows[-1]
+            after = (last["trajectory"], last["generation"], last["step"])
 
     def list(self, limit: int = 100) -> list[TrajectoryRow]:
         rows = self._db.execute("SELECT id FROM trajectories ORDER BY created_at DESC LIMIT ?",

@@ -237,7 +237,8 @@ class Recorder:
         return TrajectoryInfo(id=row.id, generation=row.generation,
                               sandbox=edge.info(edge.get_row(row.sandbox_id)),
                               created_at=row.created_at, created_by=row.created_by, steps=count,
-                              last_step=last, generations=generations)
+                              last_step=last, generations=generations,
+                              expires_at=row.expires_at)
 
     def resume(self, trajectory: str) -> TrajectoryInfo:
         """The trajectory, if its sandbox still runs; else the typed error, with the last step."""
