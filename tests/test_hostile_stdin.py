@@ -130,10 +130,20 @@ async def test_a_replaced_ptmx_fails_the_terminal_not_the_agent(python_sb) -> No
         assert (await sb.run("echo agent fine")).stdout == "agent fine\n"
 
 
+# Bytes a terminal floods, per runtime. gVisor's terminal (Debian's runsc 20221219) takes
+# writes without back-pressure, holding what the agent has not read yet in its sentry's heap,
+# charged to the sandbox's memory: a 300 MB flood OOM-kills a 256 MB runsc sandbox (its own
+# bound, reported died). 40 MB is still 40 times the agent's 1 MiB cap, and most of it is
+# still queued when the flood's process exits, so the output's end tests the agent's drain.
+FLOOD_BYTES = {"crun": 300_000_000, "runsc": 40_000_000}
+
+
 @pytest.mark.parametrize("python_sb", RUNTIMES, indirect=True)
-async def test_a_terminal_flood_stays_in_its_bound(python_sb) -> None:
+async def test_a_terminal_flood_stays_in_its_bound(python_sb,
+                                                   request: pytest.FixtureRequest) -> None:
     sb = python_sb
-    term = await sb.pty(80, 24, command="yes FLOOD | head -c 300000000; echo; echo END",
+    flood = FLOOD_BYTES[request.node.callspec.params["python_sb"]]
+    term = await sb.pty(80, 24, command=f"yes FLOOD | head -c {flood}; echo; echo END",
                         max_output_bytes=1 << 20)
     deadline = time.monotonic() + 120
     while next(p for p in await sb.processes() if p.id == term.id).running:

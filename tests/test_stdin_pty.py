@@ -91,6 +91,18 @@ async def test_a_terminal_types_resizes_and_exits(sb: dsec.AsyncSandbox) -> None
                                                 running=True)).resize(80, 24)
 
 
+async def test_a_terminal_ends_with_its_process_and_keeps_its_last_output(
+        sb: dsec.AsyncSandbox) -> None:
+    # a child left holding the terminal open does not keep its process from being reported
+    # exited, and what the process wrote last (after a burst) reaches the output
+    term = await sb.pty(80, 24, command="sleep 600 & head -c 2000000 /dev/zero | tr '\\0' x;"
+                                       " echo; echo LAST; exit 4")
+    result = await term.wait()
+    assert result.exit_code == 4 and result.stdout.endswith("LAST\r\n")
+    with pytest.raises(dsec.ProcessExited):
+        await term.send_stdin("late\n")
+
+
 async def test_a_terminal_outlives_its_client(server: Server, sb: dsec.AsyncSandbox) -> None:
     term = await sb.pty(80, 24, command="sh")
     await term.send_stdin("echo before\n")

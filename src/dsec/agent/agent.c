@@ -54,6 +54,8 @@
 #define DEFAULT_MAX_OUTPUT (16 << 20)
 #define STDIN_CAP (1 << 20)        /* input accepted but not yet written to a process */
 #define WINSIZE_MAX 10000          /* a terminal's columns and rows */
+#define TTY_IDLE_MS 50             /* a terminal whose process exited: read on while output comes */
+#define TTY_DRAIN_MS 2000          /* ... but for this long at most */
 
 /* ---------- buffers and frames ---------- */
 
@@ -272,6 +274,7 @@ struct proc {
     pid_t pid;
     char *cmd;
     int background, running, dead, nattach;
+    int exited; /* reaped; running until its terminal's output is read (see proc_exited) */
     int out[2]; /* stdout/stderr read ends; -1 once closed or handed to the sinks */
     int in;     /* stdin write end (a terminal's: a dup of its master) while open */
     int stdin_open; /* takes `I` frames; 0: closed once stdin_data is written */
@@ -286,6 +289,7 @@ struct proc {
     size_t log_base;
     struct conn *waiter;
     long long start, deadline, duration;
+    long long drain_idle, drain_end; /* an exited terminal: when reading its master stops */
 };
 
 static struct conn *conns;
@@ -378,6 +382,8 @@ static ssize_t proc_read(struct proc *p, int i)
         keep = n;
     struct buf *dst = p->background ? &p->log : p->waiter ? &p->waiter->out : NULL;
     p->kept[i] += keep;
+    if (p->exited)
+        p->drain_idle = now_ms() + TTY_IDLE_MS;
     if (keep && dst) {
         size_t at = frame_begin(dst, 'o');
         field(dst, "fd", i ? "2" : "1", 1);
@@ -405,17 +411,15 @@ static void evict_finished(void)
             p->dead = 1, n--;
 }
 
-static void proc_exited(struct proc *p, int status)
+/* A process whose output is read to its end: it is reported exited. */
+static void proc_finish(struct proc *p)
 {
     p->running = 0;
-    p->status = status;
-    p->duration = now_ms() - p->start;
     /* The exec ends when its main process exits. Everything it wrote is in the pipe buffer
      * now, so read at most a pipe's worth; whatever descendants still write is dropped by a
-     * sink (so they never get SIGPIPE). */
+     * sink (so they never get SIGPIPE). A terminal's master was read on from the loop. */
     for (int i = 0; i < 2; i++) {
-        /* a terminal's master is no pipe: its line discipline buffers at most a few pages */
-        long long left = p->out[i] < 0 ? 0 : p->tty ? 16 * PIPE_CHUNK : fcntl(p->out[i], F_GETPIPE_SZ);
+        long long left = p->out[i] < 0 || p->tty ? 0 : fcntl(p->out[i], F_GETPIPE_SZ);
         ssize_t n;
         while (left > 0 && (n = proc_read(p, i)) > 0)
             left -= n;
@@ -439,13 +443,42 @@ static void proc_exited(struct proc *p, int status)
     p->dead = 1;
 }
 
+/* Its main process was reaped: status and duration are final. A terminal's line discipline
+ * may still hold much of what it wrote (gVisor's takes writes without bound), so its master
+ * is read on from the loop until the slave hangs up (EIO), TTY_IDLE_MS pass with nothing new
+ * or TTY_DRAIN_MS in all; only then is the process reported exited. */
+static void proc_exited(struct proc *p, int status)
+{
+    p->exited = 1;
+    p->status = status;
+    p->duration = now_ms() - p->start;
+    if (!p->tty || p->out[0] < 0)
+        return proc_finish(p);
+    p->drain_idle = now_ms() + TTY_IDLE_MS;
+    p->drain_end = now_ms() + TTY_DRAIN_MS;
+}
+
+static long long drain_deadline(const struct proc *p)
+{
+    return p->drain_idle < p->drain_end ? p->drain_idle : p->drain_end;
+}
+
+/* Exited terminals whose output ended or whose reading time is up. */
+static void finish_drained(void)
+{
+    long long now = now_ms();
+    for (struct proc *p = procs; p; p = p->next)
+        if (p->running && p->exited && (p->out[0] < 0 || now >= drain_deadline(p)))
+            proc_finish(p);
+}
+
 static void reap(void)
 {
     int status;
     pid_t pid;
     while ((pid = waitpid(-1, &status, WNOHANG)) > 0)
         for (struct proc *p = procs; p; p = p->next)
-            if (p->running && p->pid == pid) {
+            if (p->running && !p->exited && p->pid == pid) {
                 proc_exited(p, status);
                 break;
             }
@@ -747,7 +780,7 @@ static void do_signal(struct conn *c, const struct req *r)
         return reply_err(&c->out, ESRCH, "no such process");
     if (get_num(r, "sig", 10, 1, NSIG - 1, -1, &sig))
         return reply_err(&c->out, EINVAL, "sig must be a signal number");
-    if (!p->running)
+    if (p->exited)
         return reply_err(&c->out, ESRCH, "process has exited");
     if (signal_group(p, (int)sig))
         return reply_errno(&c->out, errno, "kill");
@@ -761,9 +794,9 @@ static struct proc *input_proc(struct conn *c, const struct req *r)
     struct proc *p = find_proc(r);
     if (!p)
         reply_err(&c->out, ESRCH, "no such process");
-    else if (!p->running)
+    else if (p->exited)
         reply_err(&c->out, ECHILD, "process has exited");
-    return p && p->running ? p : NULL;
+    return p && !p->exited ? p : NULL;
 }
 
 /* `I`: input for a process's stdin (or terminal). All or nothing: EAGAIN while the data would
@@ -1375,7 +1408,9 @@ static int poll_timeout(void)
 {
     long long next = -1, now = now_ms();
     for (struct proc *p = procs; p; p = p->next)
-        if (p->running && p->deadline && !p->timed_out && (next < 0 || p->deadline < next))
+        if (p->running && p->exited && (next < 0 || drain_deadline(p) < next))
+            next = drain_deadline(p);
+        else if (p->running && p->deadline && !p->timed_out && (next < 0 || p->deadline < next))
             next = p->deadline;
     return next < 0 ? -1 : next <= now ? 0 : next - now > INT_MAX ? INT_MAX : (int)(next - now);
 }
@@ -1384,7 +1419,7 @@ static void kill_timed_out(void)
 {
     long long now = now_ms();
     for (struct proc *p = procs; p; p = p->next)
-        if (p->running && p->deadline && !p->timed_out && now >= p->deadline) {
+        if (!p->exited && p->deadline && !p->timed_out && now >= p->deadline) {
             signal_group(p, SIGKILL);
             p->timed_out = 1;
         }
@@ -1399,7 +1434,7 @@ static void handle_signals(void)
                 boot_read();
         } else if (si.ssi_signo != SIGCHLD) { /* SIGTERM/SIGINT: take every process group down */
             for (struct proc *p = procs; p; p = p->next)
-                if (p->running)
+                if (!p->exited)
                     signal_group(p, SIGKILL);
             exit(0);
         }
@@ -1584,6 +1619,7 @@ int main(int argc, char **argv)
         if (pfds[0].revents)
             accept_all(lfd);
         kill_timed_out();
+        finish_drained();
         sweep();
     }
 }

@@ -106,7 +106,10 @@ class BlobStore:
         if st.st_mtime >= cutoff:  # a write touched it before the rename: it stays
             self._put_back(aside, digest)
             return None
-        aside.unlink()
+        try:
+            aside.unlink()
+        except FileNotFoundError:
+            return None  # another collector's scan put it back after the check
         return st.st_size
 
     def _put_back(self, aside: Path, digest: str) -> None:
