@@ -181,6 +181,7 @@ def create_for_process(parent: str, sandbox_id: str, pid: int) -> None:
 
 
 FREEZE_TIMEOUT_S = 10.0
+FREEZE_KICK_S = 0.1
 
 
 def freezer_file(parent: str, sandbox_id: str) -> Path:
@@ -203,10 +204,19 @@ def set_frozen(parent: str, sandbox_id: str, frozen: bool) -> None:
     if not path.exists():
         raise NotSupported(f"sandbox {sandbox_id} has no freezer cgroup ({path} is missing)")
     v2 = path.name == "cgroup.freeze"
-    path.write_text(("1" if frozen else "0") if v2 else ("FROZEN" if frozen else "THAWED"))
-    deadline = time.monotonic() + FREEZE_TIMEOUT_S
+    state = ("1" if frozen else "0") if v2 else ("FROZEN" if frozen else "THAWED")
+    path.write_text(state)
+    started = time.monotonic()
+    kicked = started
     while not _settled(path, frozen):
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if not v2 and frozen and now - kicked > FREEZE_KICK_S:
+            # v1 freezes a task by waking it once; one that missed the wake (busy forking,
+            # or stopped under gVisor's ptrace platform) leaves the cgroup FREEZING until
+            # FROZEN is written again
+            path.write_text(state)
+            kicked = now
+        if now - started > FREEZE_TIMEOUT_S:
             if frozen:  # never leave it half frozen
                 path.write_text("0" if v2 else "THAWED")
             raise TimeoutError(f"{path} did not settle {'frozen' if frozen else 'thawed'} "
