@@ -14,8 +14,10 @@ flight), the server is sampled: its process's RSS, open fds and the processes in
 the loop devices backed by files under its state dir and the mounts under it (as its mount
 namespace shows them); the state store (SQLite database, WAL and shared-memory files) and the
 blob store (bytes of their files). A curve ended flat if its last sample is at most
-``FLAT_TOLERANCE`` plus its slack above the median of its second half: a report, not an
-assertion (a smoke run counts the cycles' failures, never the figures).
+``FLAT_TOLERANCE`` plus its slack above the median of its second half; its change per 1,000
+cycles over the second half is printed beside, since a slow leak on a large base can pass the
+first test on a short run. A report, not an assertion (a smoke run counts the cycles'
+failures, never the figures).
 """
 
 from __future__ import annotations
@@ -148,11 +150,22 @@ def _sample(pid: int, state: Path) -> list[float]:
     return [float(curve.measure(pid, state)) for curve in CURVES]
 
 
-def flatness(values: tuple[float, ...], slack: float) -> tuple[float, bool]:
-    """(the median of the second half of the samples, whether the last is within tolerance
-    of it)."""
-    median = statistics.median(values[len(values) // 2:])
-    return median, values[-1] <= median * (1 + FLAT_TOLERANCE) + slack
+@dataclass
+class Ending:
+    """How a curve ended."""
+    curve: Curve
+    values: list[float]  # one per sampling
+    median: float  # of its second half
+    per_1000: float  # its change per 1,000 cycles over the second half
+    flat: bool  # the last value is at most FLAT_TOLERANCE + the curve's slack above ``median``
+
+    @classmethod
+    def of(cls, curve: Curve, cycles: list[int], values: list[float]) -> Ending:
+        half = len(values) // 2
+        median = statistics.median(values[half:])
+        return cls(curve, values, median,
+                   (values[-1] - values[half]) * 1000 / max(1, cycles[-1] - cycles[half]),
+                   values[-1] <= median * (1 + FLAT_TOLERANCE) + curve.slack)
 
 
 async def soak_series(console: Console, quick: bool = False, cycles: int | None = None,
@@ -185,25 +198,26 @@ async def soak_series(console: Console, quick: bool = False, cycles: int | None 
                                   f"{latency.failures} failed[/dim]")
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    flat = [(curve, values, *flatness(values, curve.slack))
-            for curve, values in zip(CURVES, zip(*(p.values for p in points)))]
-    _report(console, points, flat)
+    cycles_at = [p.cycle for p in points]
+    endings = [Ending.of(curve, cycles_at, [p.values[c] for p in points])
+               for c, curve in enumerate(CURVES)]
+    _report(console, points, endings)
     latency.extra = dict(cycles=n, concurrency=concurrency, trajectory_every=TRAJECTORY_EVERY,
                          server_args=list(SERVER_ARGS), elapsed_s=points[-1].elapsed_s,
                          cycles_per_s=n / points[-1].elapsed_s)
     samples = [latency, Sample("cycles per second, by segment (not ms)",
                                [p.cycles_per_s for p in points[1:]])]
-    for curve, values, median, ended_flat in flat:
-        samples.append(Sample(f"{curve.name} ({curve.unit or 'count'}, not ms)", list(values),
-                              extra=dict(at_cycle=[p.cycle for p in points], first=values[0],
-                                         last=values[-1], median_second_half=median,
-                                         flat=ended_flat, slack=curve.slack,
-                                         tolerance=FLAT_TOLERANCE)))
+    for e in endings:
+        samples.append(Sample(f"{e.curve.name} ({e.curve.unit or 'count'}, not ms)", e.values,
+                              extra=dict(at_cycle=cycles_at, first=e.values[0], last=e.values[-1],
+                                         median_second_half=e.median,
+                                         second_half_per_1000_cycles=e.per_1000, flat=e.flat,
+                                         slack=e.curve.slack, tolerance=FLAT_TOLERANCE)))
     return samples
 
 
 def _report(console: Console, points: list[Point],
-            flat: list[tuple[Curve, tuple[float, ...], float, bool]]) -> None:
+            endings: list[Ending]) -> None:
     table = Table("cycles", "s", "cycles/s", "fail",
                   *(c.column for c in CURVES),
                   title="soak: the server after each tenth of the cycles")
@@ -211,13 +225,14 @@ def _report(console: Console, points: list[Point],
         table.add_row(str(p.cycle), f"{p.elapsed_s:.0f}", f"{p.cycles_per_s:.1f}",
                       str(p.failures), *(_value(v) for v in p.values))
     console.print(table)
-    flat_table = Table("curve", "first", "median of the second half", "last", "ended flat",
+    flat_table = Table("curve", "first", "median of the second half", "last",
+                       "second half, per 1,000 cycles", "ended flat",
                        title=f"soak: flat if the last is at most {FLAT_TOLERANCE:.0%} + slack "
                              "above the second half's median")
-    for curve, values, median, ended_flat in flat:
-        flat_table.add_row(f"{curve.name} ({curve.unit or 'count'}; slack {curve.slack:g})",
-                           _value(values[0]), _value(median), _value(values[-1]),
-                           "yes" if ended_flat else "[red]no[/red]")
+    for e in endings:
+        flat_table.add_row(f"{e.curve.name} ({e.curve.unit or 'count'}; slack {e.curve.slack:g})",
+                           _value(e.values[0]), _value(e.median), _value(e.values[-1]),
+                           f"{e.per_1000:+.2f}", "yes" if e.flat else "[red]no[/red]")
     console.print(flat_table)
 
 
