@@ -236,6 +236,7 @@ async def bench_server(state: Path, *args: str) -> AsyncIterator[Created]:
     finally:
         proc.terminate()
         proc.wait()
+        LayerMounter(state / "layers").unmount_all()  # a server leaves its layers mounted
 
 
 @asynccontextmanager
