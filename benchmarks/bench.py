@@ -54,6 +54,14 @@ class Sample:
     failures: int = 0
     baseline: Sample | None = None
     errors: list[str] = field(default_factory=list)  # the first few failures, for the report
+    extra: dict[str, Any] = field(default_factory=dict)  # more of the series' figures, in its row
+
+    def add(self, results: list[float | BaseException]) -> None:
+        """A batch's results: its latencies, and its failures (the first few kept)."""
+        self.values_ms += [r for r in results if isinstance(r, float)]
+        failed = [r for r in results if isinstance(r, BaseException)]
+        self.failures += len(failed)
+        self.errors += [f"{type(e).__name__}: {e}" for e in failed][:3 - len(self.errors)]
 
     def ratio(self) -> float | None:
         """p50 over the baseline's p50."""
@@ -66,7 +74,8 @@ class Sample:
     def row(self) -> dict[str, float | int | str | None]:
         return {"name": self.name, "n": len(self.values_ms), "failures": self.failures,
                 "p50": self.pct(50), "p95": self.pct(95), "p99": self.pct(99),
-                "mean": statistics.fmean(self.values_ms) if self.values_ms else None, "p50_ratio_to_baseline": self.ratio()}
+                "mean": statistics.fmean(self.values_ms) if self.values_ms else None,
+                "p50_ratio_to_baseline": self.ratio(), **self.extra}
 
 
 async def compare(base: Sample, base_fn: Callable[[], Awaitable[float]], ours: Sample,
@@ -86,10 +95,7 @@ async def compare(base: Sample, base_fn: Callable[[], Awaitable[float]], ours: S
                 results = await asyncio.gather(*(fn() for _ in range(batch)), return_exceptions=True)
             else:
                 results = [await _attempt(fn) for _ in range(batch)]
-            sample.values_ms += [r for r in results if isinstance(r, float)]
-            failed = [r for r in results if isinstance(r, BaseException)]
-            sample.failures += len(failed)
-            sample.errors += [f"{type(e).__name__}: {e}" for e in failed][:3 - len(sample.errors)]
+            sample.add(results)
             await asyncio.sleep(settle_s)
         if between:
             await between()
@@ -176,6 +182,7 @@ class Created:
         self.image = image
         self.options = {"ttl_s": 120, **options}
         self.sandboxes: list[AsyncSandbox] = []
+        self.server_pid = 0  # the private server's process (``bench_server``)
 
     async def first_output(self, **options: Any) -> float:
         """ms from asking for a sandbox (``options`` on top of the series') to the first byte
@@ -219,6 +226,7 @@ async def bench_server(state: Path, *args: str) -> AsyncIterator[Created]:
         async with DSecClient(f"unix://{state / 'api.sock'}",
                               (state / "local.key").read_text().strip(), autostart=False) as client:
             created = Created(client)
+            created.server_pid = proc.pid
             try:
                 yield created
             finally:  # everything the server still runs, also what a failed series left
@@ -228,6 +236,7 @@ async def bench_server(state: Path, *args: str) -> AsyncIterator[Created]:
     finally:
         proc.terminate()
         proc.wait()
+        LayerMounter(state / "layers").unmount_all()  # a server leaves its layers mounted
 
 
 @asynccontextmanager
@@ -394,16 +403,19 @@ def _ms(value: float) -> str:
     return f"{value:.1f}" if value >= 0.1 else f"{value:.3f}"  # fast-forwards take µs
 
 
-# Series run alone with ``dsec bench --only NAME``: "module:function(console, quick)".
+# Series run alone with ``dsec bench --only NAME``: "module:function(console, quick, **options)",
+# ``options`` the series' own (soak: ``cycles``).
 ONLY = {"network": "dsec_benchmarks.bench_network:network_series",
         "projects": "dsec_benchmarks.bench_projects:run_projects",
         "state": "dsec_benchmarks.bench_state:run_state",
         "pause": "dsec_benchmarks.bench_pause:pause_series",
-        "stdin": "dsec_benchmarks.bench_stdin:stdin_series"}
+        "stdin": "dsec_benchmarks.bench_stdin:stdin_series",
+        "soak": "dsec_benchmarks.bench_soak:soak_series"}
 
 
 def main(quick: bool = False, json_out: Path | None = None, only_trajectory: bool = False,
-         only: str | None = None, sizes: list[int] | None = None) -> None:
+         only: str | None = None, sizes: list[int] | None = None,
+         cycles: int | None = None) -> None:
     if os.geteuid() != 0:
         raise SystemExit("dsec bench runs containers and must run as root")
     console = Console()
@@ -413,7 +425,8 @@ def main(quick: bool = False, json_out: Path | None = None, only_trajectory: boo
     elif only is not None:
         module, _, function = ONLY[only].partition(":")
         series = getattr(importlib.import_module(module), function)
-        samples = asyncio.run(series(console, quick))
+        options = {} if cycles is None else {"cycles": cycles}
+        samples = asyncio.run(series(console, quick, **options))
     else:
         samples = asyncio.run(run_benchmark(console, quick, only_trajectory))
     report(console, samples)

@@ -567,23 +567,29 @@ def project_quota(name: str, sandboxes: int | None, cpu: float | None,
 @click.option("--only-trajectory", is_flag=True,
               help="only the trajectory series (log overhead, fast-forward)")
 @click.option("--only", type=click.Choice(["fn", "microvm", "vm", "cluster", "projects",
-                                           "network", "state", "pause", "stdin"]), default=None,
+                                           "network", "state", "pause", "stdin", "soak"]),
+              default=None,
               help="run one series alone: fn (call latency and throughput), microvm or vm "
                    "(against containers), cluster (a local Ray cluster against one node), "
                    "projects (nested-project key against the admin key), network (policy cost "
                    "on create, set_network), state (snapshot, create from one, fork, rollback), "
                    "pause (pause, resume, a call on a paused sandbox), stdin (input to a "
-                   "process, a terminal's round trip, stdin throughput)")
+                   "process, a terminal's round trip, stdin throughput), soak (server "
+                   "resources over many create/run/stop cycles, retention set short)")
 @click.option("--sizes", default="100", help="cluster series: burst sizes, comma-separated")
+@click.option("--cycles", type=click.IntRange(min=10), default=None,
+              help="soak series: create/run/stop cycles (default 20000; --quick 200)")
 def bench(quick: bool, json_out: Path | None, only_trajectory: bool, only: str | None,
-          sizes: str) -> None:
+          sizes: str, cycles: int | None) -> None:
     """Run the benchmark against bare crun and print the figures (see docs/BENCHMARKS.md)."""
+    if cycles is not None and only != "soak":
+        raise click.UsageError("--cycles is an option of --only soak")
     if only == "fn":
         return _benchmark("bench_fn").main(quick=quick, json_out=json_out)
     if only in ("microvm", "vm"):
         return _benchmark("bench_vm").main(only, quick=quick, json_out=json_out)
     _benchmark("bench").main(quick=quick, json_out=json_out, only_trajectory=only_trajectory,
-                             only=only, sizes=[int(n) for n in sizes.split(",")])
+                             only=only, sizes=[int(n) for n in sizes.split(",")], cycles=cycles)
 
 
 def _benchmark(name: str) -> Any:
