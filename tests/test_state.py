@@ -87,7 +87,7 @@ async def test_a_snapshot_outlives_its_sandbox_and_a_server_restart(
         child = await fresh.create(snapshot=snap.id, ttl_s=300, memory_mb=256)
         try:
             assert (await child.read_file("/work/checkpoint")) == b"step 41"
-            assert child.info.memory_mb == 256  # limits are the request's
+            assert child.info.memory_mb == 256  # a limit given is the request's
             assert (await child.run("df -m --output=size /work | tail -1")).stdout.strip() in \
                 {str(n) for n in range(230, 257)}  # the snapshot's disk size
         finally:

@@ -15,7 +15,7 @@ import pytest
 from dsec.store.db import IntegrityError
 from dsec.store.local_postgres import LocalPostgres
 from dsec.store.projects import NameTaken, ProjectStore
-from dsec.store.sqlite import SandboxRow, StateStore
+from dsec.store.sqlite import SandboxRow, SnapshotRow, StateStore
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -124,4 +124,31 @@ def test_a_database_of_before_snapshot_quotas_and_ttls_gains_their_columns(
         assert reopened.snapshots() == [] and reopened.expired_snapshots("e1", time.time()) == []
     finally:
         projects.close()
+        reopened.close()
+
+
+def test_a_database_of_before_inheritance_gains_its_column_and_keeps_its_snapshots(
+        store: StateStore) -> None:
+    """A snapshot recorded before children inherited (no ``inherited`` column) is read with
+    none (edge/inherit.py falls back to its parent's record); one recorded now keeps what its
+    children inherit, the network policy and environment as they were."""
+    url = store.url
+    store.close()
+    old = StateStore(url)
+    old._db.execute("ALTER TABLE snapshots DROP COLUMN inherited")
+    old._db.execute("INSERT INTO snapshots (id, edge, sandbox_id, substrate, image, image_digest, "
+                    "mode, disk_mb, size_bytes, created_at) VALUES ('sn-e1-old', 'e1', 'sb-e1-a', "
+                    "'container', 'debian-minbase', 'sha256:ab', 'filesystem', 64, 1, 0)")
+    old.close()
+    reopened = StateStore(url)
+    try:
+        kept = {"cpu": 0.5, "memory_mb": 192, "network": {"services": {}, "allow": ["10.1.2.3:443"]},
+                "env": {"STAGE": "prepared"}, "runtime": None}
+        reopened.insert_snapshot(SnapshotRow("sn-e1-new", "e1", "sb-e1-a", "container",
+                                             "debian-minbase", "sha256:ab", "filesystem", 64, 1,
+                                             time.time(), inherited=kept))
+        assert reopened.get_snapshot("sn-e1-old").inherited is None  # type: ignore[union-attr]
+        assert reopened.get_snapshot("sn-e1-new").inherited == kept  # type: ignore[union-attr]
+        assert [s.inherited for s in reopened.snapshots()] == [None, kept]
+    finally:
         reopened.close()

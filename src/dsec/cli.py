@@ -13,7 +13,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import click
 from rich.console import Console
@@ -23,6 +23,7 @@ from .client.aio import DSecClient
 from .client.transport import EXIT_MISSING_EXTRA
 from .config import Settings, serve_options
 from .protocol.errors import DSecError
+from .protocol.models import SnapshotMode
 
 console = Console(stderr=True)
 
@@ -46,6 +47,9 @@ EXTRAS = {**dict.fromkeys(["fastapi", "starlette", "uvicorn", "uvloop", "httptoo
           "ray": "the cluster extra: pip install 'dsec[cluster]'",
           "dsec_benchmarks": "the benchmarks of a dsec checkout: pip install -e ./benchmarks "
                              "(scripts/setup does)"}
+
+
+SNAPSHOT_MODE = click.Choice(get_args(SnapshotMode))
 
 
 class MissingExtra(click.ClickException):
@@ -174,14 +178,18 @@ def resume(sandbox_ids: tuple[str, ...]) -> None:
 @click.argument("sandbox_id")
 @click.option("-n", "count", type=click.IntRange(1, 1000), default=1, show_default=True,
               help="how many children")
-@click.option("--ttl", "ttl_s", type=int, default=None, help="the children's TTL (seconds)")
-def fork(sandbox_id: str, count: int, ttl_s: int | None) -> None:
-    """Start N sandboxes from SANDBOX_ID's file system now (one snapshot, deleted after):
-    prints each child's id, or the error that stopped it (exit status 1 if any failed)."""
+@click.option("--ttl", "ttl_s", type=int, default=None,
+              help="the children's TTL (seconds; default: the parent's)")
+@click.option("--mode", type=SNAPSHOT_MODE, default="filesystem", show_default=True,
+              help="full: memory and processes too (VMs)")
+def fork(sandbox_id: str, count: int, ttl_s: int | None, mode: str) -> None:
+    """Start N sandboxes from SANDBOX_ID's file system now (one snapshot, deleted after),
+    with its limits and network policy: prints each child's id, or the error that stopped
+    it (exit status 1 if any failed)."""
     async def go() -> int:
         async with DSecClient() as client:
             options: dict[str, Any] = {} if ttl_s is None else {"ttl_s": ttl_s}
-            children = await (await client.get(sandbox_id)).fork(count, **options)
+            children = await (await client.get(sandbox_id)).fork(count, mode=mode, **options)
         for child in children:
             click.echo(f"error: {child.code}: {child.message}" if isinstance(child, DSecError)
                        else child.id)
@@ -191,18 +199,22 @@ def fork(sandbox_id: str, count: int, ttl_s: int | None) -> None:
 
 @main.group()
 def snapshot() -> None:
-    """Take, list and delete filesystem snapshots (``Sandbox.snapshot``)."""
+    """Take, list and delete snapshots (``Sandbox.snapshot``)."""
 
 
 @snapshot.command("take")
 @click.argument("sandbox_id")
 @click.option("--ttl", "ttl_s", type=int, default=None,
               help="delete it this many seconds later (default: keep until rm)")
-def snapshot_take(sandbox_id: str, ttl_s: int | None) -> None:
-    """Snapshot SANDBOX_ID's file system; prints the snapshot's id."""
+@click.option("--mode", type=SNAPSHOT_MODE, default="filesystem", show_default=True,
+              help="full: memory and processes too (VMs)")
+def snapshot_take(sandbox_id: str, ttl_s: int | None, mode: str) -> None:
+    """Snapshot SANDBOX_ID's file system (and with --mode full its memory); prints the
+    snapshot's id."""
     async def go() -> None:
         async with DSecClient() as client:
-            click.echo((await (await client.get(sandbox_id)).snapshot(ttl_s=ttl_s)).id)
+            sandbox = await client.get(sandbox_id)
+            click.echo((await sandbox.snapshot(mode, ttl_s=ttl_s)).id)
     _run(go())
 
 

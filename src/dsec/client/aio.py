@@ -527,7 +527,8 @@ class Sandbox:
         It holds the sandbox's ``disk_mb`` of its project's snapshot quota (``QuotaExceeded``
         when that is full). With ``previous`` (one of this sandbox's snapshots), that one is
         the answer if nothing was written since (no copy, nothing more held).
-        ``mode="full"`` (memory too) is ``NotSupported`` yet."""
+        ``mode="full"``: memory and processes too (microvm and vm sandboxes; ``NotSupported``,
+        with the reason, on container and fn ones); it also holds the sandbox's memory size."""
         if isinstance(previous, Snapshot):
             previous = previous.id
         req = _validated(SnapshotRequest, mode=mode, previous=previous, ttl_s=ttl_s)
@@ -548,10 +549,13 @@ class Sandbox:
                    **options: Unpack[CreateOptions]) -> builtins.list[Sandbox | DSecError]:
         """``n`` new sandboxes starting from this one's file system now (``mode="full"``, VMs:
         its memory and processes too): one snapshot, then ``n`` creates from it,
-        ``concurrency`` at a time; ``options`` as for ``create``, the image and disk size
-        (and for ``full`` the memory and cpu) are this sandbox's. One entry per child in
-        order: the Sandbox or the typed error that stopped it. The snapshot is deleted
-        afterwards unless ``keep_snapshot``."""
+        ``concurrency`` at a time; ``options`` as for ``create``: a child has this sandbox's
+        limits, network policy, runtime, environment and ``ttl_s`` for every option not
+        given (``env`` is added to this one's), and always its image and disk size (and for
+        ``full`` its memory and cpu). One entry per child in order: the Sandbox or the typed
+        error that stopped it (``QuotaExceeded`` when the project has no room for a child's
+        inherited cpu and memory). The snapshot is deleted afterwards unless
+        ``keep_snapshot``."""
         snap = await self.snapshot(mode)
         gate = asyncio.Semaphore(concurrency)
         fields = {**options, "snapshot": snap.id, "substrate": self.info.substrate,
@@ -704,7 +708,9 @@ class AsyncClient:
         ``labels``. With ``trajectory``, every call of the sandbox is logged under that new
         trajectory id (``TrajectoryExists`` if it is taken), to be resumed after a preemption.
         With ``snapshot`` (an id from ``Sandbox.snapshot``), the sandbox starts from that
-        file system, with the snapshot's image and disk size (``SnapshotNotFound`` if gone).
+        file system, with the snapshot's image and disk size (``SnapshotNotFound`` if gone),
+        and the limits, network policy, runtime, environment and ``ttl_s`` of the sandbox it
+        was taken of for every option left None (``env`` is added to the parent's).
         With ``trajectory`` and ``checkpoint`` (``"every_step"`` or every k-th step), the
         file system is snapshotted after each such step (the previous snapshot is kept when
         a step wrote nothing): ``fork_trajectory``, and forks and replays of the trajectory,

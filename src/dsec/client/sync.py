@@ -309,7 +309,8 @@ class Sandbox:
                  ttl_s: int | None = None) -> Snapshot:
         """A copy of the sandbox's file system, kept until ``delete_snapshot`` or its
         ``ttl_s`` ends: ``create(snapshot=snap.id)`` starts sandboxes from it; ``previous`` is
-        the answer if nothing was written since it (see ``AsyncSandbox.snapshot``)."""
+        the answer if nothing was written since it; ``mode="full"``: memory and processes
+        too, VMs only (see ``AsyncSandbox.snapshot``)."""
         return self._loop.call(self._async.snapshot(mode, previous, ttl_s))
 
     def rollback(self, snapshot: Snapshot | str) -> SandboxInfo:
@@ -320,8 +321,9 @@ class Sandbox:
              keep_snapshot: bool = False,
              **options: Unpack[CreateOptions]) -> builtins.list[Sandbox | DSecError]:
         """``n`` new sandboxes starting from this one's file system now (``mode="full"``: and
-        its processes): one entry per child in order, the Sandbox or the typed error that
-        stopped it (see ``AsyncSandbox.fork``)."""
+        its processes), each with this one's limits and network unless ``options`` give
+        others: one entry per child in order, the Sandbox or the typed error that stopped it
+        (see ``AsyncSandbox.fork``)."""
         made = self._loop.call(self._async.fork(n, mode=mode, concurrency=concurrency,
                                                 keep_snapshot=keep_snapshot, **options))
         return [Sandbox(self._loop, s) if isinstance(s, aio.Sandbox) else s for s in made]
@@ -413,8 +415,8 @@ class Client:
         """Start a sandbox of ``image`` on ``substrate``; options left None take the server's
         defaults (see ``AsyncClient.create``). With ``trajectory``, every call is logged under
         that new trajectory id (snapshotted after each step with ``checkpoint``; deleted
-        ``trajectory_ttl_s`` after its creation, if given). With
-        ``snapshot``, it starts from that file system. Retried
+        ``trajectory_ttl_s`` after its creation, if given). With ``snapshot``, it starts from
+        that file system, with its parent's limits and network for options left None. Retried
         under one ``Idempotency-Key`` while the server cannot be reached: never a second sandbox."""
         return self._sandbox(self._loop.call(self._async.create(
             substrate, image, cpu=cpu, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb,

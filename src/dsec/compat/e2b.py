@@ -153,11 +153,12 @@ def create_e2b_app(router: Router, keys: Keys, templates: dict[str, str]) -> Fas
             return _error(400, refused)
         timeout = _int(body.get("timeout", 15), "timeout")
         try:
-            # Sandbox.create(snapshot_id): the image is the snapshot's (the edge's to set)
+            # Sandbox.create(snapshot_id): the image is the snapshot's, the machine, network
+            # and environment its parent's (edge/inherit.py), envVars added to that
             snapshot = template if template.startswith(SNAPSHOT_PREFIX) else None
+            machine = {} if snapshot else {"cpu": DEFAULT_CPU, "memory_mb": DEFAULT_MEMORY_MB}
             req = CreateRequest(image=templates.get(template, template), snapshot=snapshot,
-                                cpu=DEFAULT_CPU,
-                                memory_mb=DEFAULT_MEMORY_MB, ttl_s=min(max(timeout, 1), MAX_TIMEOUT_S),
+                                **machine, ttl_s=min(max(timeout, 1), MAX_TIMEOUT_S),
                                 env=_strings(body.get("envVars"), "envVars"),
                                 labels={**_strings(body.get("metadata"), "metadata"),
                                         TEMPLATE_LABEL: template})
@@ -332,7 +333,8 @@ def create_e2b_app(router: Router, keys: Keys, templates: dict[str, str]) -> Fas
     @app.post("/sandboxes/{sandbox_id}/fork")
     async def fork(sandbox_id: str, request: Request) -> JSONResponse:
         """``count`` new sandboxes from one filesystem snapshot of this one (deleted once
-        they started); one result each, a sandbox or its error, as E2B answers."""
+        they started), each with its limits, network and environment (edge/inherit.py); one
+        result each, a sandbox or its error, as E2B answers."""
         authenticate(request)
         body = await _json(request)
         count = _int(body.get("count", 1), "count")
@@ -343,9 +345,7 @@ def create_e2b_app(router: Router, keys: Keys, templates: dict[str, str]) -> Fas
         snap = await snapshot_of(sandbox_id)
         if isinstance(snap, JSONResponse):
             return snap
-        row = router.edge_for(sandbox_id).get_row(sandbox_id)
-        req = CreateRequest(image=parent.image, snapshot=snap.id, cpu=parent.cpu,
-                            memory_mb=parent.memory_mb, ttl_s=timeout, env=row.request["env"],
+        req = CreateRequest(image=parent.image, snapshot=snap.id, ttl_s=timeout,
                             labels=parent.labels)
 
         async def child() -> dict[str, Any]:

@@ -16,7 +16,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from ..edge.edge import Edge, restored_machine, snapshot_info
+from ..edge.edge import Edge, snapshot_info
+from ..edge.inherit import from_snapshot
 from ..protocol.errors import (
     CapacityExhausted,
     NotSupported,
@@ -100,12 +101,17 @@ class Router:
             raise NotSupported("this server keeps no idempotency keys")
         return await self.idempotency.create(key, kind, req, make)
 
+    def effective(self, req: CreateRequest) -> CreateRequest:
+        """``req`` as its sandbox will be made: from a snapshot (one the caller may see), with
+        the snapshot's image and disk and what it inherits of its parent (edge/inherit.py)."""
+        if req.snapshot is None:
+            return req
+        return from_snapshot(req, self.visible_snapshot(req.snapshot), self._snapshots())
+
     async def place(self, req: CreateRequest) -> SandboxInfo:
         """Start a sandbox on an edge that takes it, once the caller's project quota admits it
-        (a `full` snapshot's child with its parent's memory and cpu, which it will have)."""
-        if req.snapshot is not None:
-            snap = self.visible_snapshot(req.snapshot)
-            req = req.model_copy(update=restored_machine(self._snapshots(), snap))
+        with the limits it will have (a snapshot's child: those it inherits)."""
+        req = self.effective(req)
         if self.access is not None:
             return await self.access.admit(req, self._place)
         return await self._place(req)
@@ -119,8 +125,7 @@ class Router:
         """On the snapshot's own edge, where its file is, if that edge is alive and has room;
         else on any edge serving its substrate and image (which fetches the snapshot's
         exported copy, or says it cannot reach it). A `full` snapshot's saved memory is not
-        exported: it starts on its own edge or not at all."""
-        req = req.model_copy(update={"substrate": snap.substrate, "image": snap.image})
+        exported: it starts on its own edge or not at all. ``req`` is ``effective``'s."""
         try:
             return await self.directory.owner(snap.sandbox_id).create(req)
         except (CapacityExhausted, SandboxDied, SandboxNotFound) as exc:

@@ -65,6 +65,7 @@ from ..substrates.host.image_copy import allocated_bytes
 from ..substrates.host.tree import remove_tree
 from ..substrates.host.volume import DiskVolume
 from .commands import check_env, exec_argv, sandbox_path
+from .inherit import from_snapshot, inheritance
 from .metrics import EdgeMetrics
 from .pool import Pooled, WarmPool
 from .shared_snapshots import SharedSnapshots
@@ -250,13 +251,11 @@ class Edge:
     async def _create(self, req: CreateRequest) -> tuple[SandboxInfo, bool]:
         """The sandbox, and whether it came from the warm pool."""
         snap, disk_from, memory_from = None, None, None
-        if req.snapshot is not None:  # its image, substrate and disk size are the snapshot's
+        if req.snapshot is not None:  # the snapshot's image and disk, the parent's limits
             snap = self.store.get_snapshot(req.snapshot)  # any edge's: fetched if not here
             if snap is None or snap.expired(time.time()):
                 raise SnapshotNotFound(f"no snapshot {req.snapshot!r}", snapshot=req.snapshot)
-            req = req.model_copy(update={"image": snap.image, "substrate": snap.substrate,
-                                         "disk_mb": snap.disk_mb,
-                                         **restored_machine(self.store, snap)})
+            req = from_snapshot(req, snap, self.store)
         substrate = self.substrates.get(req.substrate)
         if substrate is None:
             raise NotSupported(f"substrate {req.substrate!r} is not served by edge {self.id}",
@@ -438,7 +437,8 @@ class Edge:
                                    sandbox_id=sandbox_id) from exc
             row = SnapshotRow(snap_id, self.id, sandbox_id, live.row.substrate, live.row.image,
                               live.row.image_digest, mode, live.row.request["disk_mb"],
-                              sum(allocated_bytes(f) for f in d.iterdir()), time.time())
+                              sum(allocated_bytes(f) for f in d.iterdir()), time.time(),
+                              inherited=inheritance(live.row.request))
             if ttl_s is not None:
                 row.expires_at = row.created_at + ttl_s
             self.store.insert_snapshot(row)
@@ -1029,18 +1029,6 @@ def sandbox_info(row: SandboxRow) -> SandboxInfo:
                        memory_mb=req["memory_mb"], labels=req.get("labels", {}),
                        reason=row.reason, trajectory=req.get("trajectory"),
                        network=req.get("network", "none"))
-
-
-def restored_machine(store: StateStore, snap: SnapshotRow) -> dict[str, Any]:
-    """What a sandbox made from a `full` snapshot must have as its parent had: the saved
-    memory and CPUs are the parent's machine, whatever the request asked (nothing for a
-    `filesystem` one). The router admits the create against a project's quota with these."""
-    if snap.mode != "full":
-        return {}
-    parent = store.get_sandbox(snap.sandbox_id)
-    if parent is None:
-        raise SnapshotNotFound(f"snapshot {snap.id}'s sandbox record is gone", snapshot=snap.id)
-    return {"memory_mb": parent.request["memory_mb"], "cpu": parent.request["cpu"]}
 
 
 def snapshot_info(row: SnapshotRow) -> Snapshot:

@@ -45,7 +45,8 @@ CREATE TABLE IF NOT EXISTS snapshots (
     disk_mb INTEGER NOT NULL,
     size_bytes INTEGER NOT NULL,
     created_at REAL NOT NULL,
-    expires_at REAL
+    expires_at REAL,
+    inherited TEXT
 );
 CREATE TABLE IF NOT EXISTS snapshot_exports (
     id TEXT PRIMARY KEY,
@@ -107,6 +108,9 @@ class SnapshotRow:
     size_bytes: int
     created_at: float
     expires_at: float | None = None  # its TTL's end: deleted by its edge's reaper after
+    # What sandboxes made from it inherit of its parent's request, as it was when the snapshot
+    # was taken (edge/inherit.py); None in a record of before inheritance.
+    inherited: dict[str, Any] | None = None
 
     def expired(self, now: float) -> bool:
         return self.expires_at is not None and self.expires_at <= now
@@ -117,6 +121,12 @@ def _row(r: Row) -> SandboxRow:
     d["request"] = json.loads(d["request"])
     d["runtime"] = json.loads(d["runtime"])
     return SandboxRow(**d)
+
+
+def _snapshot_row(r: Row) -> SnapshotRow:
+    d = dict(r)
+    d["inherited"] = None if d["inherited"] is None else json.loads(d["inherited"])
+    return SnapshotRow(**d)
 
 
 def connect(path: Path, schema: str) -> sqlite3.Connection:
@@ -136,7 +146,8 @@ class StateStore:
     def __init__(self, target: Path | str) -> None:
         """``target``: a SQLite file, ``sqlite:///PATH`` or ``postgresql://...``."""
         self._db = open_database(target, SCHEMA)
-        self._db.add_columns("snapshots", {"expires_at": "REAL"})  # a database of before TTLs
+        # a database of before snapshot TTLs, and of before inheritance
+        self._db.add_columns("snapshots", {"expires_at": "REAL", "inherited": "TEXT"})
         self.url = self._db.url
         self.path: Path | None = getattr(self._db, "path", None)  # the SQLite file, if one
 
@@ -208,21 +219,22 @@ class StateStore:
     # snapshots
     def insert_snapshot(self, row: SnapshotRow) -> None:
         self._db.execute("INSERT INTO snapshots (id, edge, sandbox_id, substrate, image, "
-                         "image_digest, mode, disk_mb, size_bytes, created_at, expires_at) "
-                         "VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                         "image_digest, mode, disk_mb, size_bytes, created_at, expires_at, "
+                         "inherited) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
                          (row.id, row.edge, row.sandbox_id, row.substrate, row.image,
                           row.image_digest, row.mode, row.disk_mb, row.size_bytes,
-                          row.created_at, row.expires_at))
+                          row.created_at, row.expires_at,
+                          None if row.inherited is None else json.dumps(row.inherited)))
 
     def get_snapshot(self, snapshot_id: str) -> SnapshotRow | None:
         """The snapshot's record, also once expired (``SnapshotRow.expired``) until its
         edge's reaper deletes it."""
         r = self._db.execute("SELECT * FROM snapshots WHERE id=?", (snapshot_id,)).fetchone()
-        return SnapshotRow(**r) if r else None
+        return _snapshot_row(r) if r else None
 
     def snapshots(self) -> list[SnapshotRow]:
         """The snapshots not expired."""
-        return [SnapshotRow(**r) for r in self._db.execute(
+        return [_snapshot_row(r) for r in self._db.execute(
             "SELECT * FROM snapshots WHERE expires_at IS NULL OR expires_at > ? "
             "ORDER BY created_at", (time.time(),))]
 

@@ -200,7 +200,9 @@ class Recorder:
 
     # attaching
     async def create(self, req: CreateRequest, caller: str | None) -> SandboxInfo:
-        """A new sandbox with a new trajectory."""
+        """A new sandbox with a new trajectory, its request logged as it is made (from a
+        snapshot: with what it inherits), which its forks and replays repeat."""
+        req = self.router.effective(req)
         assert req.trajectory is not None
         if self.log.exists(req.trajectory):
             raise TrajectoryExists(f"trajectory {req.trajectory!r} exists; resume it, or pick "
