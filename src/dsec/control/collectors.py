@@ -23,6 +23,7 @@ from ..protocol.errors import DSecError
 from ..protocol.gc_models import Removed
 from ..store.blobs import BlobStore
 from ..store.db import Database, open_database
+from ..store.idempotency import SCHEMA as IDEMPOTENCY_SCHEMA
 from ..store.sqlite import LIVE_IN, LIVE_STATES
 from ..trajectory.log import TrajectoryLog
 
@@ -32,18 +33,21 @@ BATCH = 500  # sandbox records (or events, or trajectories) per statement
 
 class SandboxRecords:
     """Ended sandboxes' records after ``retain_ended_s``, failed creates' (never ran: no
-    runtime facts recorded) after ``retain_failed_s``, each with its events and its released
-    project reservation; then events no sandbox record names, after ``retain_ended_s``."""
+    runtime facts recorded) after ``retain_failed_s``, each with its events, its released
+    project reservation and the idempotency key that made it (a key lives no longer than its
+    sandbox's record: control/idempotency.py); then events no sandbox record names, after
+    ``retain_ended_s``."""
 
     name = "sandboxes"
 
     def __init__(self, target: Path | str, retain_ended_s: float, retain_failed_s: float) -> None:
-        self._db: Database = open_database(target, "")
+        self._db: Database = open_database(target, IDEMPOTENCY_SCHEMA)
         self.retain_ended_s = retain_ended_s
         self.retain_failed_s = retain_failed_s
 
     async def collect(self, now: float, dry_run: bool) -> list[Removed]:
-        totals = {kind: [0, 0] for kind in ("sandboxes", "failed_creates", "events")}
+        totals = {kind: [0, 0] for kind in ("sandboxes", "failed_creates", "events",
+                                            "idempotency_keys")}
         for kind, never_ran, retain in (("sandboxes", False, self.retain_ended_s),
                                         ("failed_creates", True, self.retain_failed_s)):
             after: tuple[float, str] = (0.0, "")
@@ -94,7 +98,11 @@ class SandboxRecords:
             (sb,) = self._db.execute(
                 "SELECT COUNT(*), COALESCE(SUM(LENGTH(s.request) + LENGTH(s.runtime)), 0) FROM "
                 f"sandboxes s WHERE s.id IN ({marks})", ids).fetchall()
-            return [("events", ev[0], ev[1]), (kind, sb[0], sb[1])]
+            (keys,) = self._db.execute(
+                "SELECT COUNT(*), COALESCE(SUM(LENGTH(idem_key) + LENGTH(scope)), 0) FROM "
+                f"idempotency_keys WHERE sandbox_id IN ({marks})", ids).fetchall()
+            return [("events", ev[0], ev[1]), (kind, sb[0], sb[1]),
+                    ("idempotency_keys", keys[0], keys[1])]
         events = [0, 0]
         while seqs := [r[0] for r in self._db.execute(
                 f"SELECT seq FROM events WHERE sandbox_id IN ({marks}) LIMIT ?", (*ids, BATCH))]:
@@ -110,7 +118,12 @@ class SandboxRecords:
             self._db.execute(f"DELETE FROM sandbox_projects WHERE sandbox_id IN ({marks}) AND "
                              "released_at IS NOT NULL AND sandbox_id NOT IN (SELECT id FROM "
                              "sandboxes)", ids)
-        return [("events", events[0], events[1]), (kind, len(rows), sum(r[0] for r in rows))]
+            keys = self._db.execute(
+                f"DELETE FROM idempotency_keys WHERE sandbox_id IN ({marks}) AND sandbox_id NOT "
+                "IN (SELECT id FROM sandboxes) RETURNING LENGTH(idem_key) + LENGTH(scope)",
+                ids).fetchall()
+        return [("events", events[0], events[1]), (kind, len(rows), sum(r[0] for r in rows)),
+                ("idempotency_keys", len(keys), sum(k[0] for k in keys))]
 
     def _orphan_events(self, cutoff: float, after: int) -> list[tuple[int, int]]:
         """(seq, size) of events before ``cutoff`` that name no sandbox record (the edge's
