@@ -98,11 +98,11 @@ class SandboxRecords:
             (sb,) = self._db.execute(
                 "SELECT COUNT(*), COALESCE(SUM(LENGTH(s.request) + LENGTH(s.runtime)), 0) FROM "
                 f"sandboxes s WHERE s.id IN ({marks})", ids).fetchall()
-            (keys,) = self._db.execute(
+            (key,) = self._db.execute(
                 "SELECT COUNT(*), COALESCE(SUM(LENGTH(idem_key) + LENGTH(scope)), 0) FROM "
                 f"idempotency_keys WHERE sandbox_id IN ({marks})", ids).fetchall()
             return [("events", ev[0], ev[1]), (kind, sb[0], sb[1]),
-                    ("idempotency_keys", keys[0], keys[1])]
+                    ("idempotency_keys", key[0], key[1])]
         events = [0, 0]
         while seqs := [r[0] for r in self._db.execute(
                 f"SELECT seq FROM events WHERE sandbox_id IN ({marks}) LIMIT ?", (*ids, BATCH))]:
