@@ -40,23 +40,23 @@ def blob(server: Server, data: bytes) -> Path:
     return server.state_dir / "blobs" / "sha256" / digest[:2] / digest
 
 
-def events_of(server: Server, sandbox_id: str) -> int:
+def rows_naming(server: Server, table: str, sandbox_id: str) -> int:
+    """Rows of ``table`` (events, idempotency_keys: the SDK gives every create a key) that name
+    the sandbox."""
     db = sqlite3.connect(f"file:{server.state_dir / 'state.db'}?mode=ro", uri=True)
     try:
-        return db.execute("SELECT COUNT(*) FROM events WHERE sandbox_id=?",
+        return db.execute(f"SELECT COUNT(*) FROM {table} WHERE sandbox_id=?",
                           (sandbox_id,)).fetchone()[0]
     finally:
         db.close()
+
+
+def events_of(server: Server, sandbox_id: str) -> int:
+    return rows_naming(server, "events", sandbox_id)
 
 
 def keys_of(server: Server, sandbox_id: str) -> int:
-    """Idempotency keys naming the sandbox (the SDK gives every create one)."""
-    db = sqlite3.connect(f"file:{server.state_dir / 'state.db'}?mode=ro", uri=True)
-    try:
-        return db.execute("SELECT COUNT(*) FROM idempotency_keys WHERE sandbox_id=?",
-                          (sandbox_id,)).fetchone()[0]
-    finally:
-        db.close()
+    return rows_naming(server, "idempotency_keys", sandbox_id)
 
 
 async def gone(c: dsec.DSecClient, sandbox_id: str) -> bool:
