@@ -98,11 +98,11 @@ class SandboxRecords:
             (sb,) = self._db.execute(
                 "SELECT COUNT(*), COALESCE(SUM(LENGTH(s.request) + LENGTH(s.runtime)), 0) FROM "
                 f"sandboxes s WHERE s.id IN ({marks})", ids).fetchall()
-            (keys,) = self._db.execute(
+            (key,) = self._db.execute(
                 "SELECT COUNT(*), COALESCE(SUM(LENGTH(idem_key) + LENGTH(scope)), 0) FROM "
                 f"idempotency_keys WHERE sandbox_id IN ({marks})", ids).fetchall()
             return [("events", ev[0], ev[1]), (kind, sb[0], sb[1]),
-                    ("idempotency_keys", keys[0], keys[1])]
+                    ("idempotency_keys", key[0], key[1])]
         events = [0, 0]
         while seqs := [r[0] for r in self._db.execute(
                 f"SELECT seq FROM events WHERE sandbox_id IN ({marks}) LIMIT ?", (*ids, BATCH))]:
@@ -197,3 +197,16 @@ class UnreferencedBlobs:
                 count += 1
                 size += removed
         return Removed(kind="blobs", count=count, bytes=size)
+
+
+class SnapshotImages:
+    """The image versions (digests) every snapshot record names, for the layer collector
+    (``images.gc.UnusedLayers``): a snapshot keeps the layers it was taken over, whatever
+    its image's name points at now. Its own connection: called from a worker thread."""
+
+    def __init__(self, target: Path | str) -> None:
+        self._db: Database = open_database(target, IDEMPOTENCY_SCHEMA)
+
+    def __call__(self) -> set[str]:
+        rows = self._db.execute("SELECT DISTINCT image_digest FROM snapshots").fetchall()
+        return {str(row["image_digest"]) for row in rows}
