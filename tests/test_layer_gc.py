@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-import dsec
 from conftest import TEST_ROOT, Server, make_server, stop_server
 from dsec.images.store import Image, ImageStore
 from test_cli import dsec_cli

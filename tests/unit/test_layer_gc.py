@@ -6,8 +6,11 @@ store cannot make the collector do."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
+import shutil
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -203,3 +206,26 @@ def test_locked_waits_at_most_wait_s(tmp_path: Path) -> None:
                 pass
     with locked(path, wait_s=0.1):
         pass
+
+
+def test_a_node_that_only_reads_the_store_still_starts_its_images(
+        store: ImageStore, tmp_path: Path) -> None:
+    a = image(store, tmp_path, "a", "x")
+    shutil.rmtree(store.root / "images" / "versions")  # a store from before versions
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    subprocess.run(["mount", "--bind", str(store.root), str(read_only)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(read_only)], check=True)
+        reader = ImageStore(read_only, layer_format="dir")
+        uses = NodeUses(reader, "e-reader")
+        uses.start([])
+        assert uses.read_only
+        assert uses.resolve(lambda: reader.version(a.digest)).layers == tuple(
+            dataclasses.replace(layer, path=read_only / layer.path.relative_to(store.root))
+            for layer in a.layers)
+        uses.renew()
+        uses.stop(set())
+    finally:
+        subprocess.run(["umount", str(read_only)], check=True)
+    assert not (store.root / "nodes").exists()

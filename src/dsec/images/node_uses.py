@@ -25,6 +25,7 @@ only freed at unmount anyway). A node gone for good costs disk until its edge st
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -60,10 +61,13 @@ class NodeUses:
         self._held: dict[str, list[str]] = {}  # image digest -> its layer digests
         self._lock = threading.Lock()  # resolve runs in worker threads
         self._written_at = 0.0
+        self.read_only = False  # a store this node cannot write: nothing recorded (start)
 
     def resolve(self, find: Callable[[], Image]) -> Image:
         """``find()`` (a lookup by name or digest), recorded as used by this node before the
         caller mounts it; both under the store's shared lock (see the module docstring)."""
+        if self.read_only:
+            return find()
         with locked(self.images.lock_path, shared=True):
             image = find()
             with self._lock:
@@ -74,17 +78,26 @@ class NodeUses:
 
     def start(self, images: list[Image]) -> None:
         """A starting edge's record: the versions of the sandboxes it adopted, and nothing
-        its previous run held."""
-        with locked(self.images.lock_path, shared=True):
-            with self._lock:
+        its previous run held. A store mounted read-only on this node (or not writable by
+        it) is logged: its layers cannot be kept for it, so the store must not be collected
+        by another node (``--layer-grace-s`` very long there)."""
+        try:
+            with locked(self.images.lock_path, shared=True), self._lock:
                 self._held = {image.digest: [layer.digest for layer in image.layers]
                               for image in images}
                 self._write()
+        except OSError as exc:
+            if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise
+            self.read_only = True
+            log.warning("edge %s cannot write the image store %s (%s): the layers it uses "
+                        "are not recorded, and a layer collector elsewhere may remove them",
+                        self.edge_id, self.images.root, exc)
 
     def renew(self) -> None:
         """Called often (the edge's reaper): rewrites the record every ``RENEW_S``."""
         with self._lock:
-            if time.time() - self._written_at >= RENEW_S:
+            if not self.read_only and time.time() - self._written_at >= RENEW_S:
                 self._write()
 
     def stop(self, still_running: set[str]) -> None:
@@ -92,7 +105,9 @@ class NodeUses:
         held, until the edge's next start adopts them; no record at all if none do."""
         with self._lock:
             self._held = {d: ls for d, ls in self._held.items() if d in still_running}
-            if self._held:
+            if self.read_only:
+                pass
+            elif self._held:
                 self._write()
             else:
                 self.path.unlink(missing_ok=True)

@@ -208,8 +208,8 @@ class ImageStore:
     def __init__(self, root: Path | None = None, layer_format: str | None = None) -> None:
         self.root = Path(root or current().image_store or DEFAULT_ROOT)
         self._images = self.root / "images"
-        self._versions = self._images / "versions"
-        self._versions.mkdir(parents=True, exist_ok=True)
+        self._images.mkdir(parents=True, exist_ok=True)
+        self._versions = self._images / "versions"  # made by the first version recorded
         self.layers = LayerStore(self.root, layer_format or detect_layer_format())
         self._store_lock = self.root / "locks" / "store.lock"
         self._loaded: dict[str, tuple[tuple[int, int], Image]] = {}
@@ -270,15 +270,15 @@ class ImageStore:
         if not DIGEST.fullmatch(digest):
             raise InvalidRequest(f"{digest!r} is not an image digest (sha256:<64 hex>)")
         path = self.version_path(digest)
-        if not path.exists():
-            for named in self._images.glob("*.json"):  # named before versions were recorded
-                if (manifest := _manifest(named)) and manifest["digest"] == digest:
-                    self._record_version(named.stem)
-        try:
+        if path.exists():
             return self._load(path)
-        except FileNotFoundError:
-            raise ImageNotFound(f"no image version {digest} in {self.root}; its name was "
-                                "rebuilt or removed and nothing kept it", ref=digest) from None
+        for named in self._images.glob("*.json"):  # named before versions were recorded
+            if (manifest := _manifest(named)) and manifest["digest"] == digest:
+                with contextlib.suppress(OSError):  # a store this node only reads
+                    self._record_version(named.stem)
+                return self._load(named)
+        raise ImageNotFound(f"no image version {digest} in {self.root}; its name was rebuilt "
+                            "or removed and nothing kept it", ref=digest)
 
     def references(self) -> tuple[dict[str, list[str]], dict[str, tuple[float, int, list[str]]]]:
         """What the store's own records name, as the collector reads it: the named images'
@@ -289,7 +289,7 @@ class ImageStore:
             if not path.is_symlink() and (manifest := _manifest(path)):
                 named[manifest["digest"]] = manifest["layers"]
         versions: dict[str, tuple[float, int, list[str]]] = {}
-        for path in self._versions.glob("*.json"):
+        for path in self._versions.glob("*.json"):  # none if the directory is not there yet
             if path.is_symlink():
                 continue  # dsec never makes one: not a record
             if (manifest := _manifest(path)) and path.stem == _hex(manifest["digest"]):
@@ -323,6 +323,7 @@ class ImageStore:
         if target.exists():
             os.utime(target)
         else:
+            self._versions.mkdir(exist_ok=True)
             write_whole(target, json.dumps(manifest, indent=2).encode())
 
     def _find(self, name: str) -> Image | None:
