@@ -2,7 +2,9 @@
 cache) and a short grace: a layer a running sandbox uses survives, a removed image's own
 layers go and shared ones stay, a snapshot keeps its image version's layers until it is
 deleted (and a create from it still starts after its image's name was removed), a dry run
-changes nothing, and what a sandbox plants or prints does not steer the collector."""
+changes nothing, and what a sandbox plants or prints does not steer the collector. Then two
+servers as two nodes sharing one image store and one PostgreSQL: a layer a sandbox uses on
+one survives a collection on the other."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import pytest
 
 from conftest import TEST_ROOT, Server, make_server, stop_server
 from dsec.images.store import Image, ImageStore
+from dsec.store.local_postgres import LocalPostgres
 from test_cli import dsec_cli
 from test_images import _busybox_layers, _layer_tar, make_oci_archive
 from test_metrics import scrape
@@ -133,3 +136,32 @@ async def test_a_snapshot_keeps_its_layers_until_it_is_deleted(
         removed = {r.kind: r.count for r in (await client.gc()).removed}
     assert removed["layers"] == len(own) and removed["image_versions"] == 1
     assert not on_disk(store) & own
+
+
+async def test_a_layer_in_use_on_one_node_survives_a_collection_on_another(
+        local_postgres: LocalPostgres) -> None:
+    shared = ImageStore(TEST_ROOT / f"images-{secrets.token_hex(3)}")
+    elsewhere = import_image(shared, "elsewhere")
+    url = local_postgres.fresh_database("layers_" + secrets.token_hex(3))
+    args = ("--image-store", str(shared.root), "--state-url", url, "--layer-grace-s",
+            str(GRACE_S), "--gc-interval-s", "3600", "--warm-pool", "0")
+    node_a, node_b = make_server(*args).start(), make_server(*args).start()
+    try:
+        async with node_a.client() as a, node_b.client() as b:
+            sb = await a.create(image="elsewhere", ttl_s=300)
+            shared.remove("elsewhere")
+            await asyncio.sleep(GRACE_S + 1)
+            removed = {r.kind: r.count for r in (await b.gc()).removed}
+            assert removed["layers"] == 0 and removed["image_versions"] == 0
+            assert (await sb.run("cat /elsewhere.txt")).stdout == "elsewhere\n"
+            await sb.stop()
+        restart(node_a)  # its edge lets go: nothing on any node uses the layers now
+        await asyncio.sleep(GRACE_S + 1)
+        async with node_b.client() as b:
+            removed = {r.kind: r.count for r in (await b.gc()).removed}
+        assert removed["layers"] == len(elsewhere.layers) and removed["image_versions"] == 1
+        assert not on_disk(shared)
+    finally:
+        stop_server(node_a)
+        stop_server(node_b)
+        shutil.rmtree(shared.root, ignore_errors=True)
