@@ -20,7 +20,7 @@ import pytest
 from dsec.images import gc as image_gc
 from dsec.images.gc import UnusedLayers
 from dsec.images.mount import locked
-from dsec.images.node_uses import STALE_S, NodeUses
+from dsec.images.node_uses import STALE_S, NodeUses, forget
 from dsec.images.store import Image, ImageStore
 from dsec.protocol.errors import ImageNotFound
 from test_images import _layer_tar, make_oci_archive
@@ -229,3 +229,15 @@ def test_a_node_that_only_reads_the_store_still_starts_its_images(
     finally:
         subprocess.run(["umount", str(read_only)], check=True)
     assert not (store.root / "nodes").exists()
+
+
+def test_a_node_record_is_a_plain_name_in_the_store_whatever_the_edge_id(
+        store: ImageStore) -> None:
+    for edge_id in ("../../etc/passwd", ".hidden", "e" * 200, "rdeadbeef"):
+        uses = NodeUses(store, edge_id)
+        assert uses.path.parent == store.root / "nodes"
+        uses.start([])
+        assert uses.path.is_file()
+        forget(store.root, edge_id)  # a dead edge's, once its node's sandboxes are gone
+        assert not uses.path.exists()
+    assert NodeUses(store, "rdeadbeef").path.name == "rdeadbeef.json"

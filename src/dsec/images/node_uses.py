@@ -20,12 +20,14 @@ not renewed for ``STALE_S`` is logged by the collector as stale, but its layers 
 kept: its node may only be cut off from the shared store or hung, with sandboxes still
 reading those layers (a removed directory layer breaks them at once; a removed EROFS file is
 only freed at unmount anyway). A node gone for good costs disk until its edge starts again
-(which rewrites the record from what it adopts) or an operator removes its file.
+(which rewrites the record from what it adopts), a cluster's edge on its host has swept what
+it left (``cluster.orphans``: then its record goes), or an operator removes its file.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -53,10 +55,8 @@ class NodeUses:
     """This edge's record of the image versions (and so the layers) it uses."""
 
     def __init__(self, images: ImageStore, edge_id: str) -> None:
-        if not EDGE_ID.fullmatch(edge_id) or edge_id.startswith("."):
-            raise ValueError(f"{edge_id!r} cannot name a node record")
         self.images = images
-        self.path = nodes_dir(images.root) / f"{edge_id}.json"
+        self.path = record_path(images.root, edge_id)
         self.edge_id = edge_id
         self._held: dict[str, list[str]] = {}  # image digest -> its layer digests
         self._lock = threading.Lock()  # resolve runs in worker threads
@@ -121,6 +121,19 @@ class NodeUses:
 
 def nodes_dir(root: Path) -> Path:
     return root / "nodes"
+
+
+def record_path(root: Path, edge_id: str) -> Path:
+    """The edge's record: named by its id, or by a digest of an id (``--edge-id``) that is
+    no plain file name."""
+    if not EDGE_ID.fullmatch(edge_id) or edge_id.startswith("."):
+        edge_id = "h" + hashlib.sha256(edge_id.encode()).hexdigest()[:32]
+    return nodes_dir(root) / f"{edge_id}.json"
+
+
+def forget(root: Path, edge_id: str) -> None:
+    """Remove a dead edge's record, once nothing of it runs (``cluster.orphans``)."""
+    record_path(root, edge_id).unlink(missing_ok=True)
 
 
 def read_all(root: Path, now: float) -> tuple[set[str], set[str], list[str]]:
