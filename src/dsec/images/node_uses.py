@@ -65,15 +65,20 @@ class NodeUses:
 
     def resolve(self, find: Callable[[], Image]) -> Image:
         """``find()`` (a lookup by name or digest), recorded as used by this node before the
-        caller mounts it; both under the store's shared lock (see the module docstring)."""
+        caller mounts it; both under the store's shared lock (see the module docstring). An
+        image this node holds already needs neither: its record keeps the layers."""
+        image = find()
         if self.read_only:
-            return find()
+            return image
+        with self._lock:
+            if image.digest in self._held:
+                return image
         with locked(self.images.lock_path, shared=True):
             image = find()
             with self._lock:
-                if image.digest not in self._held:
-                    self._held[image.digest] = [layer.digest for layer in image.layers]
-                    self._write()
+                if image.digest not in self._held:  # held once the record says so
+                    self._write({**self._held, image.digest: [layer.digest
+                                                              for layer in image.layers]})
             return image
 
     def start(self, images: list[Image]) -> None:
@@ -83,9 +88,8 @@ class NodeUses:
         by another node (``--layer-grace-s`` very long there)."""
         try:
             with locked(self.images.lock_path, shared=True), self._lock:
-                self._held = {image.digest: [layer.digest for layer in image.layers]
-                              for image in images}
-                self._write()
+                self._write({image.digest: [layer.digest for layer in image.layers]
+                             for image in images})
         except OSError as exc:
             if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
                 raise
@@ -98,25 +102,28 @@ class NodeUses:
         """Called often (the edge's reaper): rewrites the record every ``RENEW_S``."""
         with self._lock:
             if not self.read_only and time.time() - self._written_at >= RENEW_S:
-                self._write()
+                self._write(self._held)
 
     def stop(self, still_running: set[str]) -> None:
         """The edge stops: only the versions (digests) of sandboxes that keep running stay
         held, until the edge's next start adopts them; no record at all if none do."""
         with self._lock:
-            self._held = {d: ls for d, ls in self._held.items() if d in still_running}
+            held = {d: ls for d, ls in self._held.items() if d in still_running}
             if self.read_only:
-                pass
-            elif self._held:
-                self._write()
+                self._held = held
+            elif held:
+                self._write(held)
             else:
                 self.path.unlink(missing_ok=True)
+                self._held = held
 
-    def _write(self) -> None:
-        self._written_at = time.time()
+    def _write(self, held: dict[str, list[str]]) -> None:
+        """Record ``held`` (whole, by rename); it is what this node holds once written."""
+        written_at = time.time()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_whole(self.path, json.dumps({"edge": self.edge_id, "written_at": self._written_at,
-                                        "images": self._held}).encode())
+        write_whole(self.path, json.dumps({"edge": self.edge_id, "written_at": written_at,
+                                           "images": held}).encode())
+        self._held, self._written_at = held, written_at
 
 
 def nodes_dir(root: Path) -> Path:

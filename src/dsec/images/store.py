@@ -320,9 +320,9 @@ class ImageStore:
         path = self._images / f"{name}.json"
         manifest = json.loads(path.read_text())
         target = self.version_path(manifest["digest"])
-        if target.exists():
+        try:
             os.utime(target)
-        else:
+        except FileNotFoundError:
             self._versions.mkdir(exist_ok=True)
             write_whole(target, json.dumps(manifest, indent=2).encode())
 
