@@ -40,13 +40,23 @@ def blob(server: Server, data: bytes) -> Path:
     return server.state_dir / "blobs" / "sha256" / digest[:2] / digest
 
 
-def events_of(server: Server, sandbox_id: str) -> int:
+def rows_naming(server: Server, table: str, sandbox_id: str) -> int:
+    """Rows of ``table`` (events, idempotency_keys: the SDK gives every create a key) that name
+    the sandbox."""
     db = sqlite3.connect(f"file:{server.state_dir / 'state.db'}?mode=ro", uri=True)
     try:
-        return db.execute("SELECT COUNT(*) FROM events WHERE sandbox_id=?",
+        return db.execute(f"SELECT COUNT(*) FROM {table} WHERE sandbox_id=?",
                           (sandbox_id,)).fetchone()[0]
     finally:
         db.close()
+
+
+def events_of(server: Server, sandbox_id: str) -> int:
+    return rows_naming(server, "events", sandbox_id)
+
+
+def keys_of(server: Server, sandbox_id: str) -> int:
+    return rows_naming(server, "idempotency_keys", sandbox_id)
 
 
 async def gone(c: dsec.DSecClient, sandbox_id: str) -> bool:
@@ -69,7 +79,7 @@ async def test_ended_records_events_and_blobs_go_the_rest_stays(srv: Server,
     ended = await client.create(ttl_s=120)
     await ended.run("true")
     await ended.stop()
-    assert events_of(srv, ended.id) > 0
+    assert events_of(srv, ended.id) > 0 and keys_of(srv, ended.id) == 1
     live = await client.create(ttl_s=600)
 
     kept_trajectory = new_id("kept")
@@ -87,11 +97,12 @@ async def test_ended_records_events_and_blobs_go_the_rest_stays(srv: Server,
                 and not blob(srv, doomed_out).exists())
     await until(collected)
     assert events_of(srv, ended.id) == 0 and events_of(srv, doomed.id) == 0
+    assert keys_of(srv, ended.id) == 0  # the key of a collected record goes with it
 
     await asyncio.sleep(RETAIN_S + 2)  # well past the retention: what stays, stays
     assert (await client.get(live.id)).info.state == "running"
     assert (await live.run("echo alive")).stdout == "alive\n"
-    assert events_of(srv, live.id) > 0
+    assert events_of(srv, live.id) > 0 and keys_of(srv, live.id) == 1
     assert (await client.get(kept.id)).info.state == "stopped"
     assert (await client.trajectory(kept_trajectory)).sandbox.id == kept.id
     assert blob(srv, kept_out).exists()
@@ -101,6 +112,7 @@ async def test_ended_records_events_and_blobs_go_the_rest_stays(srv: Server,
     assert m["dsec_gc_removed_total{kind=sandboxes}"] >= 2
     assert m["dsec_gc_removed_total{kind=events}"] >= 2
     assert m["dsec_gc_removed_total{kind=blobs}"] >= 1
+    assert m["dsec_gc_removed_total{kind=idempotency_keys}"] >= 1
     assert m["dsec_gc_removed_bytes_total{kind=blobs}"] >= len(doomed_out)
     assert not any(k.startswith("dsec_gc_failures_total{") and v for k, v in m.items())
     await live.stop()

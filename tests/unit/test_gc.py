@@ -17,6 +17,7 @@ import pytest
 from dsec.control.collectors import BATCH, SandboxRecords, UnreferencedBlobs
 from dsec.protocol.digest import StepRequest
 from dsec.store.blobs import BlobStore
+from dsec.store.idempotency import IdempotencyStore
 from dsec.store.lease import Leases
 from dsec.store.projects import ProjectStore
 from dsec.store.sqlite import SandboxRow, SnapshotRow, StateStore
@@ -106,6 +107,10 @@ def test_ended_records_and_events_go_after_retention_live_and_named_ones_stay(st
     projects.release(released)
     store.event("snapshot_deleted", None, snapshot="sn-0")
     store._db.execute("UPDATE events SET at=? WHERE sandbox_id IS NULL", (time.time() - 8 * DAY,))
+    keys = IdempotencyStore(store.url)
+    for made in ("sb-old", "sb-live"):
+        assert keys.claim("default", f"key-{made}", "digest", "server", 15, DAY).state == "claimed"
+        assert keys.complete("default", f"key-{made}", "server", made)
 
     collector = SandboxRecords(store.url, retain_ended_s=7 * DAY, retain_failed_s=DAY)
     before = ids(store)
@@ -113,6 +118,7 @@ def test_ended_records_and_events_go_after_retention_live_and_named_ones_stay(st
     assert ids(store) == before
     assert dry["sandboxes"][0] == 1 and dry["failed_creates"][0] == 1
     assert dry["events"][0] == 3  # two records' "created", one edge event
+    assert dry["idempotency_keys"][0] == 1  # the key that made sb-old
 
     assert collect(collector) == dry
     assert ids(store) == before - {"sb-old", "sb-failed"}
@@ -120,7 +126,11 @@ def test_ended_records_and_events_go_after_retention_live_and_named_ones_stay(st
     assert store.events("sb-live") and store.events("sb-traj")
     assert projects.project_of("sb-old") is None  # its released reservation went with it
     assert projects.project_of("sb-unreleased") == "default"
-    assert collect(collector) == {"sandboxes": (0, 0), "failed_creates": (0, 0), "events": (0, 0)}
+    # the key went with its record: the same key claims afresh; the live sandbox's still holds
+    assert keys.claim("default", "key-sb-old", "other", "server", 15, DAY).state == "claimed"
+    assert keys.claim("default", "key-sb-live", "digest", "server", 15, DAY).sandbox_id == "sb-live"
+    assert collect(collector) == {"sandboxes": (0, 0), "failed_creates": (0, 0), "events": (0, 0),
+                                  "idempotency_keys": (0, 0)}
 
     log.delete("t1")
     store.delete_snapshot("sn-1")
