@@ -22,7 +22,7 @@ from dsec.images.gc import UnusedLayers
 from dsec.images.mount import locked
 from dsec.images.node_uses import STALE_S, NodeUses, forget
 from dsec.images.store import Image, ImageStore
-from dsec.protocol.errors import ImageNotFound
+from dsec.protocol.errors import ImageNotFound, InvalidRequest
 from test_images import _layer_tar, make_oci_archive
 
 HOUR = 3600.0
@@ -241,3 +241,13 @@ def test_a_node_record_is_a_plain_name_in_the_store_whatever_the_edge_id(
         forget(store.root, edge_id)  # a dead edge's, once its node's sandboxes are gone
         assert not uses.path.exists()
     assert NodeUses(store, "rdeadbeef").path.name == "rdeadbeef.json"
+
+
+def test_a_version_is_found_by_a_whole_digest_only(store: ImageStore, tmp_path: Path) -> None:
+    a = image(store, tmp_path, "a", "x")
+    assert store.version(a.digest) == a
+    for bad in (a.digest[:20], "sha256:../../images/a", a.digest.upper(), "a"):
+        with pytest.raises(InvalidRequest):
+            store.version(bad)
+    with pytest.raises(ImageNotFound):
+        store.version("sha256:" + "0" * 64)
