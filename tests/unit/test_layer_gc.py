@@ -251,3 +251,16 @@ def test_a_version_is_found_by_a_whole_digest_only(store: ImageStore, tmp_path: 
             store.version(bad)
     with pytest.raises(ImageNotFound):
         store.version("sha256:" + "0" * 64)
+
+
+async def test_what_a_dead_collector_moved_aside_goes_at_the_next_collection(
+        store: ImageStore) -> None:
+    aside = store.root / "tmp" / f"{'ab' * 32}.gc.dead"
+    (aside / "rootfs").mkdir(parents=True)
+    (aside / "rootfs" / "f").write_text("x")
+    building = store.root / "tmp" / f"{'cd' * 32}.k3j2h1x0"  # a build's scratch: not ours
+    building.mkdir()
+    await collector(store).collect(time.time(), dry_run=True)
+    assert aside.exists()
+    await collector(store).collect(time.time(), dry_run=False)
+    assert not aside.exists() and building.exists()

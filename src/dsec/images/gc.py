@@ -59,6 +59,9 @@ class UnusedLayers:
 
     async def collect(self, now: float, dry_run: bool) -> list[Removed]:
         garbage = await asyncio.to_thread(self._scan, now)
+        if not dry_run:
+            for path in self.images.layers.taken_out():  # a dead collector's
+                await asyncio.to_thread(shutil.rmtree, path, True)
         if not dry_run and (garbage.layers or garbage.versions):
             garbage = await asyncio.to_thread(self._remove, now)
         return [Removed(kind="layers", count=len(garbage.layers), bytes=sum(garbage.layers.values())),
@@ -87,7 +90,7 @@ class UnusedLayers:
     def _remove(self, now: float) -> Garbage:
         """Under the store's exclusive lock: scan again, and take out what is garbage then;
         what this call removed."""
-        aside: list[Path] = self.images.layers.taken_out()  # a dead collector's
+        aside: list[Path] = []
         layers, versions = {}, {}
         try:
             with locked(self.images.lock_path, wait_s=LOCK_WAIT_S):
