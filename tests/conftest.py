@@ -34,6 +34,10 @@ VM_SUBSTRATES = ("microvm", "vm")
 VM_ACCEL = os.environ.get("DSEC_TEST_VM_ACCEL", "tcg")
 LOG_DIR = Path("/tmp/dsec-test-logs")  # server logs outlive the state dirs, for post-mortems
 HTTP_TIMEOUT_S = 120  # a loaded host (shared CPUs) can keep a server busy well beyond httpx's 5 s
+# Test servers share the images cache (/var/cache/dsec/images) with every other test and CI,
+# each with its own state store, so none knows the others' snapshots: none collects the
+# cache's layers (tests of layer collection give their server a private image store).
+os.environ.setdefault("DSEC_LAYER_GRACE_S", str(100 * 365 * 86400))
 
 
 @pytest.fixture(scope="session")

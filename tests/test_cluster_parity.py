@@ -130,7 +130,8 @@ def serve_args(ray_cluster: LocalRayCluster, local_postgres: LocalPostgres, serv
             # garbage collection: a retention long past the tests, and no pass before the
             # GC test's own replicas take the lease (its loop sleeps an interval first)
             "--retain-ended-s": "86400", "--retain-failed-s": "86400", "--trajectory-ttl-s": "86400",
-            "--gc-interval-s": "3600", "--blob-grace-s": "600"}
+            "--gc-interval-s": "3600", "--blob-grace-s": "600",
+            "--layer-grace-s": str(200 * 365 * 86400)}  # the shared images cache: never collected
 
 
 @pytest.fixture(scope="module")

@@ -351,7 +351,9 @@ def test_get_list_and_remove(tmp_path: Path, store: ImageStore) -> None:
     store.remove("first")
     assert [image.name for image in store.list()] == ["second"]
     remaining = {f"sha256:{name}" for name in os.listdir(store.root / "layers")}
-    assert remaining == {layer.digest for layer in second.layers}  # shared bottom layer kept
+    # the name only: layers go with garbage collection (tests/unit/test_layer_gc.py)
+    assert remaining == {layer.digest for layer in (*first.layers, *second.layers)}
+    assert store.version(first.digest) == first  # what a snapshot of it was made from
 
 
 def _race(script: str, go: Path, processes: int = 2) -> list[subprocess.CompletedProcess[str]]:

@@ -124,6 +124,9 @@ class Settings:
     blob_grace_s: int = _setting(3600, "seconds an unreferenced blob is kept after it was last "
                                  "written (covers a step between its blob's write and its "
                                  "commit)", option="--blob-grace-s")
+    layer_grace_s: int = _setting(86400, "seconds an image layer (or image version) nothing "
+                                  "uses is kept after it was last written or used (see "
+                                  "images/gc.py)", option="--layer-grace-s")
 
     @classmethod
     def load(cls, environ: Mapping[str, str] | None = None, **options: Any) -> Settings:

@@ -10,7 +10,8 @@ Every substrate is asked, as a restarting edge asks its own (``Edge.recover``): 
 leftovers of the dead edge's directory are destroyed one by one (containers, QEMU processes
 with their taps and cgroups), then ``close`` removes what is not a sandbox's (the fn
 substrate's template cgroups, the substrates' cgroup parents). A leftover that cannot be
-removed is logged and the sweep goes on.
+removed is logged and the sweep goes on. Once all of it is gone, so is the dead edge's record
+of the image layers it used (``images.node_uses``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import ray
 
 from ..config import Settings
 from ..images.mount import locked
+from ..images.node_uses import forget
+from ..images.store import ImageStore
 from ..store.sqlite import StateStore
 from ..substrates.host.tree import remove_tree
 from ..substrates.registry import all_substrates, disk_volume
@@ -85,6 +88,8 @@ async def reclaim_dead_edges(settings: Settings, own: str, store: StateStore) ->
                 remove_tree(edge_dir)  # iterative, and never into a disk still mounted
             except OSError:
                 log.exception("could not remove all of dead edge %s's directory", edge)
+            else:  # nothing of it runs any more: the layers it used are no longer its
+                forget(ImageStore(settings.image_store).root, edge)
         log.warning("edge %s: removed %d sandboxes of dead edge %s", own, removed, edge)
         reclaimed.append(edge)
     return reclaimed

@@ -197,3 +197,16 @@ class UnreferencedBlobs:
                 count += 1
                 size += removed
         return Removed(kind="blobs", count=count, bytes=size)
+
+
+class SnapshotImages:
+    """The image versions (digests) every snapshot record names, for the layer collector
+    (``images.gc.UnusedLayers``): a snapshot keeps the layers it was taken over, whatever
+    its image's name points at now. Its own connection: called from a worker thread."""
+
+    def __init__(self, target: Path | str) -> None:
+        self._db: Database = open_database(target, IDEMPOTENCY_SCHEMA)
+
+    def __call__(self) -> set[str]:
+        rows = self._db.execute("SELECT DISTINCT image_digest FROM snapshots").fetchall()
+        return {str(row["image_digest"]) for row in rows}

@@ -13,13 +13,20 @@ from prometheus_client import CollectorRegistry
 from ..config import Settings
 from ..edge.assemble import build_edge
 from ..edge.metrics import EdgeMetrics
+from ..images.gc import UnusedLayers
+from ..images.store import ImageStore
 from ..store.blobs import BlobStore
 from ..store.gc import Collector
 from ..store.idempotency import IdempotencyStore
 from ..store.lease import Leases
 from ..store.sqlite import StateStore
 from ..trajectory.log import TrajectoryLog
-from .collectors import ExpiredTrajectories, SandboxRecords, UnreferencedBlobs
+from .collectors import (
+    ExpiredTrajectories,
+    SandboxRecords,
+    SnapshotImages,
+    UnreferencedBlobs,
+)
 from .directory import EdgeDirectory, LocalEdges
 from .gc import GarbageCollector
 from .plane import ControlPlane
@@ -49,10 +56,13 @@ def plane(settings: Settings, store: StateStore, registry: CollectorRegistry,
 def garbage_collector(settings: Settings, store: StateStore, registry: CollectorRegistry,
                       router: Router, blobs: BlobStore) -> GarbageCollector:
     """The collectors of the settings' retention: shared ones (the state store's records and
-    trajectories, run by one replica at a time), local ones (this host's blob area)."""
+    trajectories, and the image store, which every node of a cluster shares: run by one
+    replica at a time), local ones (this host's blob area)."""
     recorder = router.trajectories()
     shared: list[Collector] = [
         SandboxRecords(store.url, settings.retain_ended_s, settings.retain_failed_s),
-        ExpiredTrajectories(recorder.log, recorder.delete, settings.trajectory_ttl_s)]
+        ExpiredTrajectories(recorder.log, recorder.delete, settings.trajectory_ttl_s),
+        UnusedLayers(ImageStore(settings.image_store), SnapshotImages(store.url),
+                     settings.layer_grace_s)]
     local: list[Collector] = [UnreferencedBlobs(recorder.log, blobs, settings.blob_grace_s)]
     return GarbageCollector(Leases(store.url), shared, local, settings.gc_interval_s, registry)

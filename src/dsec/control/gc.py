@@ -2,12 +2,12 @@
 background every ``gc_interval_s``, never on a request's path, and on demand (``dsec gc``,
 ``POST /v1/admin/gc``).
 
-In a cluster the replicas share the state store; its *shared* collectors (records, the log)
-run on the one replica holding the ``gc`` lease (``store.lease``), taken and renewed before
+In a cluster the replicas share the state store and the image store; their *shared*
+collectors (records, the log, image layers) run on the one replica holding the ``gc`` lease (``store.lease``), taken and renewed before
 each collection, so one replica collects at a time with no lock server. A lease that lapses
 while its holder stalls lets a second replica start while the first finishes: removals are
 conditional deletes, counted by whoever removed them, so nothing is removed or counted twice.
-*Local* collectors (this host's files: blobs, image layers) run on every replica.
+*Local* collectors (this host's files: blobs) run on every replica.
 
 What each collection removed is counted in ``/metrics`` (``dsec_gc_removed_total`` and
 ``dsec_gc_removed_bytes_total`` by kind) and logged; a collector that fails is logged and

@@ -26,7 +26,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from ..agent.client import AgentClient, AgentError, AgentUnavailable, Exit, Output
 from ..agent.tools import TAR
-from ..images.store import ImageStore
+from ..images.node_uses import NodeUses
+from ..images.store import Image, ImageStore
 from ..network.hosts import pin_in_sandbox
 from ..network.policy import Egress, ServiceTable, resolve
 from ..protocol.errors import (
@@ -132,6 +133,7 @@ class Edge:
         self.id = config.edge_id
         self.store = store
         self.images = images
+        self.uses = NodeUses(images, self.id)  # the layers this node uses, for the image GC
         self.substrates = substrates
         self.metrics = metrics
         self.services = ServiceTable(config.network_services)
@@ -154,6 +156,8 @@ class Edge:
         for substrate in self.substrates.values():
             await substrate.prepare()
         await self.recover()
+        await asyncio.to_thread(self.uses.start, [image for live in self._live.values()
+                                                  if (image := self._image_of(live.row))])
         self._reaper = asyncio.create_task(self._reap_forever(), name="dsec-reaper")
 
     async def close(self) -> None:
@@ -165,7 +169,18 @@ class Edge:
             await pool.close()
         for substrate in self.substrates.values():
             await substrate.close()
+        await asyncio.to_thread(self.uses.stop, {live.row.image_digest
+                                                 for live in self._live.values()})
         await asyncio.to_thread(self.volume.close)  # only if no sandbox is left on it
+
+    def _image_of(self, row: SandboxRow) -> Image | None:
+        """The image version an adopted sandbox runs on; None (logged) if no record of it
+        is left (its layers cannot be kept for it)."""
+        try:
+            return self.images.version(row.image_digest)
+        except DSecError as exc:
+            log.warning("sandbox %s: %s", row.id, exc)
+            return None
 
     async def recover(self) -> None:
         """Adopt the sandboxes that survived a restart; remove everything else we left."""
@@ -267,12 +282,11 @@ class Edge:
             self.volume.check_room(req.disk_mb << 20)
         self._starting += 1
         try:
-            image = self.images.get(req.image)
-            if snap is not None and image.digest != snap.image_digest:
-                raise NotSupported(f"snapshot {snap.id} was taken on image {snap.image} "
-                                   f"{snap.image_digest[:19]}, which has been rebuilt since: its "
-                                   "writable layer does not fit the new layers",
-                                   snapshot=snap.id)
+            # A snapshot's own image version, whatever its name points at now (its writable
+            # layer fits only those layers): the version is kept while the snapshot is.
+            image = await asyncio.to_thread(
+                self.uses.resolve, lambda: self.images.get(req.image) if snap is None
+                else self.images.version(snap.image_digest))
             if snap is not None:
                 disk_from = await self._snapshot_file(snap)
                 memory_from = self._snapshot_files(snap)[1]
@@ -545,13 +559,11 @@ class Edge:
                                "namespace)")
         disk_from, memory_from = self._snapshot_files(snap)
         plan = StartPlan(sandbox_id, CreateRequest.model_validate(live.row.request),
-                         self.images.get(live.row.image), disk_from=disk_from,
-                         memory_from=memory_from)
+                         await asyncio.to_thread(self.uses.resolve, lambda: self.images.version(
+                             live.row.image_digest)),
+                         disk_from=disk_from, memory_from=memory_from)
         # Resolved before anything is killed; wired again into the restarted sandbox.
         egress = await self._egress(live.substrate, plan.request.network)
-        if plan.image.digest != live.row.image_digest:
-            raise NotSupported(f"image {live.row.image} has been rebuilt since the sandbox "
-                               "started: its layers are gone from under the snapshot")
         async with live.changing:  # a stop meanwhile waits, then removes what this started
             self._still_live(live)
             live.rolling_back = True
@@ -723,14 +735,20 @@ class Edge:
     async def call_fn(self, image: str, payload: bytes, timeout_s: float) -> bytes:
         """Run a cloudpickled ``(fn, args, kwargs)``; its pickled return value (passed through
         unread: it is untrusted). RemoteError when the function raised."""
-        return await self._fn_call(lambda fn: fn.call(self.images.get(image), payload, timeout_s))
+        async def call(fn: FnSubstrate) -> bytes:
+            return await fn.call(await self._named(image), payload, timeout_s)
+        return await self._fn_call(call)
 
     async def run_code(self, req: RunCodeRequest) -> CodeResult:
         """Write, compile if needed and run a program; what it did."""
-        fields = await self._fn_call(lambda fn: fn.run_code(
-            self.images.get(req.image), req.language, req.code, req.stdin, req.timeout_s,
-            req.max_output_bytes))
-        return CodeResult.model_validate(fields)
+        async def run(fn: FnSubstrate) -> dict[str, Any]:
+            return await fn.run_code(await self._named(req.image), req.language, req.code,
+                                     req.stdin, req.timeout_s, req.max_output_bytes)
+        return CodeResult.model_validate(await self._fn_call(run))
+
+    async def _named(self, name: str) -> Image:
+        """The image named ``name``, recorded as used by this node (the image GC keeps it)."""
+        return await asyncio.to_thread(self.uses.resolve, lambda: self.images.get(name))
 
     # queries
     def info(self, row: SandboxRow) -> SandboxInfo:
@@ -988,6 +1006,7 @@ class Edge:
             await asyncio.sleep(self.config.reap_interval_s)
             try:
                 await self.reap()
+                await asyncio.to_thread(self.uses.renew)
                 if self.shared is not None and time.monotonic() - swept > FETCHED_SWEEP_S:
                     swept = time.monotonic()
                     await self._drop_deleted_copies()

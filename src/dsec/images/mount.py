@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import subprocess
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -96,11 +97,21 @@ def mountpoints() -> set[Path]:
 
 
 @contextmanager
-def locked(path: Path, shared: bool = False) -> Iterator[None]:
-    """Hold a flock on ``path`` (created if missing), exclusive unless ``shared``; works across processes."""
+def locked(path: Path, shared: bool = False, wait_s: float | None = None) -> Iterator[None]:
+    """Hold a flock on ``path`` (created if missing), exclusive unless ``shared``; works across
+    processes. With ``wait_s``, raise ``TimeoutError`` if it is not had within that time."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, mode if deadline is None else mode | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"{path} is held by another process") from None
+                time.sleep(0.05)
         yield
     finally:
         os.close(fd)

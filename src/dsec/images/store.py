@@ -6,16 +6,26 @@ Layout under the root (plain files only, so the store can live on NFS or 3FS)::
     layers/<hex>/layer.erofs    the layer as an EROFS image, or
     layers/<hex>/rootfs/        the layer as a directory (kernels without erofs)
     images/<name>.json          manifest: layer digests bottom→top, config, source
+    images/versions/<hex>.json  every version a name pointed at, by image digest: what a
+                                snapshot or a running sandbox was made from, found again
+                                after its name was rebuilt or removed
+    nodes/<edge>.json           the layers each node's sandboxes use (node_uses.py)
     locks/                      flock files: one per layer, one for the whole store
     tmp/                        layers under construction, renamed into layers/ when complete
+
+Nothing here is removed on a request's path: removing an image removes its name; its
+layers and versions go with garbage collection (gc.py), when nothing uses them any more.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
+import re
+import secrets
 import shutil
 import subprocess
 import tempfile
@@ -43,6 +53,7 @@ DEFAULT_PATH = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bi
 # lz4hc: the bookworm minbase layer is 94 MB instead of 165 MB uncompressed (2.5 s vs 1.8 s to
 # pack); lz4 decompression is cheap next to the page cache it fills.
 _EROFS_OPTIONS = ("-zlz4hc", "--quiet")
+DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -120,6 +131,7 @@ class LayerStore:
         """
         with locked(self._locks / f"{_hex(digest)}.lock"):
             if layer := self.get(digest):
+                self.touch(digest)  # used again: its garbage-collection grace starts afresh
                 return layer, False
             for stale in self._tmp.glob(f"{_hex(digest)}.*"):  # left by a builder that died: we hold the lock
                 shutil.rmtree(stale)
@@ -130,16 +142,41 @@ class LayerStore:
             finally:
                 shutil.rmtree(scratch)
 
-    def remove_except(self, keep: set[str]) -> list[str]:
-        """Delete every layer whose digest is not in ``keep``; the caller excludes builders."""
-        removed = []
-        for directory in self._layers.iterdir():
-            digest = f"sha256:{directory.name}"
-            if digest not in keep:
-                shutil.rmtree(directory)
-                (self._locks / f"{directory.name}.lock").unlink(missing_ok=True)
-                removed.append(digest)
-        return removed
+    def digests(self) -> dict[str, tuple[float, int]]:
+        """Every complete layer: digest -> (when last written or used, size in bytes). Only
+        directories named by a 64-hex digest count; anything else under layers/ (a link, an
+        odd name) is no layer and is left alone."""
+        found = {}
+        for entry in os.scandir(self._layers):
+            if not (DIGEST.fullmatch(f"sha256:{entry.name}") and entry.is_dir(follow_symlinks=False)):
+                continue
+            try:
+                st = os.stat(os.path.join(entry.path, "layer.json"), follow_symlinks=False)
+                size = json.loads(Path(entry.path, "layer.json").read_text())["size_bytes"]
+            except (OSError, ValueError, KeyError):
+                continue  # not complete: no layer (a rename makes layers appear whole)
+            found[f"sha256:{entry.name}"] = (st.st_mtime, int(size))
+        return found
+
+    def touch(self, digest: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(self._layers / _hex(digest) / "layer.json")
+
+    def take_out(self, digest: str) -> Path | None:
+        """Move the layer out of the store (atomic rename into tmp/, under its lock, so no
+        build of it is half-way); the caller removes what it returns. None if it was gone."""
+        with locked(self._locks / f"{_hex(digest)}.lock"):
+            aside = self._tmp / f"{_hex(digest)}.gc.{secrets.token_hex(4)}"
+            try:
+                os.rename(self._layers / _hex(digest), aside)
+            except FileNotFoundError:
+                return None
+        (self._locks / f"{_hex(digest)}.lock").unlink(missing_ok=True)
+        return aside
+
+    def taken_out(self) -> list[Path]:
+        """Layers a collector moved aside and did not remove (it died): theirs to remove."""
+        return [p for p in self._tmp.glob("*.gc.*") if not p.is_symlink()]
 
     def _commit(self, digest: str, scratch: Path, source: dict[str, Any]) -> Layer:
         out = scratch / "out"
@@ -172,6 +209,7 @@ class ImageStore:
         self.root = Path(root or current().image_store or DEFAULT_ROOT)
         self._images = self.root / "images"
         self._images.mkdir(parents=True, exist_ok=True)
+        self._versions = self._images / "versions"  # made by the first version recorded
         self.layers = LayerStore(self.root, layer_format or detect_layer_format())
         self._store_lock = self.root / "locks" / "store.lock"
         self._loaded: dict[str, tuple[tuple[int, int], Image]] = {}
@@ -219,14 +257,74 @@ class ImageStore:
         return self.build(spec, console)
 
     def remove(self, ref: str) -> Image:
-        """Remove an image, and the layers no other image uses."""
-        with locked(self._store_lock):  # exclusive: no build may be picking up a layer we delete
-            image = self.get(ref)
-            (self._images / f"{image.name}.json").unlink()
-            in_use = {layer.digest for other in self.list() for layer in other.layers}
-            removed = self.layers.remove_except(in_use)
-            log.info("removed image %s and %d unused layers", image.name, len(removed))
-            return image
+        """Remove an image's name. Its layers stay while anything uses them (another image,
+        a snapshot, a sandbox on any node) and go with garbage collection after that (gc.py)."""
+        image = self.get(ref)
+        (self._images / f"{image.name}.json").unlink()
+        log.info("removed image %s (its unused layers go with garbage collection)", image.name)
+        return image
+
+    def version(self, digest: str) -> Image:
+        """The image version ``digest`` (``Image.digest``), whatever its name is now: what a
+        snapshot or a sandbox was made from."""
+        if not DIGEST.fullmatch(digest):
+            raise InvalidRequest(f"{digest!r} is not an image digest (sha256:<64 hex>)")
+        path = self.version_path(digest)
+        if path.exists():
+            return self._load(path)
+        for named in self._images.glob("*.json"):  # named before versions were recorded
+            if (manifest := _manifest(named)) and manifest["digest"] == digest:
+                with contextlib.suppress(OSError):  # a store this node only reads
+                    self._record_version(named.stem)
+                return self._load(named)
+        raise ImageNotFound(f"no image version {digest} in {self.root}; its name was rebuilt "
+                            "or removed and nothing kept it", ref=digest)
+
+    def references(self) -> tuple[dict[str, list[str]], dict[str, tuple[float, int, list[str]]]]:
+        """What the store's own records name, as the collector reads it: the named images'
+        layers by image digest, and every recorded version's (mtime, file size, layers). A
+        record that cannot be read is skipped (logged): it names nothing."""
+        named: dict[str, list[str]] = {}
+        for path in self._images.glob("*.json"):
+            if not path.is_symlink() and (manifest := _manifest(path)):
+                named[manifest["digest"]] = manifest["layers"]
+        versions: dict[str, tuple[float, int, list[str]]] = {}
+        for path in self._versions.glob("*.json"):  # none if the directory is not there yet
+            if path.is_symlink():
+                continue  # dsec never makes one: not a record
+            if (manifest := _manifest(path)) and path.stem == _hex(manifest["digest"]):
+                st = path.stat()
+                versions[manifest["digest"]] = (st.st_mtime, st.st_size, manifest["layers"])
+        return named, versions
+
+    def remove_version(self, digest: str) -> bool:
+        """Forget a version record; False if it was already gone."""
+        try:
+            self.version_path(digest).unlink()
+        except FileNotFoundError:
+            return False
+        return True
+
+    def version_path(self, digest: str) -> Path:
+        return self._versions / f"{_hex(digest)}.json"
+
+    @property
+    def lock_path(self) -> Path:
+        """The store's lock: shared by builds, imports and edges taking an image into use;
+        exclusive for garbage collection."""
+        return self._store_lock
+
+    def _record_version(self, name: str) -> None:
+        """The version the name ``name`` points at, recorded by digest (once; touched again
+        when named again, so its collection grace starts afresh)."""
+        path = self._images / f"{name}.json"
+        manifest = json.loads(path.read_text())
+        target = self.version_path(manifest["digest"])
+        try:
+            os.utime(target)
+        except FileNotFoundError:
+            self._versions.mkdir(exist_ok=True)
+            write_whole(target, json.dumps(manifest, indent=2).encode())
 
     def _find(self, name: str) -> Image | None:
         """The named image; a manifest is parsed once per version (it is replaced by rename,
@@ -247,6 +345,7 @@ class ImageStore:
         digest = image_digest(layers)
         existing = self._find(name)
         if existing and existing.digest == digest and existing.config == config:
+            self._record_version(name)
             return existing  # nothing changed: keep the manifest (and its created_at) as it is
         manifest = {
             "name": name,
@@ -256,11 +355,8 @@ class ImageStore:
             "config": asdict(config),
             "source": source,
         }
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=self._images)
-        os.close(fd)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; other nodes' readers need it
-        _write_durably(Path(tmp), json.dumps(manifest, indent=2).encode())
-        os.rename(tmp, self._images / f"{name}.json")  # atomic: readers see the old or the new manifest
+        write_whole(self._images / f"{name}.json", json.dumps(manifest, indent=2).encode())
+        self._record_version(name)
         return self._load(self._images / f"{name}.json")
 
     def _load(self, path: Path) -> Image:
@@ -292,6 +388,24 @@ class ImageStore:
         return [self._load(path) for path in sorted(self._images.glob("*.json"))]
 
 
+def _manifest(path: Path) -> dict[str, Any] | None:
+    """A manifest's digest and layer digests, checked; None (logged) if it is not one."""
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None  # removed meanwhile: it names nothing
+    except (OSError, ValueError):
+        manifest = None
+    try:
+        if (DIGEST.fullmatch(manifest["digest"]) and isinstance(manifest["layers"], list)
+                and all(isinstance(d, str) and DIGEST.fullmatch(d) for d in manifest["layers"])):
+            return manifest
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    log.warning("%s is not an image manifest: skipped", path)
+    return None
+
+
 def _check_name(name: str) -> None:
     if not IMAGE_NAME.match(name):
         raise InvalidRequest(f"{name!r} is not a valid image name (letters, digits, '.', '_', ':', '-')")
@@ -309,6 +423,16 @@ def _mkfs_erofs(rootfs: Path, image_file: Path) -> None:
     if result.returncode != 0:
         raise ImageBuildError(f"mkfs.erofs failed (exit {result.returncode}): {result.stderr.strip()}")
     _write_durably(image_file, None)
+
+
+def write_whole(path: Path, data: bytes) -> None:
+    """Write ``path`` whole or not at all (a temporary file renamed over it): readers on any
+    node see the old content or the new."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    os.chmod(tmp, 0o644)  # mkstemp makes it private; other nodes' readers need it
+    _write_durably(Path(tmp), data)
+    os.rename(tmp, path)
 
 
 def _write_durably(path: Path, data: bytes | None) -> None:
