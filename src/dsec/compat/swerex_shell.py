@@ -1,0 +1,133 @@
+"""The wire of a SWE-ReX bash session over a terminal, as pure functions: what dsec types into
+the session's bash and how it reads the answer back out of the terminal's output.
+
+SWE-ReX's own server drives an interactive bash with pexpect and waits for a fixed ``PS1``;
+the exit code then comes from a second ``echo $?``. dsec does it in one line per command:
+
+    PS1='@@<nonce>:$?:<nonce>@@'; eval $'<the command, byte-escaped>'
+
+The command is one line whatever it holds (newlines, heredocs, quotes), so a syntax error or
+an unclosed heredoc is bash's error and exit code 2, never a session waiting for more input.
+When the command ends, bash prints the prompt: ``@@<nonce>:<exit code>:<nonce>@@``, with a
+fresh random nonce per command. The typed line never contains that text (it holds ``$?``,
+not digits), and a program in the sandbox cannot print it before the command is sent
+because the nonce does not exist yet: a test suite that prints SWE-ReX's ``EXITCODESTART0``
+or an earlier prompt does not end the command early or fake its exit code.
+
+Everything read here is the sandbox's output, so hostile: a command's output is kept to
+``OUTPUT_CAP`` bytes (its head, then its newest ``TAIL`` bytes, where the prompt appears) and
+decoded with replacement. The bash is the image's, so a session's exit codes are as
+trustworthy as the image's bash; a reward check should use ``/execute`` (dsec's agent reports
+its exit code out of band).
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from dataclasses import dataclass, field
+
+OUTPUT_CAP = 1 << 20  # bytes of one command's output kept (head)
+TAIL = 64 << 10  # the newest bytes kept after the head: where the prompt and expect strings are
+PS1_NAME = "SHELLPS1PREFIX"  # what SWE-ReX reports as the matched expect string for its prompt
+
+_ANSI = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[@-Z\\-_])")
+_SAFE = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 _-./,:=+@%")
+
+
+def new_nonce() -> str:
+    return secrets.token_hex(16)
+
+
+def prompt(nonce: str) -> str:
+    """The PS1 value (single-quoted): ``$?`` expands when bash prints it."""
+    return f"'@@{nonce}:$?:{nonce}@@'"
+
+
+def prompt_pattern(nonce: str) -> re.Pattern[bytes]:
+    return re.compile(rb"@@" + nonce.encode() + rb":(\d{1,3}):" + nonce.encode() + rb"@@")
+
+
+def ansi_c_quote(text: str) -> str:
+    """``text`` as a bash ``$'...'`` word on one line: every byte but a few safe ones escaped."""
+    return "$'" + "".join(chr(b) if b in _SAFE else f"\\x{b:02x}" for b in text.encode()) + "'"
+
+
+def command_line(command: str, nonce: str) -> bytes:
+    """The line that runs ``command`` in the session and then prints ``nonce``'s prompt with
+    its exit code. A leading space keeps it out of bash's history."""
+    return f" PS1={prompt(nonce)}; eval {ansi_c_quote(command)}\n".encode()
+
+
+def setup_line(nonce: str, sources: list[str]) -> bytes:
+    """The session's first line: no terminal echo, no bracketed paste, empty PS2/PS0, the
+    requested files sourced (they often set PS1, which the command lines set again)."""
+    parts = ["stty -echo 2>/dev/null", "bind 'set enable-bracketed-paste off' 2>/dev/null",
+             "export PS2='' PS0='' PROMPT_COMMAND=''"]
+    parts += [f"source {ansi_c_quote(path)}" for path in sources]
+    return f" PS1={prompt(nonce)}; {'; '.join(parts)}\n".encode()
+
+
+def clean(raw: bytes) -> str:
+    """Terminal output as SWE-ReX returns it: escape sequences removed, ``\\r\\n`` as
+    ``\\n``, the newline bash's line editor prints when a line is accepted dropped."""
+    text = _ANSI.sub("", raw.decode(errors="replace")).replace("\r\n", "\n")
+    return re.sub(r"^\r*\n", "", text, count=1)
+
+
+@dataclass
+class Match:
+    output: str
+    expect_string: str
+    exit_code: int | None  # the prompt's, or None when an expect string matched
+
+
+@dataclass
+class Transcript:
+    """One command's output as it arrives: the first ``cap`` bytes and the newest ``tail``
+    bytes, with a count of what was dropped between them."""
+
+    cap: int = OUTPUT_CAP
+    tail: int = TAIL
+    head: bytearray = field(default_factory=bytearray)
+    newest: bytearray = field(default_factory=bytearray)
+    dropped: int = 0
+
+    def feed(self, data: bytes) -> None:
+        room = self.cap - len(self.head)
+        if room > 0 and not self.newest:
+            self.head += data[:room]
+            data = data[room:]
+        self.newest += data
+        excess = len(self.newest) - self.tail
+        if excess > 0:
+            del self.newest[:excess]
+            self.dropped += excess
+
+    def find(self, nonce: str | None, expect: list[str]) -> Match | None:
+        """The first of the prompt of ``nonce`` (exit code) and the ``expect`` strings in the
+        output so far, with the output before it; None while there is none."""
+        data = bytes(self.head) + bytes(self.newest)
+        best: tuple[int, int, str, int | None] | None = None  # start, end, expect string, exit
+        if nonce is not None:
+            m = prompt_pattern(nonce).search(data)
+            if m:
+                best = (m.start(), m.end(), PS1_NAME, int(m.group(1)))
+        for wanted in expect:
+            at = data.find(wanted.encode()) if wanted else -1
+            if at >= 0 and (best is None or at < best[0]):
+                best = (at, at + len(wanted.encode()), wanted, None)
+        if best is None:
+            return None
+        start, _, matched, code = best
+        before = data[:start]
+        if self.dropped and start >= len(self.head):
+            cut = len(self.head)
+            note = f"\n[... {self.dropped} bytes of output dropped ...]\n".encode()
+            before = before[:cut] + note + before[cut:]
+        return Match(clean(before), matched, code)
+
+    def text(self) -> str:
+        """Everything so far (for a command that timed out)."""
+        note = f"\n[... {self.dropped} bytes of output dropped ...]\n".encode() if self.dropped else b""
+        return clean(bytes(self.head) + note + bytes(self.newest))
