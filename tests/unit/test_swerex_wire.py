@@ -39,17 +39,20 @@ def test_command_line_is_one_line_and_holds_no_prompt() -> None:
     line = command_line(NASTY, nonce)
     assert line.endswith(b"\n") and line.count(b"\n") == 1
     t = Transcript()
+    t.watch(nonce, [])
     t.feed(line)  # an echoed command line is not its prompt
-    assert t.find(nonce, []) is None
+    assert t.match is None
 
 
 def test_prompt_ends_the_command_with_its_exit_code() -> None:
     nonce = new_nonce()
     t = Transcript()
+    t.watch(nonce, [])
     for chunk in (b"\x1b[?2004l\r\r\nhello\r\n@@" + nonce[:5].encode(), nonce[5:].encode() + b":42:",
-                  nonce.encode() + b"@@"):
+                  nonce.encode() + b"@@", b"next"):
         t.feed(chunk)
-    match = t.find(nonce, [])
+    match = t.match
+    assert bytes(t.after) == b"next"
     assert match is not None and (match.output, match.exit_code, match.expect_string) == \
         ("hello\n", 42, PS1_NAME)
 
@@ -58,9 +61,9 @@ def test_other_nonces_and_swerex_markers_are_plain_output() -> None:
     nonce, other = new_nonce(), new_nonce()
     t = Transcript()
     t.feed(f"@@{other}:0:{other}@@ EXITCODESTART0EXITCODEEND SHELLPS1PREFIX".encode())
-    assert t.find(nonce, []) is None
+    assert t.watch(nonce, []) is None
     t.feed(f"@@{nonce}:3:{nonce}@@".encode())
-    match = t.find(nonce, [])
+    match = t.match
     assert match is not None and match.exit_code == 3 and "EXITCODESTART0" in match.output
 
 
@@ -68,7 +71,7 @@ def test_expect_strings_and_the_first_match_wins() -> None:
     nonce = new_nonce()
     t = Transcript()
     t.feed(f"Python 3\n>>> later @@{nonce}:0:{nonce}@@".encode())
-    match = t.find(nonce, [">>> "])
+    match = t.watch(nonce, [">>> "])
     assert match is not None and (match.output, match.expect_string, match.exit_code) == \
         ("Python 3\n", ">>> ", None)
 
@@ -76,14 +79,26 @@ def test_expect_strings_and_the_first_match_wins() -> None:
 def test_a_flood_keeps_head_and_tail_and_still_finds_the_prompt() -> None:
     nonce = new_nonce()
     t = Transcript(cap=100, tail=120)
+    t.watch(nonce, [])
     for _ in range(1000):
         t.feed(b"a" * 1000)
-    t.feed(b"END" + f"@@{nonce}:0:{nonce}@@".encode())
-    assert len(t.head) == 100 and len(t.newest) <= 120
-    match = t.find(nonce, [])
+    t.feed(b"END" + f"@@{nonce}:".encode())
+    t.feed(f"0:{nonce}@@".encode())
+    assert len(t.head) == 100 and len(t.newest) <= 120 and t.dropped > 990_000
+    match = t.match
     assert match is not None and match.exit_code == 0
     assert match.output.startswith("a" * 100) and "bytes of output dropped" in match.output
     assert match.output.endswith("END") and len(match.output) < 300
+
+
+def test_watching_after_a_flood_searches_what_was_kept() -> None:
+    nonce = new_nonce()
+    t = Transcript(cap=10, tail=200)
+    t.feed(b"b" * 5000 + f"@@{nonce}:5:{nonce}@@tail".encode())
+    match = t.watch(nonce, ["nowhere"])
+    assert match is not None and match.exit_code == 5
+    assert match.output.startswith("b" * 10) and "bytes of output dropped" in match.output
+    assert bytes(t.after) == b"tail"
 
 
 def test_clean_strips_terminal_escapes() -> None:

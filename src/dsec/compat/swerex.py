@@ -14,8 +14,9 @@ TTL).
   server answers), and the sandbox must be one the key's project may see (else 404, as for a
   sandbox that does not exist).
 - Retries: the client sends ``X-Request-ID`` and repeats it when a request fails in transit.
-  The answer to each id is kept (the most recent ``REMEMBERED`` per server), and a repeat
-  gets it without running anything again, also while the first is still running.
+  The answer to each id is kept (the most recent ``REMEMBERED``, at most ``REMEMBERED_BYTES``
+  together, per server process), and a repeat gets it without running anything again, also
+  while the first is still running.
 - Errors the runtime raises answer HTTP 511 with SWE-ReX's JSON body, naming only dsec's fixed
   exception classes (``swerex_models``), so the client raises its own exception classes; JSON
   only, nothing pickled either way.
@@ -65,6 +66,7 @@ from .swerex_session import BashSession
 from .zipped import zip_to_tar
 
 REMEMBERED = 1024  # answers kept for request-id retries
+REMEMBERED_BYTES = 256 << 20  # and their bodies together (an execute answer may hold 32 MiB)
 M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[Edge, str, bytes], Awaitable[Any]]
 
@@ -89,6 +91,7 @@ class Swerex:
         self.sessions: dict[str, dict[str, BashSession]] = {}
         self._answers: collections.OrderedDict[tuple[str, str, str], asyncio.Future[Response]] = (
             collections.OrderedDict())
+        self._answer_bytes = 0
 
     # access
     def authenticate(self, request: Request) -> None:
@@ -124,8 +127,6 @@ class Swerex:
             return _copy(await asyncio.shield(known))
         future: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
         self._answers[key] = future
-        while len(self._answers) > REMEMBERED:
-            self._answers.popitem(last=False)
         try:
             response = await self._respond(handler, edge, sandbox_id, request)
         except BaseException:
@@ -133,7 +134,19 @@ class Swerex:
             future.cancel()
             raise
         future.set_result(response)
+        self._answer_bytes += len(response.body)
+        self._forget_old()
         return _copy(response)
+
+    def _forget_old(self) -> None:
+        """Drop the oldest answers past the count or byte budget (never one still running)."""
+        while len(self._answers) > REMEMBERED or self._answer_bytes > REMEMBERED_BYTES:
+            key, oldest = next(iter(self._answers.items()))
+            if not oldest.done():
+                break
+            del self._answers[key]
+            if not oldest.cancelled():
+                self._answer_bytes -= len(oldest.result().body)
 
     async def _respond(self, handler: Handler, edge: Edge, sandbox_id: str,
                        request: Request) -> Response:
@@ -156,8 +169,17 @@ class Swerex:
             raise SwerexError("SessionDoesNotExistError", f"session {name!r} does not exist")
         return session
 
+    def _prune(self) -> None:
+        """Forget sessions whose shell ended (exited, killed, its sandbox gone)."""
+        for sandbox_id, sessions in list(self.sessions.items()):
+            for name in [n for n, s in sessions.items() if s.ended]:
+                del sessions[name]
+            if not sessions:
+                del self.sessions[sandbox_id]
+
     async def create_session(self, edge: Edge, sandbox_id: str, body: bytes) -> Any:
         req = _parse(CreateBashSession, body)
+        self._prune()
         sessions = self.sessions.setdefault(sandbox_id, {})
         existing = sessions.get(req.session)
         if existing is not None and not existing.ended:

@@ -81,11 +81,13 @@ class BashSession:
     async def _wait(self, expect: list[str], timeout: float) -> Match | None:
         """The prompt of the current nonce or an expect string, within ``timeout``."""
         deadline = time.monotonic() + timeout
+        self.transcript.watch(self.nonce, expect)
         while True:
             self._changed.clear()
-            match = self.transcript.find(self.nonce, expect)
+            match = self.transcript.match
             if match is not None:
-                self.transcript = Transcript()
+                self.transcript, after = Transcript(), bytes(self.transcript.after)
+                self.transcript.feed(after)
                 return match
             left = deadline - time.monotonic()
             if self.ended or left <= 0:

@@ -45,7 +45,7 @@ def prompt(nonce: str) -> str:
 
 
 def prompt_pattern(nonce: str) -> re.Pattern[bytes]:
-    return re.compile(rb"@@" + nonce.encode() + rb":(\d{1,3}):" + nonce.encode() + rb"@@")
+    return re.compile(rb"@@" + nonce.encode() + rb":(?P<code>\d{1,3}):" + nonce.encode() + rb"@@")
 
 
 def ansi_c_quote(text: str) -> str:
@@ -85,49 +85,90 @@ class Match:
 @dataclass
 class Transcript:
     """One command's output as it arrives: the first ``cap`` bytes and the newest ``tail``
-    bytes, with a count of what was dropped between them."""
+    bytes, with a count of what was dropped between them. ``watch`` names what ends the
+    command (the prompt of a nonce, expect strings); each chunk is searched once as it comes
+    (with the end of the one before, for a match across chunks), so a flood costs its length,
+    not its length times the output kept. What follows a match is kept in ``after`` (at most
+    ``tail`` bytes) for the next command, as a terminal would leave it."""
 
     cap: int = OUTPUT_CAP
     tail: int = TAIL
     head: bytearray = field(default_factory=bytearray)
     newest: bytearray = field(default_factory=bytearray)
     dropped: int = 0
+    match: Match | None = None
+    after: bytearray = field(default_factory=bytearray)
+    _pattern: re.Pattern[bytes] | None = None
+    _expect: dict[str, str] = field(default_factory=dict)  # group name -> expect string
+    _longest: int = 1
+    _carry: bytes = b""
+
+    @property
+    def total(self) -> int:
+        return len(self.head) + self.dropped + len(self.newest)
+
+    def watch(self, nonce: str | None, expect: list[str]) -> Match | None:
+        """Look for the prompt of ``nonce`` and the ``expect`` strings (at most ``tail`` bytes
+        each), in what came so far and from now on; the first in the output wins."""
+        alternatives = []
+        if nonce is not None:
+            alternatives.append(b"(?P<prompt>" + prompt_pattern(nonce).pattern + b")")
+        self._expect = {}
+        for i, wanted in enumerate(w for w in expect if w and len(w.encode()) <= self.tail):
+            self._expect[f"e{i}"] = wanted
+            alternatives.append(f"(?P<e{i}>".encode() + re.escape(wanted.encode()) + b")")
+        self._pattern = re.compile(b"|".join(alternatives)) if alternatives else None
+        self._longest = max([len(w.encode()) for w in self._expect.values()] + [80 if nonce else 1])
+        self.match, self._carry = None, b""
+        if self.dropped:  # what is kept of the output so far, searched once
+            self._search(bytes(self.head), 0)
+            if self.match is None:
+                self._carry = b""
+                self._search(bytes(self.newest), self.total - len(self.newest))
+        else:
+            self._search(bytes(self.head) + bytes(self.newest), 0)
+        return self.match
 
     def feed(self, data: bytes) -> None:
+        if self.match is not None:
+            self.after += data
+            del self.after[:max(0, len(self.after) - self.tail)]
+            return
+        start = self.total
         room = self.cap - len(self.head)
-        if room > 0 and not self.newest:
+        if room > 0 and not self.dropped and not self.newest:
             self.head += data[:room]
-            data = data[room:]
-        self.newest += data
+            self.newest += data[room:]
+        else:
+            self.newest += data
         excess = len(self.newest) - self.tail
         if excess > 0:
             del self.newest[:excess]
             self.dropped += excess
+        self._search(data, start)
 
-    def find(self, nonce: str | None, expect: list[str]) -> Match | None:
-        """The first of the prompt of ``nonce`` (exit code) and the ``expect`` strings in the
-        output so far, with the output before it; None while there is none."""
-        data = bytes(self.head) + bytes(self.newest)
-        best: tuple[int, int, str, int | None] | None = None  # start, end, expect string, exit
-        if nonce is not None:
-            m = prompt_pattern(nonce).search(data)
-            if m:
-                best = (m.start(), m.end(), PS1_NAME, int(m.group(1)))
-        for wanted in expect:
-            at = data.find(wanted.encode()) if wanted else -1
-            if at >= 0 and (best is None or at < best[0]):
-                best = (at, at + len(wanted.encode()), wanted, None)
-        if best is None:
-            return None
-        start, _, matched, code = best
-        before = data[:start]
-        if self.dropped and start >= len(self.head):
-            cut = len(self.head)
-            note = f"\n[... {self.dropped} bytes of output dropped ...]\n".encode()
-            before = before[:cut] + note + before[cut:]
-        return Match(clean(before), matched, code)
+    def _search(self, data: bytes, offset: int) -> None:
+        """Search ``data`` (stream offset ``offset``) after the carried end of what came before."""
+        if self._pattern is None:
+            return
+        window = self._carry + data
+        m = self._pattern.search(window)
+        if m is None:
+            self._carry = window[-(self._longest - 1):] if self._longest > 1 else b""
+            return
+        start = offset - len(self._carry) + m.start()
+        group = m.lastgroup or ""
+        if group == "prompt":
+            matched, code = PS1_NAME, int(m.group("code"))
+        else:
+            matched, code = self._expect[group], None
+        self.match = Match(clean(self._before(start)), matched, code)
+        self.after = bytearray(window[m.end():][-self.tail:])
 
-    def text(self) -> str:
-        """Everything so far (for a command that timed out)."""
+    def _before(self, start: int) -> bytes:
+        """The output kept before stream offset ``start``."""
+        if start <= len(self.head):
+            return bytes(self.head[:start])
+        first_newest = self.total - len(self.newest)
         note = f"\n[... {self.dropped} bytes of output dropped ...]\n".encode() if self.dropped else b""
-        return clean(bytes(self.head) + note + bytes(self.newest))
+        return bytes(self.head) + note + bytes(self.newest[:max(0, start - first_newest)])
