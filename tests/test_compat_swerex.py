@@ -85,6 +85,7 @@ def check_runtime(r: dict[str, Any]) -> None:
     assert r["check_silent"] == obs("", 7)
     assert r["check_ignore"] == obs("", None)
     assert r["syntax"]["exit_code"] == 2 and "syntax error" in r["syntax"]["output"]
+    assert r["own_ps1"] == obs("set\n", 3)  # a command's own PS1 does not hide the prompt
     # timeout, then an interrupt returns the session to its prompt with the output so far
     assert r["timeout"] == raised("swerex.exceptions.CommandTimeoutError", "1.0 seconds")
     assert r["interrupt"] == obs("started")
@@ -125,6 +126,17 @@ def check_runtime(r: dict[str, Any]) -> None:
     assert r["counts"] == "1\n1\n"
     assert r["close"] == {}
     assert r["after_close"] == raised("swerex.exceptions.SessionDoesNotExistError")
+    assert r["stopped_alive"] is False  # the deployment stopped its sandbox
+    # a python3 REPL: its prompt as the expect string, a block, an interrupt, back to bash
+    repl = r["repl"]
+    assert repl["start"] == obs("", 0, ">>> ")
+    assert repl["expr"] == obs("42\n", 0, ">>> ")
+    assert repl["block"]["output"].replace("... ", "").strip() == "i 0\ni 1"
+    assert repl["interrupt"] == raised("swerex.exceptions.CommandTimeoutError")
+    assert repl["interrupted"]["expect_string"] == ">>> "
+    assert "KeyboardInterrupt" in repl["interrupted"]["output"]
+    assert repl["quit"] == obs("")
+    assert repl["shell_again"] == obs("back in bash\n")
 
 
 async def _two_projects(server: Server) -> tuple[str, str, str]:

@@ -75,6 +75,7 @@ async def scenario_runtime() -> dict[str, Any]:
     r["check_silent"] = await run(rt, "(exit 7)", check="silent")
     r["check_ignore"] = await run(rt, "(exit 7)", check="ignore")
     r["syntax"] = await run(rt, "if then fi", check="silent")
+    r["own_ps1"] = await run(rt, "PS1='mine> '; echo set; (exit 3)", check="silent")
     r["timeout"] = await run(rt, "echo started; sleep 60", timeout=1)
     r["interrupt"] = await outcome(rt.run_in_session(BashInterruptAction()))
     r["after_interrupt"] = await run(rt, "echo alive; echo $FOO")
@@ -147,6 +148,32 @@ async def scenario_runtime() -> dict[str, Any]:
     r["close"] = await outcome(rt.close())
     r["after_close"] = await run(rt, "echo hi")
     await dep.stop()
+    r["stopped_alive"] = (await rt.is_alive()).is_alive
+    r["repl"] = await python_repl()
+    return r
+
+
+async def python_repl() -> dict[str, Any]:
+    """A python3 REPL driven through its ``>>>`` prompt, as SWE-ReX's interactive commands are."""
+    dep = DsecDeployment(image="python-3.11", memory_mb=256, ttl_s=600)
+    await dep.start()
+    rt = dep.runtime
+    r: dict[str, Any] = {}
+    try:
+        await rt.create_session(CreateBashSessionRequest(startup_source=["/etc/profile"]))
+        r["start"] = await run(rt, "python3 -q", is_interactive_command=True, expect=[">>> "],
+                               timeout=30)
+        r["expr"] = await run(rt, "print(6 * 7)", is_interactive_command=True, expect=[">>> "],
+                              timeout=30)
+        r["block"] = await run(rt, "for i in range(2):\n    print('i', i)\n", is_interactive_command=True,
+                               expect=[">>> "], timeout=30)
+        r["interrupt"] = await run(rt, "import time; time.sleep(60)", is_interactive_command=True,
+                                   expect=[">>> "], timeout=1)
+        r["interrupted"] = await outcome(rt.run_in_session(BashInterruptAction(expect=[">>> "], timeout=5)))
+        r["quit"] = await run(rt, "exit()", is_interactive_quit=True, timeout=30)
+        r["shell_again"] = await run(rt, "echo back in $0")
+    finally:
+        await dep.stop()
     return r
 
 

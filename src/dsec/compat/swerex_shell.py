@@ -4,7 +4,7 @@ the session's bash and how it reads the answer back out of the terminal's output
 SWE-ReX's own server drives an interactive bash with pexpect and waits for a fixed ``PS1``;
 the exit code then comes from a second ``echo $?``. dsec does it in one line per command:
 
-    PS1='@@<nonce>:$?:<nonce>@@'; eval $'<the command, byte-escaped>'
+    PS1='@@<nonce>:$?:<nonce>@@'; eval $'<the command, byte-escaped>'; PS1='@@<nonce>:'$?':<nonce>@@'
 
 The command is one line whatever it holds (newlines, heredocs, quotes), so a syntax error or
 an unclosed heredoc is bash's error and exit code 2, never a session waiting for more input.
@@ -55,17 +55,21 @@ def ansi_c_quote(text: str) -> str:
 
 def command_line(command: str, nonce: str) -> bytes:
     """The line that runs ``command`` in the session and then prints ``nonce``'s prompt with
-    its exit code. A leading space keeps it out of bash's history."""
-    return f" PS1={prompt(nonce)}; eval {ansi_c_quote(command)}\n".encode()
+    its exit code. PS1 is set before (so a line cut short by Ctrl-C still ends in this
+    nonce's prompt) and again after, with the status expanded then (so a command that sets
+    its own PS1, e.g. sourcing a profile, does not hide the prompt). A leading space keeps
+    the line out of bash's history."""
+    after = f"'@@{nonce}:'$?':{nonce}@@'"
+    return f" PS1={prompt(nonce)}; eval {ansi_c_quote(command)}; PS1={after}\n".encode()
 
 
 def setup_line(nonce: str, sources: list[str]) -> bytes:
-    """The session's first line: no terminal echo, no bracketed paste, empty PS2/PS0, the
-    requested files sourced (they often set PS1, which the command lines set again)."""
+    """The session's first lines: no terminal echo, no bracketed paste, empty PS2/PS0, the
+    requested files sourced (they often set PS1), then the prompt."""
     parts = ["stty -echo 2>/dev/null", "bind 'set enable-bracketed-paste off' 2>/dev/null",
              "export PS2='' PS0='' PROMPT_COMMAND=''"]
     parts += [f"source {ansi_c_quote(path)}" for path in sources]
-    return f" PS1={prompt(nonce)}; {'; '.join(parts)}\n".encode()
+    return f" {'; '.join(parts)}; PS1={prompt(nonce)}\n".encode()
 
 
 def clean(raw: bytes) -> str:
