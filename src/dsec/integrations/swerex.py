@@ -4,15 +4,14 @@ hands back swe-rex's own ``RemoteRuntime`` pointed at dsec's SWE-ReX front-end
 sandbox. Harnesses that take an ``AbstractDeployment`` (SWE-agent, mini-swe-agent's
 ``swerex_*`` environments) use it in place of ``DockerDeployment``.
 
-The server and key come from ``url``/``api_key`` or ``DSEC_URL``/``DSEC_API_KEY``; the server
-must be reachable over HTTP (``dsec serve --host ... --port ...``), since ``RemoteRuntime``
+The server and key come from ``url``/``api_key`` or, as for any SDK use, ``DSEC_URL`` and
+``DSEC_API_KEY``; the server must be reachable over HTTP (``dsec serve --host ... --port ...``), since ``RemoteRuntime``
 speaks HTTP only. Needs ``pip install dsec[swerex]`` (tested with swe-rex 1.4.0).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from swerex.deployment.abstract import AbstractDeployment
@@ -33,11 +32,7 @@ class DsecDeployment(AbstractDeployment):
                  **create: Any) -> None:
         """``create``: further options of ``AsyncClient.create`` (``cpu``, ``memory_mb``,
         ``ttl_s``, ``network``, ``env``, ...)."""
-        self.url = (url or os.environ.get("DSEC_URL") or "").rstrip("/")
-        if not self.url.startswith(("http://", "https://")):
-            raise ValueError("SWE-ReX's RemoteRuntime needs the dsec server's http(s) URL "
-                             f"(url= or DSEC_URL), not {self.url or 'the local socket'!r}")
-        self.api_key = api_key or os.environ.get("DSEC_API_KEY") or ""
+        self.url, self.api_key = url, api_key
         self.image, self.substrate, self.create_options = image, substrate, create
         self.runtime_timeout = runtime_timeout
         self.logger = logger or logging.getLogger("dsec.swerex")
@@ -61,10 +56,15 @@ class DsecDeployment(AbstractDeployment):
     async def start(self, *args: Any, **kwargs: Any) -> None:
         self._hooks.on_custom_step("Starting dsec sandbox")
         self._client = AsyncClient(self.url, self.api_key, autostart=False)
+        url, key = await self._client.endpoint()
+        if not url.startswith(("http://", "https://")):
+            await self.stop()
+            raise ValueError("SWE-ReX's RemoteRuntime needs the dsec server's http(s) URL "
+                             f"(url= or DSEC_URL), not {url!r}")
         self.sandbox = await self._client.create(
             self.substrate, self.image, labels={"harness": "swe-rex"}, **self.create_options)
-        self._runtime = RemoteRuntime(host=f"{self.url}{SWEREX_PREFIX}/{self.sandbox.id}",
-                                      auth_token=self.api_key, timeout=self.runtime_timeout,
+        self._runtime = RemoteRuntime(host=f"{url}{SWEREX_PREFIX}/{self.sandbox.id}",
+                                      auth_token=key, timeout=self.runtime_timeout,
                                       logger=self.logger)
         await self._runtime.wait_until_alive(timeout=self.runtime_timeout)
 
