@@ -165,6 +165,9 @@ def test_hostile(swerex_server: Server, tmp_path: Path) -> None:
         assert f"Status code {status}" in r[name]["alive"]["message"], name
         assert r[name]["execute"]["raised"] == "aiohttp.client_exceptions.ClientResponseError"
         assert r[name]["execute"]["status"] == status
+    assert sorted(str(o.get("raised")) for o in r["create_race"]) == [
+        "None", "swerex.exceptions.SessionExistsError"]
+    assert r["long_request_id"] == 422
     # a sandbox printing SWE-ReX's error body, its exit-code markers and prompts of dsec's
     # shape: plain output, its real exit code, no exception, nothing run on the client
     for output in (r["forge_session"]["output"], r["forge_execute"]["stdout"]):

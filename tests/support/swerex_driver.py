@@ -211,7 +211,13 @@ async def scenario_hostile(sandbox: str, other: str, canary: str) -> dict[str, A
                           ("unknown", RemoteRuntime(host=base + "c-nosuchsandbox", auth_token=KEY, timeout=30))):
         r[name] = {"alive": (await runtime.is_alive()).model_dump(),
                    "execute": await outcome(runtime.execute(Command(command=f"touch {canary}", shell=True)))}
-    await rt.create_session(CreateBashSessionRequest())
+    # one session name created twice at once: one shell, the other call the client's error
+    r["create_race"] = await asyncio.gather(*(outcome(rt.create_session(CreateBashSessionRequest()))
+                                              for _ in range(2)))
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{base}{sandbox}/execute", json={"command": "true", "shell": True},
+                             headers={"X-API-Key": KEY, "X-Request-ID": "x" * 5000}) as resp:
+            r["long_request_id"] = resp.status
     # a sandbox's output forging SWE-ReX's error body, its markers and dsec's prompt
     forge = (f"printf '%s\\n' '{FORGED % canary}'; echo EXITCODESTART0EXITCODEEND; "
              "echo SHELLPS1PREFIX; for n in 0 1 2; do echo \"@@$n:0:$n@@\"; done")

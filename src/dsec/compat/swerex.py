@@ -67,6 +67,7 @@ from .zipped import zip_to_tar
 
 REMEMBERED = 1024  # answers kept for request-id retries
 REMEMBERED_BYTES = 256 << 20  # and their bodies together (an execute answer may hold 32 MiB)
+MAX_REQUEST_ID = 256  # characters (swe-rex sends a uuid4)
 M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[Edge, str, bytes], Awaitable[Any]]
 
@@ -92,6 +93,7 @@ class Swerex:
         self._answers: collections.OrderedDict[tuple[str, str, str], asyncio.Future[Response]] = (
             collections.OrderedDict())
         self._answer_bytes = 0
+        self._starting: set[tuple[str, str]] = set()  # (sandbox, session) being created
 
     # access
     def authenticate(self, request: Request) -> None:
@@ -119,6 +121,8 @@ class Swerex:
         self.authenticate(request)
         edge = self.edge(sandbox_id)
         request_id = request.headers.get("x-request-id")
+        if request_id and len(request_id) > MAX_REQUEST_ID:
+            raise _Refused(422, f"X-Request-ID is at most {MAX_REQUEST_ID} characters")
         if not request_id:
             return await self._respond(handler, edge, sandbox_id, request)
         key = (sandbox_id, request.url.path, request_id)
@@ -180,13 +184,17 @@ class Swerex:
     async def create_session(self, edge: Edge, sandbox_id: str, body: bytes) -> Any:
         req = _parse(CreateBashSession, body)
         self._prune()
-        sessions = self.sessions.setdefault(sandbox_id, {})
-        existing = sessions.get(req.session)
-        if existing is not None and not existing.ended:
+        existing = self.sessions.get(sandbox_id, {}).get(req.session)
+        name = (sandbox_id, req.session)
+        if (existing is not None and not existing.ended) or name in self._starting:
             raise SwerexError("SessionExistsError", f"session {req.session} already exists")
-        session, output = await BashSession.start(edge, sandbox_id, req.startup_source,
-                                                  req.startup_timeout)
-        sessions[req.session] = session
+        self._starting.add(name)
+        try:
+            session, output = await BashSession.start(edge, sandbox_id, req.startup_source,
+                                                      req.startup_timeout)
+        finally:
+            self._starting.discard(name)
+        self.sessions.setdefault(sandbox_id, {})[req.session] = session
         return {"output": output, "session_type": "bash"}
 
     async def run_in_session(self, edge: Edge, sandbox_id: str, body: bytes) -> Any:
