@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from conftest import Server, make_tcp_server, stop_server
@@ -191,3 +192,27 @@ def test_hostile(swerex_server: Server, tmp_path: Path) -> None:
                              "./ok.txt\n/\n4\n")
     assert r["not_a_zip"]["status"] == 511
     assert r["not_a_zip"]["body"]["swerexception"]["class_path"] == "swerex.exceptions.SwerexException"
+
+
+async def test_a_trajectory_logs_what_swerex_runs(swerex_server: Server) -> None:
+    """A sandbox attached to a trajectory: the front-end's calls are the trajectory's steps
+    (through the router's recorded edge, as the E2B front-end's are)."""
+    trajectory = unique("swerex-traj")
+    async with swerex_server.client() as client:
+        sb = await client.create(image="debian-minbase", memory_mb=256, ttl_s=300,
+                                 trajectory=trajectory)
+        base, key = f"/swerex/{sb.id}", {"X-API-Key": swerex_server.key}
+        async with httpx.AsyncClient(base_url=swerex_server.url, headers=key, timeout=60) as http:
+            async def post(route: str, body: dict[str, Any]) -> Any:
+                response = await http.post(f"{base}/{route}", json=body)
+                assert response.status_code == 200, response.text
+                return response.json()
+            assert (await post("write_file", {"path": "/tmp/t.txt", "content": "hi"})) == {}
+            assert (await post("execute", {"command": "cat /tmp/t.txt", "shell": True}))["stdout"] == "hi"
+            await post("create_session", {})
+            assert (await post("run_in_session", {"command": "echo $((1+2))", "action_type": "bash"}))["output"] == "3\n"
+            await post("close", {})
+        ops = [step.op for step in await client.trajectory_steps(trajectory)]
+        await sb.stop()
+    assert ops[:2] == ["write", "exec"], ops
+    assert {"pty", "stdin", "output"} <= set(ops), ops  # the terminal, its input and output
