@@ -124,7 +124,9 @@ def check_runtime(r: dict[str, Any]) -> None:
     assert r["retry"] == [obs("1\n"), obs("1\n")]
     assert r["retry_concurrent"][0] == r["retry_concurrent"][1] == {
         "stdout": "1\n", "stderr": "", "exit_code": 0}
-    assert r["counts"] == "1\n1\n"
+    assert r["gave_up"] == "timeout"
+    assert r["retry_after_giving_up"] == {"stdout": "1\n", "stderr": "", "exit_code": 0}
+    assert r["counts"] == "1\n1\n1\n"
     assert r["close"] == {}
     assert r["after_close"] == raised("swerex.exceptions.SessionDoesNotExistError")
     assert r["stopped_alive"] is False  # the deployment stopped its sandbox

@@ -144,7 +144,18 @@ async def scenario_runtime() -> dict[str, Any]:
             async with http.post(url, json=body, headers=headers) as resp:
                 return await resp.json()
         r["retry_concurrent"] = await asyncio.gather(post(), post())
-    r["counts"] = await sh(rt, "wc -l < /tmp/count; wc -l < /tmp/count2")
+        # the client gives up mid-command (its connection closed), then retries the id
+        headers = {"X-API-Key": KEY, "X-Request-ID": str(uuid.uuid4())}
+        body = {"command": "sleep 2; echo z >> /tmp/count3; wc -l < /tmp/count3", "shell": True}
+        try:
+            async with http.post(url, json=body, headers=headers,
+                                 timeout=aiohttp.ClientTimeout(total=0.5)) as resp:
+                r["gave_up"] = resp.status
+        except asyncio.TimeoutError:
+            r["gave_up"] = "timeout"
+        async with http.post(url, json=body, headers=headers) as resp:
+            r["retry_after_giving_up"] = await resp.json()
+    r["counts"] = await sh(rt, "wc -l < /tmp/count; wc -l < /tmp/count2; wc -l < /tmp/count3")
     r["close"] = await outcome(rt.close())
     r["after_close"] = await run(rt, "echo hi")
     await dep.stop()

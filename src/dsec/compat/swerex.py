@@ -90,7 +90,7 @@ class Swerex:
     def __init__(self, router: Router, keys: Keys) -> None:
         self.router, self.keys = router, keys
         self.sessions: dict[str, dict[str, BashSession]] = {}
-        self._answers: collections.OrderedDict[tuple[str, str, str], asyncio.Future[Response]] = (
+        self._answers: collections.OrderedDict[tuple[str, str, str], asyncio.Task[Response]] = (
             collections.OrderedDict())
         self._answer_bytes = 0
         self._starting: set[tuple[str, str]] = set()  # (sandbox, session) being created
@@ -117,30 +117,29 @@ class Swerex:
         return edge
 
     async def answer(self, request: Request, sandbox_id: str, handler: Handler) -> Response:
-        """The handler's answer; for a request id seen before, the first answer to it."""
+        """The handler's answer; for a request id seen before, the first answer to it. The
+        handler runs as a task of its own, so a client that goes away mid-call (and retries)
+        does not cut it short: the retry waits for it and gets its answer."""
         self.authenticate(request)
         edge = self.edge(sandbox_id)
         request_id = request.headers.get("x-request-id")
         if request_id and len(request_id) > MAX_REQUEST_ID:
             raise _Refused(422, f"X-Request-ID is at most {MAX_REQUEST_ID} characters")
+        body = await request.body()
         if not request_id:
-            return await self._respond(handler, edge, sandbox_id, request)
+            return await self._respond(handler, edge, sandbox_id, body)
         key = (sandbox_id, request.url.path, request_id)
-        known = self._answers.get(key)
-        if known is not None:
-            return _copy(await asyncio.shield(known))
-        future: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
-        self._answers[key] = future
-        try:
-            response = await self._respond(handler, edge, sandbox_id, request)
-        except BaseException:
-            self._answers.pop(key, None)  # not answered: a retry runs it
-            future.cancel()
-            raise
-        future.set_result(response)
-        self._answer_bytes += len(response.body)
+        task = self._answers.get(key)
+        if task is None:
+            task = asyncio.create_task(self._respond(handler, edge, sandbox_id, body))
+            self._answers[key] = task
+            task.add_done_callback(self._answered)
+        return _copy(await asyncio.shield(task))
+
+    def _answered(self, task: asyncio.Task[Response]) -> None:
+        if not task.cancelled() and task.exception() is None:
+            self._answer_bytes += len(task.result().body)
         self._forget_old()
-        return _copy(response)
 
     def _forget_old(self) -> None:
         """Drop the oldest answers past the count or byte budget (never one still running)."""
@@ -149,12 +148,11 @@ class Swerex:
             if not oldest.done():
                 break
             del self._answers[key]
-            if not oldest.cancelled():
+            if not oldest.cancelled() and oldest.exception() is None:
                 self._answer_bytes -= len(oldest.result().body)
 
-    async def _respond(self, handler: Handler, edge: Edge, sandbox_id: str,
-                       request: Request) -> Response:
-        body = await request.body()
+    @staticmethod
+    async def _respond(handler: Handler, edge: Edge, sandbox_id: str, body: bytes) -> Response:
         try:
             return JSONResponse(await handler(edge, sandbox_id, body))
         except SwerexError as exc:
