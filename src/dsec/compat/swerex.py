@@ -68,6 +68,7 @@ from .zipped import zip_to_tar
 REMEMBERED = 1024  # answers kept for request-id retries
 REMEMBERED_BYTES = 256 << 20  # and their bodies together (an execute answer may hold 32 MiB)
 MAX_REQUEST_ID = 256  # characters (swe-rex sends a uuid4)
+MAX_SESSIONS = 64  # per sandbox: each is a terminal in the sandbox and a reader here
 M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[Edge, str, bytes], Awaitable[Any]]
 
@@ -186,6 +187,10 @@ class Swerex:
         name = (sandbox_id, req.session)
         if (existing is not None and not existing.ended) or name in self._starting:
             raise SwerexError("SessionExistsError", f"session {req.session} already exists")
+        starting = sum(1 for sid, _ in self._starting if sid == sandbox_id)
+        if len(self.sessions.get(sandbox_id, {})) + starting >= MAX_SESSIONS:
+            raise SwerexError("SwerexException", f"a sandbox has at most {MAX_SESSIONS} sessions: "
+                              "close one first")
         self._starting.add(name)
         try:
             session, output = await BashSession.start(edge, sandbox_id, req.startup_source,
