@@ -81,11 +81,14 @@ def check_runtime(r: dict[str, Any]) -> None:
     assert r["set_env"] == obs("")
     assert r["env_persists"] == obs("bar\n/tmp\n")
     assert r["multiline"] == obs("one\nq'uo\"te $X\n")
-    # check: raise (the client's own class), silent, ignore; a syntax error is bash's
+    # check: raise (the client's own class), silent, ignore
     assert r["check_raise"] == raised("swerex.exceptions.NonZeroExitCodeError", "'failing\\n'")
     assert r["check_silent"] == obs("", 7)
     assert r["check_ignore"] == obs("", None)
-    assert r["syntax"]["exit_code"] == 2 and "syntax error" in r["syntax"]["output"]
+    # a command that does not parse is SWE-ReX's BashIncorrectSyntaxError, and nothing of it runs
+    assert r["syntax"] == raised("swerex.exceptions.BashIncorrectSyntaxError", "syntax error")
+    assert "syntax error" in r["syntax"]["extra_info"]["bash_stderr"]  # SWE-agent's template reads it
+    assert r["syntax_not_run"] == obs("not run\n")
     assert r["own_ps1"] == obs("set\n", 3)  # a command's own PS1 does not hide the prompt
     # timeout, then an interrupt returns the session to its prompt with the output so far
     assert r["timeout"] == raised("swerex.exceptions.CommandTimeoutError", "1.0 seconds")

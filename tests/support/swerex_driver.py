@@ -48,7 +48,7 @@ async def outcome(work: Any) -> dict[str, Any]:
         result = await work
     except Exception as exc:  # the client's own classes are the point
         return {"raised": f"{type(exc).__module__}.{type(exc).__name__}", "message": str(exc)[:2000],
-                "status": getattr(exc, "status", None)}
+                "status": getattr(exc, "status", None), "extra_info": getattr(exc, "extra_info", None)}
     return result.model_dump() if hasattr(result, "model_dump") else {"value": result}
 
 
@@ -74,7 +74,8 @@ async def scenario_runtime() -> dict[str, Any]:
     r["check_raise"] = await run(rt, "echo failing; false")
     r["check_silent"] = await run(rt, "(exit 7)", check="silent")
     r["check_ignore"] = await run(rt, "(exit 7)", check="ignore")
-    r["syntax"] = await run(rt, "if then fi", check="silent")
+    r["syntax"] = await run(rt, "echo ran > /tmp/syntax; if then fi", check="silent")
+    r["syntax_not_run"] = await run(rt, "test -e /tmp/syntax && echo ran || echo not run")
     r["own_ps1"] = await run(rt, "PS1='mine> '; echo set; (exit 3)", check="silent")
     r["timeout"] = await run(rt, "echo started; sleep 60", timeout=1)
     r["interrupt"] = await outcome(rt.run_in_session(BashInterruptAction()))

@@ -44,6 +44,15 @@ def test_command_line_is_one_line_and_holds_no_prompt() -> None:
     assert t.match is None
 
 
+def test_a_syntax_error_is_its_own_status() -> None:
+    nonce = new_nonce()
+    t = Transcript()
+    t.watch(nonce, [])
+    t.feed(f"bash: -c: syntax error\r\n@@{nonce}:syntax:{nonce}@@".encode())
+    assert t.match is not None and t.match.syntax_error and t.match.exit_code is None
+    assert t.match.output == "bash: -c: syntax error\n"
+
+
 def test_prompt_ends_the_command_with_its_exit_code() -> None:
     nonce = new_nonce()
     t = Transcript()

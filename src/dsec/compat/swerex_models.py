@@ -20,7 +20,7 @@ CLASS_PATHS = frozenset({
     SWEREX_EXCEPTIONS + name for name in (
         "SwerexException", "SessionExistsError", "SessionDoesNotExistError",
         "NonZeroExitCodeError", "CommandTimeoutError", "NoExitCodeError",
-        "SessionNotInitializedError")
+        "SessionNotInitializedError", "BashIncorrectSyntaxError")
 } | {"builtins." + name for name in ("FileNotFoundError", "IsADirectoryError", "ValueError",
                                      "LookupError")})
 
@@ -28,17 +28,19 @@ CLASS_PATHS = frozenset({
 class SwerexError(Exception):
     """Answered as SWE-ReX's 511: the client raises ``class_path`` with ``message``."""
 
-    def __init__(self, class_name: str, message: str) -> None:
+    def __init__(self, class_name: str, message: str, extra_info: dict[str, str] | None = None) -> None:
+        """``extra_info``: text the client sets as the exception's ``extra_info``."""
         path = class_name if "." in class_name else SWEREX_EXCEPTIONS + class_name
         if path not in CLASS_PATHS:
             raise AssertionError(f"not a class path dsec sends: {path}")
         super().__init__(message)
         self.class_path = path
         self.message = message
+        self.extra_info = extra_info or {}
 
     def body(self) -> dict[str, Any]:
         return {"swerexception": {"message": self.message, "class_path": self.class_path,
-                                  "traceback": "", "extra_info": {}}}
+                                  "traceback": "", "extra_info": self.extra_info}}
 
 
 class _Body(BaseModel):

@@ -119,6 +119,11 @@ class BashSession:
             self.nonce = new_nonce()
             match = await self._line(command_line(action.command, self.nonce), action.expect,
                                      timeout, doing)
+        if match.syntax_error:
+            raise SwerexError("BashIncorrectSyntaxError", (
+                f"Error (exit code 2) while checking bash command \n{action.command!r}\n"
+                f"---- Stderr ----\n{match.output}\n---- Stdout ----\n"),
+                {"bash_stdout": "", "bash_stderr": match.output})
         if action.check == "ignore":
             return observation(match.output, None, match.expect_string)
         if match.exit_code is None and action.check == "raise":

@@ -4,10 +4,12 @@ the session's bash and how it reads the answer back out of the terminal's output
 SWE-ReX's own server drives an interactive bash with pexpect and waits for a fixed ``PS1``;
 the exit code then comes from a second ``echo $?``. dsec does it in one line per command:
 
-    PS1='@@<nonce>:$?:<nonce>@@'; eval $'<the command, byte-escaped>'; PS1='@@<nonce>:'$?':<nonce>@@'
+    PS1='@@<nonce>:$?:<nonce>@@'; if "$BASH" -n -c $'<cmd>'; then eval $'<cmd>';
+    PS1='@@<nonce>:'$?':<nonce>@@'; else PS1='@@<nonce>:syntax:<nonce>@@'; fi
 
-The command is one line whatever it holds (newlines, heredocs, quotes), so a syntax error or
-an unclosed heredoc is bash's error and exit code 2, never a session waiting for more input.
+with the command byte-escaped: one line whatever it holds (newlines, heredocs, quotes), so a
+syntax error or an unclosed heredoc is reported (``BashIncorrectSyntaxError``, nothing run),
+never a session waiting for more input.
 When the command ends, bash prints the prompt: ``@@<nonce>:<exit code>:<nonce>@@``, with a
 fresh random nonce per command. The typed line never contains that text (it holds ``$?``,
 not digits), and a program in the sandbox cannot print it before the command is sent
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 OUTPUT_CAP = 1 << 20  # bytes of one command's output kept (head)
 TAIL = 64 << 10  # the newest bytes kept after the head: where the prompt and expect strings are
 PS1_NAME = "SHELLPS1PREFIX"  # what SWE-ReX reports as the matched expect string for its prompt
+SYNTAX = "syntax"  # the prompt's status when the command did not parse (and so did not run)
 
 _ANSI = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[@-Z\\-_])")
 _SAFE = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 _-./,:=+@%")
@@ -45,7 +48,8 @@ def prompt(nonce: str) -> str:
 
 
 def prompt_pattern(nonce: str) -> re.Pattern[bytes]:
-    return re.compile(rb"@@" + nonce.encode() + rb":(?P<code>\d{1,3}):" + nonce.encode() + rb"@@")
+    status = rb"(?P<code>\d{1,3}|" + SYNTAX.encode() + rb")"
+    return re.compile(rb"@@" + nonce.encode() + rb":" + status + rb":" + nonce.encode() + rb"@@")
 
 
 def ansi_c_quote(text: str) -> str:
@@ -54,13 +58,17 @@ def ansi_c_quote(text: str) -> str:
 
 
 def command_line(command: str, nonce: str) -> bytes:
-    """The line that runs ``command`` in the session and then prints ``nonce``'s prompt with
-    its exit code. PS1 is set before (so a line cut short by Ctrl-C still ends in this
-    nonce's prompt) and again after, with the status expanded then (so a command that sets
-    its own PS1, e.g. sourcing a profile, does not hide the prompt). A leading space keeps
-    the line out of bash's history."""
+    """The line that checks ``command``'s syntax (``bash -n`` of the session's own bash, as
+    SWE-ReX does before running anything), runs it if it parses, and then prints ``nonce``'s
+    prompt with its exit code, or ``syntax`` in its place. PS1 is set before (so a line cut
+    short by Ctrl-C still ends in this nonce's prompt) and again after, with the status
+    expanded then (so a command that sets its own PS1, e.g. sourcing a profile, does not hide
+    the prompt). The line itself never holds a prompt's text (quotes split each one), should
+    the terminal echo it. A leading space keeps the line out of bash's history."""
+    quoted = ansi_c_quote(command)
     after = f"'@@{nonce}:'$?':{nonce}@@'"
-    return f" PS1={prompt(nonce)}; eval {ansi_c_quote(command)}; PS1={after}\n".encode()
+    return (f' PS1={prompt(nonce)}; if "${{BASH:-bash}}" -n -c {quoted}; then eval {quoted}; '
+            f"PS1={after}; else PS1='@@{nonce}:'{SYNTAX}':{nonce}@@'; fi\n").encode()
 
 
 def setup_line(nonce: str, sources: list[str]) -> bytes:
@@ -84,6 +92,7 @@ class Match:
     output: str
     expect_string: str
     exit_code: int | None  # the prompt's, or None when an expect string matched
+    syntax_error: bool = False  # the command did not parse and was not run
 
 
 @dataclass
@@ -163,10 +172,11 @@ class Transcript:
         start = offset - len(self._carry) + m.start()
         group = m.lastgroup or ""
         if group == "prompt":
-            matched, code = PS1_NAME, int(m.group("code"))
+            status = m.group("code")
+            matched, code = PS1_NAME, None if status == SYNTAX.encode() else int(status)
         else:
-            matched, code = self._expect[group], None
-        self.match = Match(clean(self._before(start)), matched, code)
+            matched, code, status = self._expect[group], None, b""
+        self.match = Match(clean(self._before(start)), matched, code, status == SYNTAX.encode())
         self.after = bytearray(window[m.end():][-self.tail:])
 
     def _before(self, start: int) -> bytes:
