@@ -88,6 +88,11 @@ async def scenario_runtime() -> dict[str, Any]:
                                              expect=["never"], timeout=1)
     r["interrupt_sleep"] = await outcome(rt.run_in_session(BashInterruptAction(timeout=2)))
     r["after_sleep"] = await run(rt, "echo back")
+    # n_retry=0: straight to SWE-ReX's fallback, Ctrl-Z and kill -9 %1
+    r["fallback_started"] = await run(rt, "sleep 100", is_interactive_command=True,
+                                      expect=["never"], timeout=1)
+    r["fallback"] = await outcome(rt.run_in_session(BashInterruptAction(n_retry=0, timeout=2)))
+    r["after_fallback"] = await run(rt, "echo fine; jobs | wc -l")
     # a second session has its own shell
     r["create_second"] = await outcome(rt.create_session(CreateBashSessionRequest(session="two")))
     r["second_env"] = await run(rt, "echo FOO=$FOO", session="two")

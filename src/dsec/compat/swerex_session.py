@@ -115,7 +115,10 @@ class BashSession:
             doing = f"running command {action.command!r}"
             if action.is_interactive_command or action.is_interactive_quit:
                 match = await self._line(action.command.encode() + b"\n", action.expect, timeout, doing)
-                return observation(match.output, 0, match.expect_string)
+                output = match.output
+                if action.is_interactive_command:  # as SWE-ReX trims it (and any echo of the line)
+                    output = output.lstrip().removeprefix(action.command).strip()
+                return observation(output, 0, match.expect_string)
             self.nonce = new_nonce()
             match = await self._line(command_line(action.command, self.nonce), action.expect,
                                      timeout, doing)
@@ -137,17 +140,19 @@ class BashSession:
         return observation(match.output, match.exit_code, match.expect_string)
 
     async def _interrupt(self, action: BashInterruptAction) -> dict[str, object]:
-        output = ""
-        for _ in range(max(action.n_retry, 1)):
+        for _ in range(action.n_retry):
             await self._send(b"\x03")
             match = await self._wait(action.expect, max(action.timeout, INTERRUPT_WAIT_S))
             if match is not None:
-                return observation((output + match.output).strip(), 0, match.expect_string)
+                return observation(match.output.strip(), 0, match.expect_string)
         await self._send(b"\x1a")  # Ctrl-Z, then kill the stopped job
         await self._wait(action.expect, max(action.timeout, INTERRUPT_WAIT_S))
-        match = await self._line(b"kill -9 %1\n", action.expect, max(action.timeout, 1.0),
-                                 "interrupting the session")
-        return observation(match.output.strip(), 0, match.expect_string)
+        wait = max(action.timeout, 1.0)
+        match = await self._line(b"kill -9 %1\n", action.expect, wait, "interrupting the session")
+        # one more prompt, so bash's "Killed" notice is this answer's, not the next command's
+        self.nonce = new_nonce()
+        notice = await self._line(command_line("true", self.nonce), [], wait, "interrupting the session")
+        return observation((match.output + notice.output).strip(), 0, match.expect_string)
 
     async def close(self) -> None:
         if not self.ended:
