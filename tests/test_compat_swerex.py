@@ -225,3 +225,38 @@ async def test_a_trajectory_logs_what_swerex_runs(swerex_server: Server) -> None
         await sb.stop()
     assert ops[:2] == ["write", "exec"], ops
     assert {"pty", "stdin", "output"} <= set(ops), ops  # the terminal, its input and output
+
+
+SURROGATE = '"\\udc80"'  # JSON text for a lone surrogate
+
+
+async def test_non_finite_numbers_and_lone_surrogates_are_422(swerex_server: Server) -> None:
+    """Bodies no SWE-ReX client sends but a hostile caller could: FastAPI's 422 with a detail,
+    nothing run, nothing echoed that is not text; the sandbox answers as before."""
+    async with swerex_server.client() as client:
+        sb = await client.create(image="debian-minbase", memory_mb=256, ttl_s=300)
+        headers = {"X-API-Key": swerex_server.key, "content-type": "application/json"}
+        async with httpx.AsyncClient(base_url=f"{swerex_server.url}/swerex/{sb.id}", headers=headers,
+                                     timeout=60) as http:
+            assert (await http.post("/create_session", content=b"{}")).status_code == 200
+            touch = '"touch /tmp/ran"'
+            for route, body in (
+                    ("execute", f'{{"command": {touch}, "shell": true, "timeout": Infinity}}'),
+                    ("execute", f'{{"command": {touch}, "shell": true, "timeout": NaN}}'),
+                    ("execute", f'{{"command": {touch}, "shell": true, "env": {{"A": {SURROGATE}}}}}'),
+                    ("execute", f'{{"command": [{SURROGATE}]}}'),
+                    ("run_in_session", f'{{"command": {touch}, "timeout": Infinity, "action_type": "bash"}}'),
+                    ("run_in_session", f'{{"command": {SURROGATE}, "action_type": "bash"}}'),
+                    ("run_in_session", f'{{"command": {touch}, "action_type": "other"}}'),
+                    ("write_file", f'{{"path": "/tmp/ran", "content": {SURROGATE}}}'),
+                    ("write_file", f'{{"path": {SURROGATE}, "content": "x"}}'),
+                    ("read_file", f'{{"path": "/etc/hostname", "encoding": {SURROGATE}}}'),
+                    ("create_session", f'{{"session": {SURROGATE}}}'),
+                    ("create_session", '{"startup_timeout": -Infinity}'),
+                    ("execute", "not json")):
+                answer = await http.post(f"/{route}", content=body.encode())
+                assert answer.status_code == 422, (route, body, answer.text)
+                assert "detail" in answer.json()
+            ran = await http.post("/execute", json={"command": "test -e /tmp/ran; echo $?", "shell": True})
+            assert ran.json()["stdout"] == "1\n"
+        await sb.stop()

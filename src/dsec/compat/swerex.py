@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import codecs
 import collections
-import json
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
 
@@ -84,7 +83,12 @@ def _parse(model: type[M], body: bytes) -> M:
     try:
         return model.model_validate_json(body or b"{}")
     except ValidationError as exc:
-        raise _Refused(422, json.loads(exc.json(include_url=False))) from None
+        raise _invalid(exc) from None
+
+
+def _invalid(exc: ValidationError) -> _Refused:
+    """FastAPI's 422, without echoing the input (it may not be text)."""
+    return _Refused(422, exc.errors(include_url=False, include_input=False, include_context=False))
 
 
 class Swerex:
@@ -204,7 +208,7 @@ class Swerex:
         try:
             action = ACTION.validate_json(body or b"{}")
         except ValidationError as exc:
-            raise _Refused(422, json.loads(exc.json(include_url=False))) from None
+            raise _invalid(exc) from None
         return await self._session(sandbox_id, action.session).run(action)
 
     async def close_session(self, edge: Edge, sandbox_id: str, body: bytes) -> Any:

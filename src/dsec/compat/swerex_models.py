@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import ConfigDict, Field, TypeAdapter
+
+from ..protocol.models import _Request
 
 SWEREX_EXCEPTIONS = "swerex.exceptions."
 CLASS_PATHS = frozenset({
@@ -43,8 +45,11 @@ class SwerexError(Exception):
                                   "traceback": "", "extra_info": self.extra_info}}
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+class _Body(_Request):
+    """Finite numbers and text only, as every dsec request; unknown fields ignored (SWE-ReX's
+    models ignore them too)."""
+
+    model_config = ConfigDict(extra="ignore")
 
 
 class CreateBashSession(_Body):
