@@ -137,6 +137,7 @@ def check_runtime(r: dict[str, Any]) -> None:
     assert r["close"] == {}
     assert r["after_close"] == raised("swerex.exceptions.SessionDoesNotExistError")
     assert r["stopped_alive"] is False  # the deployment stopped its sandbox
+    assert r["unix_url"] == raised("builtins.ValueError", "http(s) URL")  # RemoteRuntime needs HTTP
     # a python3 REPL: its prompt as the expect string, a block, an interrupt, back to bash
     repl = r["repl"]
     assert repl["start"] == obs("", 0, ">>> ")

@@ -166,6 +166,7 @@ async def scenario_runtime() -> dict[str, Any]:
     r["after_close"] = await run(rt, "echo hi")
     await dep.stop()
     r["stopped_alive"] = (await rt.is_alive()).is_alive
+    r["unix_url"] = await outcome(DsecDeployment(url="unix:///run/no-such/api.sock", api_key="k").start())
     r["repl"] = await python_repl()
     return r
 
