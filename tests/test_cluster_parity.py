@@ -9,8 +9,9 @@ lists the node; an fn call counts against the caller's
 project quota (embedded and cluster alike); and what a dead edge's fn substrate left on the
 host (template cgroups, its directory) is removed when the node's new edge starts.
 
-The E2B front's snapshots and fork, snapshot quotas and TTLs, and mini-swe-agent's agent loop
-through dsec.integrations run on the Ray edge too.
+The E2B front's snapshots and fork, snapshot quotas and TTLs, mini-swe-agent's agent loop
+through dsec.integrations, and swe-rex's RemoteRuntime through the SWE-ReX front run on the Ray
+edge too.
 
 A VM leftover is not made here: booting a VM under TCG takes minutes on this host.
 """
@@ -39,6 +40,7 @@ from dsec.images.mount import LayerMounter
 from dsec.images.store import ImageStore
 from dsec.network.testbed import Destination
 from dsec.substrates.fn.fn import FnSubstrate
+from test_compat_swerex import check_runtime, run_swerex_runtime
 from test_integrations import check_mini_swe_agent_run, run_mini_swe_agent
 from test_metrics import scrape
 from test_network import fetch
@@ -452,6 +454,12 @@ def test_e2b_snapshot_and_fork_under_ray(replica: Server) -> None:
 def test_mini_swe_agent_under_ray(replica: Server, tmp_path: Path) -> None:
     """The mini-swe-agent integration's agent loop, on a sandbox of a Ray edge."""
     check_mini_swe_agent_run(run_mini_swe_agent(replica, tmp_path))
+
+
+def test_swerex_runtime_under_ray(replica: Server) -> None:
+    """swe-rex's RemoteRuntime (sessions on a terminal, interrupts, execute, files, upload,
+    retries) through the SWE-ReX front-end, on a sandbox of a Ray edge."""
+    check_runtime(run_swerex_runtime(replica))
 
 
 def test_two_replicas_collect_each_record_once(ray_cluster: LocalRayCluster, replica: Server,

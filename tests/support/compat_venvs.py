@@ -32,10 +32,11 @@ def dsec_requirements() -> list[str]:
 
 
 def compat_python(package: str, version: str, *, base: str | Path = sys.executable,
-                  with_dsec_deps: bool = False) -> Path:
+                  with_dsec_deps: bool = False, also: tuple[str, ...] = ()) -> Path:
     """The interpreter of a virtualenv made by ``base`` with exactly ``package==version``
-    (and the SDK's dependencies with ``with_dsec_deps``), built once."""
-    extra = dsec_requirements() if with_dsec_deps else []
+    (and the SDK's dependencies with ``with_dsec_deps``; ``also``: pinned requirements the
+    package needs but does not declare), built once."""
+    extra = [*also, *(dsec_requirements() if with_dsec_deps else [])]
     name = f"{package}-{version}"
     if base != sys.executable:
         name += "-py" + subprocess.run([str(base), "-c", "import sys; print(*sys.version_info[:2], sep='.')"],

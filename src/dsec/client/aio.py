@@ -690,6 +690,11 @@ class AsyncClient:
     async def aclose(self) -> None:
         await self._t.aclose()
 
+    async def endpoint(self) -> tuple[str, str]:
+        """The server's URL (``unix://PATH`` for the local socket) and the API key this client
+        uses: for clients of dsec's other protocols (SWE-ReX's ``RemoteRuntime``)."""
+        return await self._t.endpoint()
+
     async def create(self, substrate: str = "container", image: str = "debian-minbase", *,
                      cpu: float | None = None, memory_mb: int | None = None,
                      pids: int | None = None, disk_mb: int | None = None,

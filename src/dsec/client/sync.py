@@ -502,6 +502,10 @@ class Client:
         """The server's health and its edges."""
         return self._loop.call(self._async.health())
 
+    def endpoint(self) -> tuple[str, str]:
+        """The server's URL and the API key in use (``AsyncClient.endpoint``)."""
+        return self._loop.call(self._async.endpoint())
+
     def projects(self) -> SyncProjects:
         """Projects, quotas and project keys (see docs/PROJECTS.md)."""
         return SyncProjects(self._loop.call, self._async.projects())

@@ -88,6 +88,12 @@ class Transport:
             self.http.headers["authorization"] = f"Bearer {self._api_key}"
             self._ready = True
 
+    async def endpoint(self) -> tuple[str, str]:
+        """The server's URL (``unix://PATH`` for a socket) and the API key in use."""
+        await self._ensure_ready()
+        url = f"unix://{self.socket}" if self.socket else str(self.http.base_url).rstrip("/")
+        return url, self._api_key or ""
+
     async def _healthy(self) -> bool:
         try:
             return (await self.http.get("/v1/health", timeout=2.0)).status_code == 200

@@ -2,9 +2,10 @@
 
 - ``/e2b``: E2B's control plane and envd data plane (the ``e2b`` SDK, sync and async);
 - ``/sandboxfusion``: SandboxFusion's ``/run_code`` and ``/v1/ping`` (the ``sandbox-fusion``
-  client, verl's reward functions).
+  client, verl's reward functions);
+- ``/swerex/<sandbox id>``: SWE-ReX's remote runtime (swe-rex's ``RemoteRuntime``).
 
-Both call the router and edges through their public methods only. See docs/COMPAT.md.
+Each calls the router and edges through their public methods only. See docs/COMPAT.md.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from ..control.plane import ControlPlane
 from .auth import Keys
 from .e2b import create_e2b_app, template_mapping
 from .sandboxfusion import create_sandboxfusion_app
+from .swerex import create_swerex_app
 
 E2B_PREFIX = "/e2b"
 SANDBOXFUSION_PREFIX = "/sandboxfusion"
+SWEREX_PREFIX = "/swerex"
 
 
 def mount_compat(app: FastAPI, control: ControlPlane) -> FastAPI:
@@ -27,7 +30,8 @@ def mount_compat(app: FastAPI, control: ControlPlane) -> FastAPI:
     app.mount(E2B_PREFIX, create_e2b_app(control.router, keys, template_mapping(control.settings.e2b_templates)))
     app.mount(SANDBOXFUSION_PREFIX, create_sandboxfusion_app(control.router, keys,
                                                              control.settings.sandboxfusion_image))
+    app.mount(SWEREX_PREFIX, create_swerex_app(control.router, keys))
     return app
 
 
-__all__ = ["mount_compat", "E2B_PREFIX", "SANDBOXFUSION_PREFIX"]
+__all__ = ["mount_compat", "E2B_PREFIX", "SANDBOXFUSION_PREFIX", "SWEREX_PREFIX"]

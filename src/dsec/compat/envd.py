@@ -31,9 +31,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import email.message
-import email.parser
-import email.policy
 import gzip
 import posixpath
 import shlex
@@ -74,13 +71,14 @@ from ..protocol.models import (
 )
 from .auth import Keys
 from .connect import Call, ConnectError, Method, PlainHttpError, Service
+from .files import write_creating
+from .multipart import form_parts
 from .proto import ENVD, Message
 
 ENVD_VERSION = "0.5.7"
 ENVD_PORT = "49983"
 USERS = {"user": "/home/user", "root": "/root"}
 DEFAULT_USER = "user"
-_WRITE_CHUNK = 32 << 20  # one agent frame carries at most 64 MiB
 _REMEMBERED_PROCS = 256  # per sandbox: what envd knows of the processes it started
 
 
@@ -341,7 +339,7 @@ class Envd:
                 return _error(400, f"you cannot upload multiple files to the same path '{path}' "
                                    "in one upload request")
             try:
-                await self._write(target, path, data)
+                await write_creating(target.edge, target.sandbox_id, path, data)
             except (SandboxNotFound, SandboxDied):
                 raise gone(target.sandbox_id) from None
             except InvalidRequest as exc:
@@ -352,20 +350,6 @@ class Envd:
                 return _error(400, exc.message)
             written.append({"path": path, "name": posixpath.basename(path), "type": "file"})
         return JSONResponse(written)
-
-    @staticmethod
-    async def _write(target: Target, path: str, data: bytes) -> None:
-        """Write a file, creating its parent directories like envd; large files go in
-        chunks (replace, then append)."""
-        edge, sid = target.edge, target.sandbox_id
-        first, rest = data[:_WRITE_CHUNK], data[_WRITE_CHUNK:]
-        try:
-            await edge.write_file(sid, path, first)
-        except FileNotFound:
-            await edge.mkdir(sid, posixpath.dirname(path), parents=True)
-            await edge.write_file(sid, path, first)
-        for offset in range(0, len(rest), _WRITE_CHUNK):
-            await edge.write_file(sid, path, rest[offset:offset + _WRITE_CHUNK], append=True)
 
     # process.Process
     async def start(self, msg: Message, call: Call) -> AsyncIterator[Message]:
@@ -689,29 +673,15 @@ def _error(status: int, message: str) -> JSONResponse:
 
 
 def _multipart_files(content_type: str, body: bytes) -> list[tuple[str, bytes]]:
-    """The ``file`` parts of a multipart/form-data body (RFC 7578) as (file name, content);
-    envd takes the file name (a path) as where to write. Contents are kept byte for byte."""
-    params = email.message.Message()
-    params["content-type"] = content_type
-    boundary = params.get_param("boundary")
-    if not isinstance(boundary, str) or not boundary:
-        raise ValueError("no boundary in the content type")
+    """The ``file`` parts of a multipart body as (file name, content); envd takes the file name
+    (a path) as where to write."""
     files = []
-    delimiter = b"\r\n--" + boundary.encode()
-    for raw in (b"\r\n" + body).split(delimiter)[1:]:
-        if raw.startswith(b"--"):
-            break  # the closing delimiter
-        head, separator, content = raw.partition(b"\r\n\r\n")
-        if not separator:
-            raise ValueError("a part without headers")
-        headers = email.parser.BytesHeaderParser(policy=email.policy.HTTP).parsebytes(
-            head.lstrip(b" \t").removeprefix(b"\r\n") + b"\r\n\r\n")
-        if headers.get_param("name", header="content-disposition") != "file":
+    for part in form_parts(content_type, body):
+        if part.name != "file":
             continue
-        name = headers.get_filename()
-        if not name:
+        if not part.filename:
             raise ValueError("a file part without a file name")
-        files.append((str(name).replace("%22", '"'), content))
+        files.append((part.filename.replace("%22", '"'), part.content))
     if not files:
         raise ValueError("no file part")
     return files
