@@ -422,7 +422,7 @@ def _brief(values: dict[str, Any]) -> str:
 
 @main.group()
 def image() -> None:
-    """Build, list and import images."""
+    """Build, list, import and pull images."""
 
 
 @image.command("build")
@@ -459,6 +459,21 @@ def image_import(archive: Path, name: str) -> None:
     except DSecError as exc:
         _fail(exc)
     click.echo(f"{imported.name} {imported.digest}")
+
+
+@image.command("pull")
+@click.argument("ref")
+@click.option("--platform", default=None, help="os/arch[/variant] of a multi-platform image "
+              "(default: linux and this host's architecture)")
+def image_pull(ref: str, platform: str | None) -> None:
+    """Pull REF (e.g. python:3.11-slim, registry.example/team/task:1.2, name@sha256:...) from its
+    registry; credentials from the docker config file or DSEC_REGISTRY_AUTH."""
+    from .images.store import ImageStore
+    try:
+        pulled = ImageStore().pull(ref, platform=platform, console=console)
+    except DSecError as exc:
+        _fail(exc)
+    click.echo(f"{pulled.name} {pulled.digest}")
 
 
 @main.group()

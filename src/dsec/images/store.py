@@ -5,8 +5,10 @@ Layout under the root (plain files only, so the store can live on NFS or 3FS)::
     layers/<hex>/layer.json     layer metadata (digest, format, size, what built it)
     layers/<hex>/layer.erofs    the layer as an EROFS image, or
     layers/<hex>/rootfs/        the layer as a directory (kernels without erofs)
-    images/<name>.json          manifest: layer digests bottom→top, config, source
-    locks/                      flock files: one per layer, one for the whole store
+    images/<name>.json          manifest: layer digests bottom→top, config, source (a pulled
+                                image's name is its canonical reference, '/' and '@' escaped)
+    locks/                      flock files: one per layer, one per pulled reference, one for
+                                the whole store
     tmp/                        layers under construction, renamed into layers/ when complete
 """
 
@@ -29,6 +31,8 @@ from dsec.config import current
 from dsec.images.builder import build_layers, plan_layers
 from dsec.images.mount import kernel_supports, locked
 from dsec.images.oci import import_archive
+from dsec.images.pull import pull_layers
+from dsec.images.reference import is_reference, parse_reference
 from dsec.images.spec import IMAGE_NAME, WORKDIR, ImageSpec, builtin_names, load_spec
 from dsec.protocol.errors import ImageBuildError, ImageNotFound, InvalidRequest
 
@@ -189,8 +193,30 @@ class ImageStore:
             layers, run_config = import_archive(Path(tar_path), self.layers, console)
             return self._save(name, layers, ImageConfig(**run_config), {"oci": str(tar_path)})
 
+    def pull(self, ref: str, platform: str | None = None, console: Console | None = None,
+             missing_only: bool = False) -> Image:
+        """Pull image reference ``ref`` from its registry, stored under its canonical reference
+        (``python:3.11-slim`` → ``docker.io/library/python:3.11-slim``). One pull of a reference
+        at a time (across processes): a concurrent ``missing_only`` pull finds the image the
+        first one stored and fetches nothing."""
+        reference = parse_reference(ref)
+        name = reference.canonical
+        lock = hashlib.sha256(name.encode()).hexdigest()[:32]
+        with locked(self.root / "locks" / f"pull-{lock}.lock"):
+            if missing_only and (image := self._find(name)):
+                return image
+            with locked(self._store_lock, shared=True):
+                layers, run_config, manifest = pull_layers(reference, self.layers, platform, console)
+                return self._save(name, layers, ImageConfig(**run_config),
+                                  {"registry": name, "manifest": manifest, "platform": platform})
+
+    def pullable(self, ref: str) -> bool:
+        """Whether ``ref`` names a registry image (not a builtin spec, not a digest prefix)."""
+        return ref not in builtin_names() and not ref.startswith("sha256:") and is_reference(ref)
+
     def get(self, ref: str) -> Image:
-        """The image named ``ref``, or whose digest starts with ``ref`` (``sha256:ab12...``)."""
+        """The image named ``ref`` (a pulled one also by any spelling of its reference:
+        ``python:3.11-slim``), or whose digest starts with ``ref`` (``sha256:ab12...``)."""
         if ref.startswith("sha256:"):
             matches = [image for image in self.list() if image.digest.startswith(ref)]
             if len(matches) > 1:
@@ -199,7 +225,7 @@ class ImageStore:
                 )
             if matches:
                 return matches[0]
-        elif image := self._find(ref):
+        elif image := self._lookup(ref):
             return image
         known = ", ".join(image.name for image in self.list()) or "none"
         raise ImageNotFound(
@@ -222,17 +248,27 @@ class ImageStore:
         """Remove an image, and the layers no other image uses."""
         with locked(self._store_lock):  # exclusive: no build may be picking up a layer we delete
             image = self.get(ref)
-            (self._images / f"{image.name}.json").unlink()
+            self._manifest(image.name).unlink()
             in_use = {layer.digest for other in self.list() for layer in other.layers}
             removed = self.layers.remove_except(in_use)
             log.info("removed image %s and %d unused layers", image.name, len(removed))
             return image
 
+    def _lookup(self, ref: str) -> Image | None:
+        """A stored name first, then a reference's canonical name."""
+        if IMAGE_NAME.match(ref) and (image := self._find(ref)):
+            return image
+        return self._find(parse_reference(ref).canonical) if is_reference(ref) else None
+
+    def _manifest(self, name: str) -> Path:
+        # Names have no '%': escaping '/' and '@' this way cannot make two names collide.
+        return self._images / (name.replace("/", "%2F").replace("@", "%40") + ".json")
+
     def _find(self, name: str) -> Image | None:
         """The named image; a manifest is parsed once per version (it is replaced by rename,
         so its inode and mtime name the version), as sandbox creates look images up often."""
         _check_name(name)
-        path = self._images / f"{name}.json"
+        path = self._manifest(name)
         try:
             st = path.stat()
         except FileNotFoundError:
@@ -256,12 +292,13 @@ class ImageStore:
             "config": asdict(config),
             "source": source,
         }
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=self._images)
+        path = self._manifest(name)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=self._images)
         os.close(fd)
         os.chmod(tmp, 0o644)  # mkstemp makes it private; other nodes' readers need it
         _write_durably(Path(tmp), json.dumps(manifest, indent=2).encode())
-        os.rename(tmp, self._images / f"{name}.json")  # atomic: readers see the old or the new manifest
-        return self._load(self._images / f"{name}.json")
+        os.rename(tmp, path)  # atomic: readers see the old or the new manifest
+        return self._load(path)
 
     def _load(self, path: Path) -> Image:
         manifest = json.loads(path.read_text())
@@ -293,8 +330,10 @@ class ImageStore:
 
 
 def _check_name(name: str) -> None:
-    if not IMAGE_NAME.match(name):
-        raise InvalidRequest(f"{name!r} is not a valid image name (letters, digits, '.', '_', ':', '-')")
+    """A store name: letters, digits and ``._:-``, or a pulled image's canonical reference."""
+    if IMAGE_NAME.match(name) or (is_reference(name) and parse_reference(name).canonical == name):
+        return
+    raise InvalidRequest(f"{name!r} is not a valid image name (letters, digits, '.', '_', ':', '-')")
 
 
 def _hex(digest: str) -> str:
