@@ -10,13 +10,16 @@ import asyncio
 import base64
 import gzip
 import hashlib
+import http.server
 import io
 import json
 import os
 import shutil
 import subprocess
 import tarfile
+import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,18 +95,80 @@ class Registry:
         return self.storage / "docker/registry/v2/blobs/sha256" / hexdigest[:2] / hexdigest / "data"
 
 
-def _start_registry(tmp: Path, auth: bool) -> tuple[subprocess.Popen[bytes], Registry]:
+class _TokenRealm(http.server.BaseHTTPRequestHandler):
+    """The registry's token server (``auth: token``): for the right Basic credentials, a JWT
+    signed (RS256, openssl) by the key whose certificate the registry trusts, granting the
+    scopes asked for. The registry checks the token; this only issues it."""
+
+    key: Path
+    cert_der: bytes
+    tokens_issued = 0
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        query = urllib.parse.parse_qs(urllib.parse.urlparse(self.path).query)
+        expected = "Basic " + base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
+        if self.headers.get("authorization") != expected:
+            self.send_response(401)
+            self.end_headers()
+            return
+        access = []
+        for scope in query.get("scope", []):
+            kind, _, rest = scope.partition(":")
+            name, _, actions = rest.rpartition(":")
+            access.append({"type": kind, "name": name, "actions": actions.split(",")})
+        now = int(time.time())
+        header = {"alg": "RS256", "typ": "JWT", "x5c": [base64.b64encode(self.cert_der).decode()]}
+        claims = {"iss": "dsec-test-issuer", "sub": USER, "aud": "dsec-test-registry",
+                  "exp": now + 600, "nbf": now - 60, "iat": now, "jti": os.urandom(8).hex(),
+                  "access": access}
+        signing_input = b".".join(_b64url(json.dumps(part).encode()) for part in (header, claims))
+        signature = subprocess.run(["openssl", "dgst", "-sha256", "-sign", str(self.key)],
+                                   input=signing_input, check=True, capture_output=True).stdout
+        body = json.dumps({"token": (signing_input + b"." + _b64url(signature)).decode()}).encode()
+        type(self).tokens_issued += 1
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def _b64url(data: bytes) -> bytes:
+    return base64.urlsafe_b64encode(data).rstrip(b"=")
+
+
+def _token_realm(tmp: Path) -> tuple[http.server.ThreadingHTTPServer, type[_TokenRealm]]:
+    key, cert = tmp / "realm.key", tmp / "realm.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+                    "-out", str(cert), "-days", "1", "-subj", "/CN=dsec-test-realm"],
+                   check=True, capture_output=True)
+    der = subprocess.run(["openssl", "x509", "-in", str(cert), "-outform", "DER"],
+                         check=True, capture_output=True).stdout
+    handler = type("Realm", (_TokenRealm,), {"key": key, "cert_der": der})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, handler
+
+
+def _start_registry(tmp: Path, auth: str = "") -> tuple[subprocess.Popen[bytes], Registry]:
     port = free_port()
     storage = tmp / "storage"
     storage.mkdir(parents=True)
     config = {"version": 0.1, "log": {"level": "error"},
               "storage": {"filesystem": {"rootdirectory": str(storage)}, "delete": {"enabled": True}},
               "http": {"addr": f"127.0.0.1:{port}"}}
-    if auth:
+    if auth == "basic":
         line = subprocess.run(["htpasswd", "-nbB", USER, PASSWORD], check=True,
                               capture_output=True, text=True).stdout.strip()
         (tmp / "htpasswd").write_text(line + "\n")
         config["auth"] = {"htpasswd": {"realm": "dsec-test", "path": str(tmp / "htpasswd")}}
+    elif auth.startswith("token "):
+        config["auth"] = {"token": {"realm": auth.removeprefix("token "), "service": "dsec-test-registry",
+                                    "issuer": "dsec-test-issuer",
+                                    "rootcertbundle": str(tmp / "realm.pem")}}
     (tmp / "config.yml").write_text(json.dumps(config))  # JSON is YAML
     proc = subprocess.Popen(["docker-registry", "serve", str(tmp / "config.yml")],
                             stdout=subprocess.DEVNULL, stderr=open(tmp / "registry.log", "wb"))
@@ -115,12 +180,12 @@ def _start_registry(tmp: Path, auth: bool) -> tuple[subprocess.Popen[bytes], Reg
             except httpx.TransportError:
                 assert proc.poll() is None, (tmp / "registry.log").read_text()
                 time.sleep(0.05)
-    return proc, Registry(f"127.0.0.1:{port}", storage, auth)
+    return proc, Registry(f"127.0.0.1:{port}", storage, bool(auth))
 
 
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
-    proc, reg = _start_registry(tmp_path_factory.mktemp("registry"), auth=False)
+    proc, reg = _start_registry(tmp_path_factory.mktemp("registry"))
     yield reg
     proc.terminate()
     proc.wait()
@@ -128,10 +193,21 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
 
 @pytest.fixture(scope="module")
 def auth_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
-    proc, reg = _start_registry(tmp_path_factory.mktemp("auth-registry"), auth=True)
+    proc, reg = _start_registry(tmp_path_factory.mktemp("auth-registry"), auth="basic")
     yield reg
     proc.terminate()
     proc.wait()
+
+
+@pytest.fixture(scope="module")
+def token_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Registry, type[_TokenRealm]]]:
+    tmp = tmp_path_factory.mktemp("token-registry")
+    realm, handler = _token_realm(tmp)
+    proc, reg = _start_registry(tmp, auth=f"token http://127.0.0.1:{realm.server_address[1]}/token")
+    yield reg, handler
+    proc.terminate()
+    proc.wait()
+    realm.shutdown()
 
 
 @pytest.fixture
@@ -233,20 +309,26 @@ def test_corrupted_blob_is_a_digest_mismatch_and_stores_nothing(
     assert os.listdir(store.root / "layers") == []
 
 
-def test_basic_auth_right_and_wrong(tmp_path: Path, auth_registry: Registry, store: ImageStore,
-                                    no_credentials: Path) -> None:
-    auth_registry.push(_archive(tmp_path, "p", _busybox_layers()), "tests/private:1")
-    ref = f"{auth_registry.host}/tests/private:1"
+@pytest.mark.parametrize("kind", ["basic", "token"])
+def test_auth_right_and_wrong(kind: str, tmp_path: Path, auth_registry: Registry,
+                              token_registry: tuple[Registry, type[_TokenRealm]], store: ImageStore,
+                              no_credentials: Path) -> None:
+    registry = auth_registry if kind == "basic" else token_registry[0]
+    registry.push(_archive(tmp_path, "p", _busybox_layers()), "tests/private:1")
+    ref = f"{registry.host}/tests/private:1"
     with pytest.raises(RegistryDenied, match="needs credentials"):
         store.pull(ref)
     wrong = base64.b64encode(f"{USER}:wrong".encode()).decode()
-    no_credentials.write_text(json.dumps({"auths": {auth_registry.host: {"auth": wrong}}}))
+    no_credentials.write_text(json.dumps({"auths": {registry.host: {"auth": wrong}}}))
     with pytest.raises(RegistryDenied, match="refused"):
         store.pull(ref)
     assert _leftovers(store) == ([], [])
     right = base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
-    no_credentials.write_text(json.dumps({"auths": {auth_registry.host: {"auth": right}}}))
+    no_credentials.write_text(json.dumps({"auths": {registry.host: {"auth": right}}}))
+    issued = token_registry[1].tokens_issued
     assert store.pull(ref).name == ref
+    if kind == "token":  # one token, reused for the manifest, the config and every layer
+        assert token_registry[1].tokens_issued == issued + 1
 
 
 # --- hostile layers served by the registry -------------------------------------------------

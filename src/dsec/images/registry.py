@@ -46,7 +46,7 @@ MAX_DOCUMENT = 4 << 20  # a manifest, an index or a config; Docker Hub's biggest
 _TIMEOUT = httpx.Timeout(60.0, connect=10.0)
 _CHUNK = 1 << 20
 # A challenge's parameters: key="quoted value" or key=token, comma-separated.
-_PARAM = re.compile(r'\s*([A-Za-z][A-Za-z0-9_-]*)\s*=\s*(?:"((?:[^"\\]|\\.)*)"|([^\s,]*))\s*,?')
+_PARAM = re.compile(r'\s*([A-Za-z][A-Za-z0-9_-]*)\s*=\s*(?:"((?:[^"\\]|\\.)*)"|([^\s,"]*))\s*,?')
 
 
 def parse_challenge(header: str) -> tuple[str, dict[str, str]]:
@@ -100,7 +100,7 @@ def credentials(registry: str) -> tuple[str, str] | None:
             continue
         if entry.get("auth"):
             try:
-                user, sep, password = base64.b64decode(entry["auth"]).decode().partition(":")
+                user, sep, password = base64.b64decode(entry["auth"], validate=True).decode().partition(":")
             except ValueError:
                 raise InvalidRequest(f"{path}: the auth of {name} is not base64 user:password") from None
             if sep:
@@ -235,7 +235,7 @@ class Registry:
         if params.get("service"):
             query["service"] = params["service"]
         # Credentials go to an HTTPS realm or to the registry's own host, never elsewhere.
-        same_host = realm.netloc.decode() == self.ref.api_host
+        same_host = realm.host == httpx.URL(f"http://{self.ref.api_host}/").host
         auth = (self._credentials if self._credentials and (realm.scheme == "https" or same_host)
                 else None)
         try:
@@ -244,8 +244,11 @@ class Registry:
             raise RegistryUnreachable(f"{self.ref.registry}'s token realm {realm} is unreachable: "
                                       f"{exc}", registry=self.ref.registry) from None
         if response.status_code in (401, 403):
-            raise RegistryDenied(f"{self.ref.registry}'s token realm refused the credentials "
-                                 f"(HTTP {response.status_code})", registry=self.ref.registry)
+            raise RegistryDenied(
+                f"{self.ref.registry}'s token realm refused the credentials (HTTP "
+                f"{response.status_code})" if auth else
+                f"{self.ref.registry} needs credentials and dsec has none for it (or none it "
+                f"sends to {realm.scheme}://{realm.host})", registry=self.ref.registry)
         if response.status_code != 200 or len(response.content) > MAX_DOCUMENT:
             raise RegistryError(f"{self.ref.registry}'s token realm answered HTTP "
                                 f"{response.status_code}", registry=self.ref.registry)
