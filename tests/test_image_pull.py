@@ -26,10 +26,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import Server, free_port, make_server, stop_server
-from test_images import BUSYBOX, _busybox_layers, _config, _layer_tar, make_oci_archive
 
 import dsec
+from conftest import Server, free_port, make_server, stop_server
 from dsec.images.store import ImageStore
 from dsec.protocol.errors import (
     DigestMismatch,
@@ -39,6 +38,7 @@ from dsec.protocol.errors import (
     RegistryUnreachable,
     UnsafeArchive,
 )
+from test_images import BUSYBOX, _busybox_layers, _config, _layer_tar, make_oci_archive
 
 pytestmark = pytest.mark.skipif(
     not (shutil.which("docker-registry") and shutil.which("skopeo") and shutil.which("htpasswd")),
