@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tarfile
 import threading
 import time
@@ -81,6 +82,22 @@ class Registry:
                                    for d in descriptors[1:]]}
             http.put(f"/manifests/{tag}", content=json.dumps(manifest), headers={
                 "content-type": "application/vnd.oci.image.manifest.v1+json"}).raise_for_status()
+
+    def put_index(self, name: str, platforms: dict[str, str]) -> None:
+        """An image index ``name`` of the manifests tagged ``platforms[os/arch]`` in its repo."""
+        repo, _, tag = name.partition(":")
+        oci = "application/vnd.oci.image.manifest.v1+json"
+        entries = []
+        with httpx.Client(base_url=f"http://{self.host}/v2/{repo}") as http:
+            for platform, manifest_tag in platforms.items():
+                body = http.get(f"/manifests/{manifest_tag}", headers={"accept": oci}).content
+                os_, arch = platform.split("/")
+                entries.append({"mediaType": oci, "digest": "sha256:" + hashlib.sha256(body).hexdigest(),
+                                "size": len(body), "platform": {"os": os_, "architecture": arch}})
+            index = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
+                     "manifests": entries}
+            http.put(f"/manifests/{tag}", content=json.dumps(index), headers={
+                "content-type": "application/vnd.oci.image.index.v1+json"}).raise_for_status()
 
     def layer_blobs(self, name: str) -> list[Path]:
         """The files the registry serves ``name``'s layers from (skopeo may have compressed them)."""
@@ -268,6 +285,38 @@ def test_shared_base_layer_is_downloaded_and_converted_once(
     assert b.layers[0] == base_layer
     assert (os.stat(base_layer.path).st_ino, os.stat(base_layer.path).st_mtime_ns) == stamp
     assert b.layers[1] != a.layers[1]
+
+
+def test_platform_is_picked_from_an_index(tmp_path: Path, registry: Registry, store: ImageStore,
+                                          no_credentials: Path) -> None:
+    for arch in ("amd64", "arm64"):
+        layer = _layer_tar([("arch.txt", arch.encode(), 0o644)])
+        registry.put_image(f"tests/multi:{arch}", _config([layer]), [layer])
+    registry.put_index("tests/multi:1", {"linux/amd64": "amd64", "linux/arm64": "arm64"})
+    ref = f"{registry.host}/tests/multi:1"
+    arm = ImageStore(tmp_path / "arm", layer_format="dir").pull(ref, platform="linux/arm64")
+    assert (arm.layers[0].path / "arch.txt").read_text() == "arm64"
+    with pytest.raises(dsec.NotSupported, match="none for linux/s390x"):
+        store.pull(ref, platform="linux/s390x")
+    assert _leftovers(store) == ([], [])
+
+
+def test_cli_pull_prints_the_image_and_a_line_per_layer(tmp_path: Path, registry: Registry,
+                                                       no_credentials: Path) -> None:
+    registry.push(_archive(tmp_path, "cli", _busybox_layers()), "tests/cli:1")
+    env = {**os.environ, "DSEC_IMAGE_STORE": str(tmp_path / "cli-store")}
+    result = subprocess.run([sys.executable, "-m", "dsec", "image", "pull", f"{registry.host}/tests/cli:1"],
+                            env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    name, digest = result.stdout.split()
+    assert name == f"{registry.host}/tests/cli:1" and digest.startswith("sha256:")
+    assert "layer 1/2: built" in result.stderr and "layer 2/2: built" in result.stderr
+    again = subprocess.run([sys.executable, "-m", "dsec", "image", "pull", f"{registry.host}/tests/cli:1"],
+                           env=env, capture_output=True, text=True)
+    assert "layer 1/2: cached" in again.stderr and again.stdout == result.stdout
+    bad = subprocess.run([sys.executable, "-m", "dsec", "image", "pull", "Not A Ref"], env=env,
+                         capture_output=True, text=True)
+    assert bad.returncode == 1 and "invalid_request" in bad.stderr
 
 
 def test_docker_hub_shorthand_names_one_image(store: ImageStore) -> None:

@@ -63,7 +63,8 @@ def pull_layers(ref: Reference, store: LayerStore, platform: str | None = None,
             if media_type in INDEX_TYPES:
                 raise RegistryError(f"{ref}: an index inside an index", registry=ref.registry)
         descriptors = manifest.get("layers")
-        if not isinstance(descriptors, list) or len(descriptors) > MAX_LAYERS:
+        if (not isinstance(descriptors, list) or len(descriptors) > MAX_LAYERS
+                or not all(isinstance(d, dict) for d in descriptors)):
             raise RegistryError(f"{ref}: the manifest must list at most {MAX_LAYERS} layers",
                                 registry=ref.registry)
         config = registry.document(manifest.get("config"))
@@ -92,7 +93,7 @@ def pull_layers(ref: Reference, store: LayerStore, platform: str | None = None,
 
 def _fetch_layer(registry: Registry, descriptor: dict[str, Any], diff_id: str,
                  show: Callable[[str], None], scratch: Path) -> None:
-    media_type = descriptor.get("mediaType") if isinstance(descriptor, dict) else None
+    media_type = descriptor.get("mediaType")
     if media_type not in _LAYER_TYPES:
         raise NotSupported(f"{registry.ref}: layers of type {media_type!r} are not supported "
                            "(dsec takes tar and tar+gzip layers)")

@@ -230,7 +230,11 @@ class Registry:
                                  f"speak ({challenge[:100]!r})", registry=self.ref.registry)
 
     def _token(self, params: dict[str, str]) -> str:
-        realm = httpx.URL(params["realm"])
+        try:
+            realm = httpx.URL(params["realm"])
+        except httpx.InvalidURL:
+            raise RegistryError(f"{self.ref.registry} names a token realm that is not a URL",
+                                registry=self.ref.registry) from None
         query = {"scope": params.get("scope") or f"repository:{self.ref.repository}:pull"}
         if params.get("service"):
             query["service"] = params["service"]

@@ -256,9 +256,11 @@ class ImageStore:
 
     def _lookup(self, ref: str) -> Image | None:
         """A stored name first, then a reference's canonical name."""
+        if not is_reference(ref):
+            return self._find(ref)  # refused unless a valid store name
         if IMAGE_NAME.match(ref) and (image := self._find(ref)):
             return image
-        return self._find(parse_reference(ref).canonical) if is_reference(ref) else None
+        return self._find(parse_reference(ref).canonical)
 
     def _manifest(self, name: str) -> Path:
         # Names have no '%': escaping '/' and '@' this way cannot make two names collide.
