@@ -594,7 +594,8 @@ def project_quota(name: str, sandboxes: int | None, cpu: float | None,
 @click.option("--only-trajectory", is_flag=True,
               help="only the trajectory series (log overhead, fast-forward)")
 @click.option("--only", type=click.Choice(["fn", "microvm", "vm", "cluster", "projects",
-                                           "network", "state", "pause", "stdin", "soak"]),
+                                           "network", "state", "pause", "stdin", "soak",
+                                           "pull"]),
               default=None,
               help="run one series alone: fn (call latency and throughput), microvm or vm "
                    "(against containers), cluster (a local Ray cluster against one node), "
@@ -602,7 +603,8 @@ def project_quota(name: str, sandboxes: int | None, cpu: float | None,
                    "on create, set_network), state (snapshot, create from one, fork, rollback), "
                    "pause (pause, resume, a call on a paused sandbox), stdin (input to a "
                    "process, a terminal's round trip, stdin throughput), soak (server "
-                   "resources over many create/run/stop cycles, retention set short)")
+                   "resources over many create/run/stop cycles, retention set short), pull "
+                   "(a registry pull and conversion against skopeo copy to a directory)")
 @click.option("--sizes", default="100", help="cluster series: burst sizes, comma-separated")
 @click.option("--cycles", type=click.IntRange(min=10), default=None,
               help="soak series: create/run/stop cycles (default 20000; --quick 200)")

@@ -17,6 +17,7 @@ import json
 import os
 import re
 from collections.abc import Callable
+from contextlib import closing
 from pathlib import Path
 from typing import IO, Any
 
@@ -183,7 +184,7 @@ class Registry:
 
     # --- HTTP ---------------------------------------------------------------------------
 
-    def _get(self, path: str, accept: str | None = None) -> Any:
+    def _get(self, path: str, accept: str | None = None) -> closing[httpx.Response]:
         """A streamed GET of ``path`` that succeeded (after authenticating once if asked to)."""
         url = f"{self._base}/{path}"
         headers = {"accept": accept} if accept else {}
@@ -202,7 +203,7 @@ class Registry:
                 self._authenticate(challenge)
                 continue
             if response.status_code == 200:
-                return _Closing(response)
+                return closing(response)
             response.close()
             status = response.status_code
             if status in (401, 403):
@@ -285,19 +286,6 @@ class Registry:
         if not isinstance(document, dict):
             raise RegistryError(f"{self.ref}: {what} is not a JSON object", registry=self.ref.registry)
         return document
-
-
-class _Closing:
-    """A streamed response as a context manager that closes it."""
-
-    def __init__(self, response: httpx.Response) -> None:
-        self.response = response
-
-    def __enter__(self) -> httpx.Response:
-        return self.response
-
-    def __exit__(self, *exc: object) -> None:
-        self.response.close()
 
 
 _DIGEST = re.compile(r"^sha256:[a-f0-9]{64}$")
