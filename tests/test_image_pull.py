@@ -14,7 +14,9 @@ import http.server
 import io
 import json
 import os
+import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -24,12 +26,13 @@ import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 import dsec
-from conftest import Server, free_port, make_server, stop_server
+from conftest import TEST_ROOT, Server, free_port, make_server, stop_server
 from dsec.images.store import ImageStore
 from dsec.protocol.errors import (
     DigestMismatch,
@@ -480,6 +483,18 @@ def test_too_many_layers_and_a_giant_config_are_refused(
 # --- create(image=REF) on a real server -----------------------------------------------------
 
 
+@pytest.fixture
+def registry_auth_env(tmp_path: Path) -> Iterator[None]:
+    """DSEC_REGISTRY_AUTH of an empty credentials file, for a server started now (it inherits
+    the variable) and no longer."""
+    (tmp_path / "server-auth.json").write_text("{}")
+    os.environ["DSEC_REGISTRY_AUTH"] = str(tmp_path / "server-auth.json")
+    try:
+        yield
+    finally:
+        del os.environ["DSEC_REGISTRY_AUTH"]
+
+
 @pytest.fixture(scope="module")
 def pull_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     auth = tmp_path_factory.mktemp("server-auth") / "auth.json"
@@ -515,3 +530,31 @@ async def test_pull_never_is_a_typed_image_not_found(tmp_path: Path, registry: R
     registry.push(_archive(tmp_path, "never", _busybox_layers()), "tests/never:1")
     with pytest.raises(dsec.ImageNotFound, match="--pull missing"):
         await client.create(image=f"{registry.host}/tests/never:1", ttl_s=60)
+
+
+async def test_create_pulls_under_ray(tmp_path: Path, registry: Registry, local_postgres: Any,
+                                      registry_auth_env: None) -> None:
+    """The same create on an edge that is a Ray actor: the settings (--pull, the credentials
+    file) reach it, and it pulls into the store it was given."""
+    pytest.importorskip("ray", reason="needs the cluster extra (Ray)")
+    from dsec.cluster.local import TOLERANT_HEALTH_CHECKS, LocalRayCluster
+    registry.push(_archive(tmp_path, "ray", _busybox_layers()), "tests/ray-box:1")
+    ref = f"{registry.host}/tests/ray-box:1"
+    state = TEST_ROOT / f"pull-{secrets.token_hex(3)}"
+    state.mkdir(parents=True)
+    cluster = LocalRayCluster(state, [4], TOLERANT_HEALTH_CHECKS).start()
+    store = tmp_path / "ray-store"
+    try:
+        server = Server(state, ["--host", "127.0.0.1", "--port", str(free_port()),
+                                "--ray", cluster.address, "--warm-pool", "0", "--pull", "missing",
+                                "--image-store", str(store), "--state-url",
+                                local_postgres.fresh_database("pull_" + secrets.token_hex(3))]).start()
+        try:
+            async with server.client() as client, await client.create(image=ref, ttl_s=120) as sb:
+                assert (await sb.run("cat /etc/keep.txt")).stdout == "kept\n"
+        finally:
+            server.kill(signal.SIGTERM)
+    finally:
+        cluster.stop()
+        shutil.rmtree(state, ignore_errors=True)
+    assert [image.name for image in ImageStore(store).list()] == [ref]
