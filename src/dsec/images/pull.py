@@ -6,13 +6,15 @@ the reference to one manifest (picking the platform from an index), fetch and ve
 then for each layer ask the store for its key (parent + diff_id): a layer already stored —
 by an earlier pull, or an archive import of the same image — is neither downloaded nor converted.
 A missing one is downloaded into its scratch directory, checked against its digest, and only
-then extracted and committed. Nothing is named until every layer is in; a failure leaves at
+then extracted and committed; layers do this in parallel (their keys are known up front). Nothing is named until every layer is in; a failure leaves at
 most complete, verified layers (reused by the next try) and no image.
 """
 
 from __future__ import annotations
 
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,6 +40,9 @@ if TYPE_CHECKING:
     from dsec.images.store import Layer, LayerStore
 
 MAX_LAYERS = 128  # overlayfs stacks a few hundred lowers; real images stay far below
+# Layers download and convert in parallel (their keys chain through diff_ids, known from the
+# config): gunzip, tar and mkfs.erofs of one layer keep about one core busy.
+_WORKERS = min(4, os.cpu_count() or 1)
 _MAX_INDEX_ENTRIES = 256
 _LAYER_TYPES = {
     "application/vnd.oci.image.layer.v1.tar",
@@ -74,21 +79,37 @@ def pull_layers(ref: Reference, store: LayerStore, platform: str | None = None,
                 or not all(isinstance(d, str) and d.startswith("sha256:") for d in diff_ids)):
             raise RegistryError(f"{ref}: the config's diff_ids do not match the manifest's "
                                 f"{len(descriptors)} layers", registry=ref.registry)
-        layers: list[Layer] = []
-        for index, (descriptor, diff_id) in enumerate(zip(descriptors, diff_ids, strict=True), 1):
-            label = f"{ref}: layer {index}/{len(descriptors)}"
-            started = time.monotonic()
-            with progress.layer(label) as show:
-                layer, fresh = store.ensure(
-                    oci_layer_key(layers[-1].digest if layers else None, diff_id),
-                    {"section": "oci", "diff_id": diff_id, "blob": descriptor.get("digest")},
-                    partial(_fetch_layer, registry, descriptor, diff_id, show),
-                )
-            progress.finished(label, layer, time.monotonic() - started if fresh else None)
-            layers.append(layer)
+        keys: list[str] = []
+        for diff_id in diff_ids:
+            keys.append(oci_layer_key(keys[-1] if keys else None, diff_id))
+        labels = [f"{ref}: layer {i}/{len(keys)}" for i in range(1, len(keys) + 1)]
+        workers = max(1, min(_WORKERS, len(keys)))
+        with progress.layers(labels) as shows, ThreadPoolExecutor(workers) as pool:
+            futures = [pool.submit(_layer, store, key, descriptor, diff_id, registry, progress,
+                                   label, show)
+                       for key, descriptor, diff_id, label, show
+                       in zip(keys, descriptors, diff_ids, labels, shows, strict=True)]
+            try:
+                layers = [future.result() for future in futures]
+            except BaseException:
+                pool.shutdown(cancel_futures=True)  # no more downloads after a failure
+                raise
     settings = config.get("config")
     return ([*layers, workdir_layer(store, layers)],
             run_config(settings if isinstance(settings, dict) else {}), digest)
+
+
+def _layer(store: LayerStore, key: str, descriptor: dict[str, Any], diff_id: str,
+           registry: Registry, progress: BuildProgress, label: str,
+           show: Callable[[str], None]) -> Layer:
+    """One layer from the store, or downloaded, verified and converted into it (in a worker)."""
+    started = time.monotonic()
+    layer, fresh = store.ensure(key, {"section": "oci", "diff_id": diff_id,
+                                      "blob": descriptor.get("digest")},
+                                partial(_fetch_layer, registry, descriptor, diff_id, show))
+    show("stored" if fresh else "already stored")
+    progress.finished(label, layer, time.monotonic() - started if fresh else None)
+    return layer
 
 
 def _fetch_layer(registry: Registry, descriptor: dict[str, Any], diff_id: str,
