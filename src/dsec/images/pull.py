@@ -6,8 +6,9 @@ the reference to one manifest (picking the platform from an index), fetch and ve
 then for each layer ask the store for its key (parent + diff_id): a layer already stored —
 by an earlier pull, or an archive import of the same image — is neither downloaded nor converted.
 A missing one is downloaded into its scratch directory, checked against its digest, and only
-then extracted and committed; layers do this in parallel (their keys are known up front). Nothing is named until every layer is in; a failure leaves at
-most complete, verified layers (reused by the next try) and no image.
+then extracted and committed; layers do this in parallel (their keys are known up front).
+Nothing is named until every layer is in; a failure leaves at most complete, verified layers
+(reused by the next try) and no image.
 """
 
 from __future__ import annotations
