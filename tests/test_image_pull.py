@@ -123,8 +123,10 @@ class _TokenRealm(http.server.BaseHTTPRequestHandler):
     key: Path
     cert_der: bytes
     tokens_issued = 0
+    authorizations: list[str | None]  # what each request to the realm carried
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        self.authorizations.append(self.headers.get("authorization"))
         query = urllib.parse.parse_qs(urllib.parse.urlparse(self.path).query)
         expected = "Basic " + base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
         if self.headers.get("authorization") != expected:
@@ -160,15 +162,16 @@ def _b64url(data: bytes) -> bytes:
     return base64.urlsafe_b64encode(data).rstrip(b"=")
 
 
-def _token_realm(tmp: Path) -> tuple[http.server.ThreadingHTTPServer, type[_TokenRealm]]:
+def _token_realm(tmp: Path, address: str = "127.0.0.1") -> tuple[http.server.ThreadingHTTPServer,
+                                                                 type[_TokenRealm]]:
     key, cert = tmp / "realm.key", tmp / "realm.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
                     "-out", str(cert), "-days", "1", "-subj", "/CN=dsec-test-realm"],
                    check=True, capture_output=True)
     der = subprocess.run(["openssl", "x509", "-in", str(cert), "-outform", "DER"],
                          check=True, capture_output=True).stdout
-    handler = type("Realm", (_TokenRealm,), {"key": key, "cert_der": der})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    handler = type("Realm", (_TokenRealm,), {"key": key, "cert_der": der, "authorizations": []})
+    server = http.server.ThreadingHTTPServer((address, 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, handler
 
@@ -381,6 +384,24 @@ def test_auth_right_and_wrong(kind: str, tmp_path: Path, auth_registry: Registry
     assert store.pull(ref).name == ref
     if kind == "token":  # one token, reused for the manifest, the config and every layer
         assert token_registry[1].tokens_issued == issued + 1
+
+
+def test_credentials_never_go_to_a_plain_http_realm_elsewhere(
+        tmp_path: Path, store: ImageStore, no_credentials: Path) -> None:
+    """A registry (on 127.0.0.1) whose challenge names a token realm on another host over plain
+    HTTP (127.0.0.2, loopback too): the realm is asked anonymously, never with the credentials."""
+    realm, handler = _token_realm(tmp_path, address="127.0.0.2")
+    proc, registry = _start_registry(tmp_path, auth=f"token http://127.0.0.2:{realm.server_address[1]}/token")
+    try:
+        right = base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
+        no_credentials.write_text(json.dumps({"auths": {registry.host: {"auth": right}}}))
+        with pytest.raises(RegistryDenied, match="none it sends to http://127.0.0.2"):
+            store.pull(f"{registry.host}/tests/anything:1")
+        assert handler.authorizations == [None]
+    finally:
+        proc.terminate()
+        proc.wait()
+        realm.shutdown()
 
 
 # --- hostile layers served by the registry -------------------------------------------------
