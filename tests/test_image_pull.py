@@ -102,6 +102,12 @@ class Registry:
             http.put(f"/manifests/{tag}", content=json.dumps(index), headers={
                 "content-type": "application/vnd.oci.image.index.v1+json"}).raise_for_status()
 
+    def config_digest(self, name: str) -> str:
+        repo, _, tag = name.partition(":")
+        with httpx.Client() as http:
+            return str(http.get(f"http://{self.host}/v2/{repo}/manifests/{tag}", headers={
+                "accept": "application/vnd.oci.image.manifest.v1+json"}).json()["config"]["digest"])
+
     def layer_blobs(self, name: str) -> list[Path]:
         """The files the registry serves ``name``'s layers from (skopeo may have compressed them)."""
         repo, _, tag = name.partition(":")
@@ -350,16 +356,23 @@ def test_unreachable_registry(store: ImageStore, no_credentials: Path) -> None:
     assert _leftovers(store) == ([], [])
 
 
+@pytest.mark.parametrize("what", ["layer", "config", "manifest"])
 def test_corrupted_blob_is_a_digest_mismatch_and_stores_nothing(
-        tmp_path: Path, registry: Registry, store: ImageStore, no_credentials: Path) -> None:
+        what: str, tmp_path: Path, registry: Registry, store: ImageStore, no_credentials: Path) -> None:
+    """The registry serves altered bytes (its storage was tampered with): a layer, the config,
+    or the manifest of a by-digest pull. The download is refused before anything is unpacked."""
     layer = _layer_tar([("file.txt", b"the real content\n", 0o644)])
-    registry.push(_archive(tmp_path, "c", [layer]), "tests/corrupt:1")
-    data = registry.layer_blobs("tests/corrupt:1")[0]
+    manifest = registry.push(_archive(tmp_path, "c", [layer]), f"tests/corrupt-{what}:1")
+    blobs = {"layer": registry.layer_blobs(f"tests/corrupt-{what}:1")[0],
+             "config": registry.blob_data(registry.config_digest(f"tests/corrupt-{what}:1")),
+             "manifest": registry.blob_data(manifest)}
+    data = blobs[what]
     raw = bytearray(data.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
+    raw[len(raw) // 2] ^= 0x01  # JSON stays JSON-ish; a gzip stream breaks
     data.write_bytes(bytes(raw))
+    ref = f"{registry.host}/tests/corrupt-{what}" + (f"@{manifest}" if what == "manifest" else ":1")
     with pytest.raises(DigestMismatch):
-        store.pull(f"{registry.host}/tests/corrupt:1")
+        store.pull(ref)
     assert _leftovers(store) == ([], [])
     assert os.listdir(store.root / "layers") == []
 
