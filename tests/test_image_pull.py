@@ -68,7 +68,8 @@ class Registry:
         link = blobs / tag / "current/link"
         return link.read_text().strip()
 
-    def put_image(self, name: str, config: bytes, layers: list[bytes]) -> None:
+    def put_image(self, name: str, config: bytes, layers: list[bytes],
+                  layer_type: str = "application/vnd.oci.image.layer.v1.tar") -> None:
         """Push through the registry's own API, for what skopeo refuses to push (a giant config)."""
         repo, _, tag = name.partition(":")
         descriptors = []
@@ -81,8 +82,7 @@ class Registry:
                 descriptors.append({"digest": digest, "size": len(data)})
             manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
                         "config": {"mediaType": "application/vnd.oci.image.config.v1+json", **descriptors[0]},
-                        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", **d}
-                                   for d in descriptors[1:]]}
+                        "layers": [{"mediaType": layer_type, **d} for d in descriptors[1:]]}
             http.put(f"/manifests/{tag}", content=json.dumps(manifest), headers={
                 "content-type": "application/vnd.oci.image.manifest.v1+json"}).raise_for_status()
 
@@ -512,6 +512,20 @@ def test_too_many_layers_and_a_giant_config_are_refused(
     with pytest.raises(dsec.RegistryError, match="over the limit"):
         store.pull(f"{registry.host}/tests/giant:1")
     assert _leftovers(store) == ([], [])
+
+
+def test_unsupported_layers_and_oversized_indexes_are_refused(
+        tmp_path: Path, registry: Registry, store: ImageStore, no_credentials: Path) -> None:
+    tiny = _layer_tar([("f", b"", 0o644)])
+    registry.put_image("tests/zstd:1", _config([tiny]), [tiny],
+                       layer_type="application/vnd.oci.image.layer.v1.tar+zstd")
+    with pytest.raises(dsec.NotSupported, match="tar\\+zstd"):
+        store.pull(f"{registry.host}/tests/zstd:1")
+    registry.put_image("tests/wide:one", _config([tiny]), [tiny])
+    registry.put_index("tests/wide:1", {f"linux/arch{i}": "one" for i in range(300)})
+    with pytest.raises(dsec.RegistryError, match="no usable manifests"):
+        store.pull(f"{registry.host}/tests/wide:1")
+    assert _leftovers(store) == ([], []) and os.listdir(store.root / "layers") == []
 
 
 # --- create(image=REF) on a real server -----------------------------------------------------

@@ -62,7 +62,8 @@ def pull_layers(ref: Reference, store: LayerStore, platform: str | None = None,
         if media_type in INDEX_TYPES:
             entries = manifest.get("manifests")
             if not isinstance(entries, list) or not 0 < len(entries) <= _MAX_INDEX_ENTRIES:
-                raise RegistryError(f"{ref}: the index lists no usable manifests", registry=ref.registry)
+                raise RegistryError(f"{ref}: the index lists no usable manifests (or more than "
+                                    f"{_MAX_INDEX_ENTRIES})", registry=ref.registry)
             descriptor = pick_manifest([e for e in entries if isinstance(e, dict)], platform)
             chosen, _ = check_descriptor(descriptor, MAX_DOCUMENT, ref)
             digest, manifest, media_type = registry.manifest(chosen)  # verified: fetched by digest
