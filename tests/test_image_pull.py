@@ -331,6 +331,21 @@ def test_cli_pull_prints_the_image_and_a_line_per_layer(tmp_path: Path, registry
     assert bad.returncode == 1 and "invalid_request" in bad.stderr
 
 
+def test_concurrent_pulls_in_two_processes_convert_each_layer_once(
+        tmp_path: Path, registry: Registry, no_credentials: Path) -> None:
+    registry.push(_archive(tmp_path, "two", _busybox_layers()), "tests/two:1")
+    env = {**os.environ, "DSEC_IMAGE_STORE": str(tmp_path / "shared-store")}
+    argv = [sys.executable, "-m", "dsec", "image", "pull", f"{registry.host}/tests/two:1"]
+    procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outputs = [proc.communicate() for proc in procs]
+    assert all(proc.returncode == 0 for proc in procs), outputs
+    assert outputs[0][0] == outputs[1][0]  # the same image and digest
+    stderr = outputs[0][1] + outputs[1][1]
+    assert stderr.count("layer 1/2: built") == 1 and stderr.count("layer 2/2: built") == 1
+    assert stderr.count("layer 1/2: cached") == 1
+
+
 def test_docker_hub_shorthand_names_one_image(store: ImageStore) -> None:
     assert store.pullable("python:3.11-slim") and not store.pullable("python-3.11")
     with pytest.raises(ImageNotFound):
