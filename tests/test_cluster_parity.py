@@ -57,7 +57,8 @@ DEAD_EDGE = "rdeadbeef"  # an edge directory whose node Ray never listed: an orp
 FN_IMAGE = "python-3.11"
 # Settings given by environment only (no serve option), as an operator's unit file would.
 ENV_ONLY = {"DSEC_FN_PRELOAD": "numpy,fractions", "DSEC_E2B_TEMPLATES": "mine=python-3.11",
-            "DSEC_SANDBOXFUSION_IMAGE": FN_IMAGE}
+            "DSEC_SANDBOXFUSION_IMAGE": FN_IMAGE, "DSEC_REGISTRY_HTTP": "registry.invalid:5000",
+            "DSEC_IMAGE_LAYER_MAX_MB": "4096"}
 
 
 def fn_cgroups(edge: str) -> list[Path]:
@@ -132,7 +133,7 @@ def serve_args(ray_cluster: LocalRayCluster, local_postgres: LocalPostgres, serv
             # garbage collection: a retention long past the tests, and no pass before the
             # GC test's own replicas take the lease (its loop sleeps an interval first)
             "--retain-ended-s": "86400", "--retain-failed-s": "86400", "--trajectory-ttl-s": "86400",
-            "--gc-interval-s": "3600", "--blob-grace-s": "600",
+            "--gc-interval-s": "3600", "--blob-grace-s": "600", "--pull": "missing",
             "--layer-grace-s": str(200 * 365 * 86400)}  # the shared images cache: never collected
 
 
