@@ -65,15 +65,17 @@ def drive(server: Server, steps: list[list[Any]], key: str | None = None) -> lis
 
 def test_build_from_an_image_create_list_delete(server: Server, image: str) -> None:
     name = unique("tpl")
-    before, built, after, ran, listed, status = drive(server, [
-        ["exists", name], ["build", name, image], ["exists", name],
+    before, no_tags, built, after, tagged, ran, listed, status = drive(server, [
+        ["exists", name], ["tags", name], ["build", name + ":v1", image], ["exists", name],
+        ["tags", name],
         ["run", name, "echo $GREETING $TPL_GREETING; pwd; cat /etc/keep.txt; ls /data"],
         ["list"], ["background", name + "-bg", image]])
     assert before == [False, False]
+    assert no_tags["raised"] == "TemplateException" and "not found" in no_tags["message"]
     assert "raised" not in built, built
     assert any(f"pulled {image}" in line for line in built["logs"]), built["logs"]
     assert any("layer" in line for line in built["logs"])  # the pull's progress lines
-    assert after == [True, True]
+    assert after == [True, True] and tagged == ["v1"]
     # the image's env and files (whiteouts kept), the template's env and WORKDIR
     assert ran == {"stdout": "hi from-template\n/data\nkept\nnew.txt\n", "exit_code": 0}
     mine = [t for t in listed["templates"] if t["aliases"] == [name]]

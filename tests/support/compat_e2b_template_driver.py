@@ -58,6 +58,10 @@ def run(name: str, command: str) -> Any:
         sandbox.kill()
 
 
+def tags(name: str) -> Any:
+    return sorted(t.tag for t in Template.get_tags(name))
+
+
 def listing() -> Any:
     response = get_templates.sync_detailed(client=_client())
     return {"status": response.status_code,
@@ -70,7 +74,7 @@ def delete(template_id: str) -> Any:
 
 
 STEPS = {"exists": exists, "build": build, "background": background, "run": run,
-         "list": listing, "delete": delete}
+         "list": listing, "delete": delete, "tags": tags}
 
 
 def main() -> None:

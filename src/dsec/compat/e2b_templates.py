@@ -10,6 +10,7 @@ Routes (``e2b-dev/infra`` ``spec/openapi.yml``, what the SDK 2.x calls):
 - ``POST /v2/templates/{id}/builds/{build id}``: the build's steps; answered 202, built in
   the background
 - ``GET /templates/{id}/builds/{build id}/status``: status and logs (``logsOffset``)
+- ``GET /templates/{id or name}/tags``: ``Template.get_tags`` (harbor's first call)
 - ``GET /templates``, ``DELETE /templates/{id or alias}`` (compat/e2b.py routes the delete of
   a snapshot id to the snapshots)
 
@@ -38,6 +39,7 @@ import logging
 import re
 import secrets
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -131,11 +133,11 @@ class Templates:
         if (not isinstance(cpu, int) or not isinstance(memory, int) or isinstance(cpu, bool)
                 or not 1 <= cpu <= 64 or not 128 <= memory <= 1 << 20):
             raise TemplateError(400, "cpuCount must be 1..64 and memoryMB 128..1048576")
+        tags = list(dict.fromkeys([tag or "default", *tags]))
         row = self.store.request(self.project(), alias, "tpl-" + secrets.token_hex(8),
-                                 "bld-" + secrets.token_hex(8), cpu, memory)
+                                 str(uuid.uuid4()), tags, cpu, memory)  # E2B's build ids: UUIDs
         return {"templateID": row.template_id, "buildID": row.build_id, "public": False,
-                "names": [alias], "aliases": [alias], "tags": [*([tag] if tag else []), *tags]
-                or ["default"]}
+                "names": [alias], "aliases": [alias], "tags": tags}
 
     def refuse_upload(self, template_id: str) -> NoReturn:
         """A COPY step's upload link: the build it belongs to fails here, with the reason."""
@@ -174,8 +176,18 @@ class Templates:
             answer["reason"] = {"message": row.reason or "build failed"}
         return answer
 
+    def tags(self, template_id_or_alias: str) -> list[dict[str, Any]]:
+        """A ready template's tags (all naming its one image); 404 for no such template."""
+        project = self.project()
+        row = self.store.by_id(project, template_id_or_alias) or self.store.get(
+            project, template_id_or_alias.partition(":")[0])
+        if row is None or row.image is None:
+            raise TemplateError(404, f"template '{template_id_or_alias}' not found")
+        return [{"tag": tag, "buildID": row.build_id, "createdAt": _rfc3339(row.updated_at)}
+                for tag in row.tags]
+
     def all(self) -> list[dict[str, Any]]:
-        return [_listed(row) for row in self.store.list(self.project())]
+        return [_listed(row) for row in self.store.of_project(self.project())]
 
     def delete(self, template_id_or_alias: str) -> bool:
         """The template's alias goes; its image's layers go with layer GC once unused."""
@@ -366,6 +378,11 @@ def add_template_routes(app: FastAPI, templates: Templates,
         if not offset.isdigit():
             raise TemplateError(400, "logsOffset must be a non-negative integer")
         return JSONResponse(templates.status(template_id, build_id, int(offset)))
+
+    @app.get("/templates/{template_id}/tags")
+    async def tags(template_id: str, request: Request) -> JSONResponse:
+        authenticate(request)
+        return JSONResponse(templates.tags(template_id))
 
     @app.get("/templates")
     async def listing(request: Request) -> JSONResponse:

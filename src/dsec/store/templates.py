@@ -28,6 +28,7 @@ CREATE TABLE IF NOT EXISTS e2b_templates (
     image TEXT,
     reason TEXT,
     logs TEXT NOT NULL,
+    tags TEXT NOT NULL,
     settings TEXT NOT NULL,
     cpu_count INTEGER NOT NULL,
     memory_mb INTEGER NOT NULL,
@@ -50,6 +51,7 @@ class TemplateRow:
     image: str | None  # the dsec image a ready build names
     reason: str | None  # why a build failed
     logs: list[dict[str, Any]]
+    tags: list[str]  # the build's tags (E2B's name:tag), the default one first
     # env, workdir, user, start_cmd, ready_cmd: what the build's steps set
     settings: dict[str, Any] = field(default_factory=dict)
     cpu_count: int = 2
@@ -61,7 +63,7 @@ class TemplateRow:
     def of(cls, row: Row) -> TemplateRow:
         return cls(row["project"], row["alias"], row["template_id"], row["build_id"],
                    row["status"], row["image"], row["reason"], json.loads(row["logs"]),
-                   json.loads(row["settings"]), row["cpu_count"], row["memory_mb"],
+                   json.loads(row["tags"]), json.loads(row["settings"]), row["cpu_count"], row["memory_mb"],
                    row["created_at"], row["updated_at"])
 
 
@@ -83,13 +85,13 @@ class TemplateStore:
                                (project, template_id)).fetchone()
         return TemplateRow.of(row) if row else None
 
-    def list(self, project: str) -> list[TemplateRow]:
+    def of_project(self, project: str) -> list[TemplateRow]:
         rows = self._db.execute("SELECT * FROM e2b_templates WHERE project=? ORDER BY created_at",
                                 (project,)).fetchall()
         return [TemplateRow.of(row) for row in rows]
 
     def request(self, project: str, alias: str, template_id: str, build_id: str,
-                cpu_count: int, memory_mb: int) -> TemplateRow:
+                tags: list[str], cpu_count: int, memory_mb: int) -> TemplateRow:
         """A new build of ``alias`` (waiting for its steps): a new template, or the next build
         of an existing one, which keeps its id and its image until the build is ready."""
         now = time.time()
@@ -98,14 +100,15 @@ class TemplateStore:
             if old is None:
                 self._db.execute(
                     "INSERT INTO e2b_templates (project, alias, template_id, build_id, status, "
-                    "image, reason, logs, settings, cpu_count, memory_mb, created_at, updated_at) "
-                    "VALUES (?,?,?,?,'waiting',NULL,NULL,'[]','{}',?,?,?,?)",
-                    (project, alias, template_id, build_id, cpu_count, memory_mb, now, now))
+                    "image, reason, logs, tags, settings, cpu_count, memory_mb, created_at, "
+                    "updated_at) VALUES (?,?,?,?,'waiting',NULL,NULL,'[]',?,'{}',?,?,?,?)",
+                    (project, alias, template_id, build_id, json.dumps(tags), cpu_count,
+                     memory_mb, now, now))
             else:
                 self._db.execute(
                     "UPDATE e2b_templates SET build_id=?, status='waiting', reason=NULL, logs='[]', "
-                    "cpu_count=?, memory_mb=?, updated_at=? WHERE project=? AND alias=?",
-                    (build_id, cpu_count, memory_mb, now, project, alias))
+                    "tags=?, cpu_count=?, memory_mb=?, updated_at=? WHERE project=? AND alias=?",
+                    (build_id, json.dumps(tags), cpu_count, memory_mb, now, project, alias))
         row = self.get(project, alias)
         assert row is not None
         return row
