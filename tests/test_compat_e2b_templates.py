@@ -143,7 +143,7 @@ def test_another_projects_key_cannot_see_use_or_delete_a_template(server: Server
 
 
 @pytest.mark.parametrize("name", ["../etc/passwd", "a/b", "x;rm -rf /", "UPPER", "a" * 64,
-                                  "ok:bad tag", "%2e%2e"])
+                                  "ok:bad tag", "%2e%2e", "sn-looks-like-a-snapshot"])
 def test_hostile_template_names_are_refused_and_nothing_is_stored(server: Server,
                                                                    name: str) -> None:
     with httpx.Client(base_url=f"{server.url}/e2b", headers={"X-API-Key": server.key}) as http:

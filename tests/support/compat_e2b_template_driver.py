@@ -28,9 +28,9 @@ def exists(name: str) -> Any:
     return [Template.exists(name), Template.alias_exists(name)]
 
 
-def build(name: str, image: str, extra: str = "") -> Any:
+def build(name: str, image: str, extra: str = "", workdir: str = "/data") -> Any:
     template = (Template().from_image(image).set_envs({"TPL_GREETING": "from-template"})
-                .set_workdir("/data"))
+                .set_workdir(workdir))
     if extra == "run":
         template = template.run_cmd("echo hi > /data/x")
     elif extra == "copy":

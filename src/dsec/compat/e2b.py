@@ -58,7 +58,12 @@ from ..protocol.errors import (
 from ..protocol.models import CreateRequest, SandboxInfo, Snapshot, lone_surrogate
 from .auth import Keys
 from .connect import PlainHttpError
-from .e2b_templates import WORKDIR_LABEL, Templates, add_template_routes
+from .e2b_templates import (
+    SNAPSHOT_PREFIX,
+    WORKDIR_LABEL,
+    Templates,
+    add_template_routes,
+)
 from .envd import ENVD_VERSION, USERS, Envd, gone
 
 TEMPLATE_LABEL = "e2b.template"
@@ -68,7 +73,6 @@ DEFAULT_TEMPLATES = {"base": "python-3.11"}
 DEFAULT_CPU = 2  # E2B's default sandbox: 2 vCPUs, 512 MiB
 DEFAULT_MEMORY_MB = 512
 MAX_TIMEOUT_S = 7 * 86400
-SNAPSHOT_PREFIX = "sn-"  # a templateID naming a dsec snapshot (dsec's ids: sn-<edge>-<hex>)
 MAX_FORKS = 20  # E2B's bound on a fork's count
 
 

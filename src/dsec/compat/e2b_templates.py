@@ -60,7 +60,9 @@ TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 METADATA_STEPS = {"ENV", "WORKDIR", "USER"}
 LAYER_STEPS = {"RUN", "COPY"}  # what needs the Dockerfile build
 MAX_STEPS = 512
+MAX_TEMPLATES = 1000  # per project: records are small, but not free
 LOG_PAGE = 100  # the status route's page of log entries, as E2B's
+SNAPSHOT_PREFIX = "sn-"  # a templateID naming a dsec snapshot (dsec's ids: sn-<edge>-<hex>)
 WORKDIR_LABEL = "e2b.workdir"  # a sandbox's default working directory, read by envd.py
 
 
@@ -88,6 +90,9 @@ def split_name(name: str) -> tuple[str, str | None]:
     if not ALIAS.fullmatch(alias) or (sep and not TAG.fullmatch(tag)):
         raise TemplateError(400, f"invalid template name {name!r}: lowercase letters, digits, "
                                  "'-', '_' and '.' (at most 63), optionally ':tag'")
+    if alias.startswith(SNAPSHOT_PREFIX):
+        raise TemplateError(400, f"invalid template name {name!r}: '{SNAPSHOT_PREFIX}' starts "
+                                 "the ids of snapshots (which E2B's API also calls templates)")
     return alias, tag if sep else None
 
 
@@ -134,7 +139,12 @@ class Templates:
                 or not 1 <= cpu <= 64 or not 128 <= memory <= 1 << 20):
             raise TemplateError(400, "cpuCount must be 1..64 and memoryMB 128..1048576")
         tags = list(dict.fromkeys([tag or "default", *tags]))
-        row = self.store.request(self.project(), alias, "tpl-" + secrets.token_hex(8),
+        project = self.project()
+        if (self.store.get(project, alias) is None
+                and len(self.store.of_project(project)) >= MAX_TEMPLATES):
+            raise TemplateError(429, f"a project has at most {MAX_TEMPLATES} templates: "
+                                     "delete some first")
+        row = self.store.request(project, alias, "tpl-" + secrets.token_hex(8),
                                  str(uuid.uuid4()), tags, cpu, memory)  # E2B's build ids: UUIDs
         return {"templateID": row.template_id, "buildID": row.build_id, "public": False,
                 "names": [alias], "aliases": [alias], "tags": tags}
@@ -142,7 +152,8 @@ class Templates:
     def refuse_upload(self, template_id: str) -> NoReturn:
         """A COPY step's upload link: the build it belongs to fails here, with the reason."""
         row = self._row(template_id)
-        self._fail(row, _needs_build("COPY"))
+        if row.status == "waiting":  # the build asking, not a finished one
+            self._fail(row, _needs_build("COPY"))
         raise TemplateError(400, _needs_build("COPY"))
 
     def trigger(self, template_id: str, build_id: str, body: dict[str, Any]) -> None:
@@ -231,8 +242,8 @@ class Templates:
                                     ref=str(body["fromTemplate"]))
             return base.image, dict(base.settings)
         ref = str(body["fromImage"])
-        try:
-            return self.images.get(ref).name, {}
+        try:  # a builtin spec (python-3.11) is built if it is not yet, as a create would
+            return (await asyncio.to_thread(self.images.ensure, ref)).name, {}
         except ImageNotFound:
             if not self.images.pullable(ref) or self.pull != "missing":
                 raise
