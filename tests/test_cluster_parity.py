@@ -9,7 +9,7 @@ lists the node; an fn call counts against the caller's
 project quota (embedded and cluster alike); and what a dead edge's fn substrate left on the
 host (template cgroups, its directory) is removed when the node's new edge starts.
 
-The E2B front's snapshots and fork, snapshot quotas and TTLs, mini-swe-agent's agent loop
+The E2B front's snapshots and fork and its templates (built with the real SDK), snapshot quotas and TTLs, mini-swe-agent's agent loop
 through dsec.integrations, and swe-rex's RemoteRuntime through the SWE-ReX front run on the Ray
 edge too.
 
