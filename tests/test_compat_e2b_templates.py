@@ -20,12 +20,12 @@ import pytest
 
 from conftest import Server, make_tcp_server, stop_server
 from support.compat_venvs import compat_python
-from test_compat_e2b import _project_keys, e2b_env
+from test_compat_e2b import E2B_VERSIONS, _project_keys, e2b_env
 from test_image_pull import Registry, pytestmark, registry  # noqa: F401 (the module's fixture)
 from test_images import _busybox_layers, _layer_tar, make_oci_archive
 from test_projects import unique
 
-E2B_VERSION = "2.63.0"  # the newest of test_compat_e2b.py's matrix (2.20 calls the same routes)
+E2B_VERSION = E2B_VERSIONS[-1]  # the newest of the matrix; the main cases run in each version
 DRIVER = Path(__file__).parent / "support" / "compat_e2b_template_driver.py"
 # E2B runs commands with /bin/bash -l -c: the test image's bash is busybox's sh
 BASH = b'#!/bin/busybox sh\nexec /bin/busybox sh "$@"\n'
@@ -48,32 +48,36 @@ def image(tmp_path_factory: pytest.TempPathFactory, registry: Registry) -> str: 
     """A busybox image (with a bash for E2B's commands) in the registry."""
     layers = [*_busybox_layers(), _layer_tar([("bin/bash", BASH, 0o755)])]
     archive = make_oci_archive(tmp_path_factory.mktemp("tpl") / "box.tar", layers)
-    registry.push(archive, "tests/tpl-box:1")
+    for tag in ["1", *E2B_VERSIONS]:  # one reference per version: each main case pulls its own
+        registry.push(archive, f"tests/tpl-box:{tag}")
     return f"{registry.host}/tests/tpl-box:1"
 
 
-def drive(server: Server, steps: list[list[Any]], key: str | None = None) -> list[Any]:
+def drive(server: Server, steps: list[list[Any]], key: str | None = None,
+          version: str = E2B_VERSION) -> list[Any]:
     env = e2b_env(server)
     if key:
         env["E2B_API_KEY"] = key
-    proc = subprocess.run([str(compat_python("e2b", E2B_VERSION)), str(DRIVER), json.dumps(steps)],
+    proc = subprocess.run([str(compat_python("e2b", version)), str(DRIVER), json.dumps(steps)],
                           env=env, capture_output=True, timeout=300)
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
     results: list[Any] = json.loads(proc.stdout)
     return results
 
 
-def test_build_from_an_image_create_list_delete(server: Server, image: str) -> None:
-    name = unique("tpl")
-    before, no_tags, built, after, tagged, ran, listed, status = drive(server, [
-        ["exists", name], ["tags", name], ["build", name + ":v1", image], ["exists", name],
+@pytest.mark.parametrize("version", E2B_VERSIONS)
+def test_build_from_an_image_create_list_delete(server: Server, image: str, version: str) -> None:
+    name, ref = unique("tpl"), image.rsplit(":", 1)[0] + f":{version}"
+    before, no_tags, built, after, tagged, ran, listed, status, async_built = drive(server, [
+        ["exists", name], ["tags", name], ["build", name + ":v1", ref], ["exists", name],
         ["tags", name],
         ["run", name, "echo $GREETING $TPL_GREETING; pwd; cat /etc/keep.txt; ls /data"],
-        ["list"], ["background", name + "-bg", image]])
+        ["list"], ["background", name + "-bg", image], ["async_build", name + "-async", image]],
+        version=version)
     assert before == [False, False]
     assert no_tags["raised"] == "TemplateException" and "not found" in no_tags["message"]
     assert "raised" not in built, built
-    assert any(f"pulled {image}" in line for line in built["logs"]), built["logs"]
+    assert any(f"pulled {ref}" in line for line in built["logs"]), built["logs"]
     assert any("layer" in line for line in built["logs"])  # the pull's progress lines
     assert after == [True, True] and tagged == ["v1"]
     # the image's env and files (whiteouts kept), the template's env and WORKDIR
@@ -81,9 +85,11 @@ def test_build_from_an_image_create_list_delete(server: Server, image: str) -> N
     mine = [t for t in listed["templates"] if t["aliases"] == [name]]
     assert mine == [{"aliases": [name], "template_id": built["template_id"], "status": "ready"}]
     assert status["status"] in ("building", "ready")  # build_in_background returns at once
+    assert async_built == {"exists": [False, True], "status": "ready"}  # AsyncTemplate (harbor's)
 
     deleted, gone, again, run_gone = drive(server, [
-        ["delete", built["template_id"]], ["exists", name], ["delete", name], ["run", name, "true"]])
+        ["delete", built["template_id"]], ["exists", name], ["delete", name], ["run", name, "true"]],
+        version=version)
     assert deleted == 204 and gone == [False, False] and again == 404
     assert run_gone["raised"] in ("NotFoundException", "SandboxException"), run_gone
 
@@ -96,11 +102,13 @@ def test_a_dockerfile_of_metadata_steps_builds(server: Server, image: str) -> No
     assert ran["stdout"] == "dockerfile\n/etc\n"
 
 
+@pytest.mark.parametrize("version", E2B_VERSIONS)
 @pytest.mark.parametrize("step", ["run", "copy"])
 def test_steps_that_need_the_dockerfile_build_are_refused(server: Server, image: str,
-                                                          step: str) -> None:
+                                                          step: str, version: str) -> None:
     name = unique(f"tpl-{step}")
-    built, exists, listed = drive(server, [["build", name, image, step], ["exists", name], ["list"]])
+    built, exists, listed = drive(server, [["build", name, image, step], ["exists", name], ["list"]],
+                                  version=version)
     assert built["raised"] in ("BuildException", "FileUploadException"), built
     assert "needs" not in built["message"] or "Dockerfile build" in built["message"]
     assert f"{step.upper()} steps are not supported yet" in built["message"]

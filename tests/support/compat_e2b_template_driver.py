@@ -9,12 +9,13 @@ test decides what is right.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
 from typing import Any
 
-from e2b import Sandbox, Template
+from e2b import AsyncTemplate, Sandbox, Template
 from e2b.api.client.api.templates import delete_templates_template_id, get_templates
 from e2b.api.client_sync import get_api_client
 from e2b.connection_config import ConnectionConfig
@@ -49,6 +50,20 @@ def background(name: str, image: str) -> Any:
     return {"template_id": info.template_id, "status": status.status.value}
 
 
+def async_build(name: str, image: str) -> Any:
+    """What harbor's E2B environment does: AsyncTemplate, in the background, polled."""
+    async def go() -> Any:
+        before = await AsyncTemplate.exists(name)
+        info = await AsyncTemplate.build_in_background(Template().from_image(image), name)
+        status = await AsyncTemplate.get_build_status(info)
+        while status.status.value in ("waiting", "building"):
+            await asyncio.sleep(0.2)
+            status = await AsyncTemplate.get_build_status(info)
+        return {"exists": [before, await AsyncTemplate.exists(name)],
+                "status": status.status.value}
+    return asyncio.run(go())
+
+
 def run(name: str, command: str) -> Any:
     sandbox = Sandbox.create(template=name, timeout=120)
     try:
@@ -74,7 +89,7 @@ def delete(template_id: str) -> Any:
 
 
 STEPS = {"exists": exists, "build": build, "background": background, "run": run,
-         "list": listing, "delete": delete, "tags": tags}
+         "list": listing, "delete": delete, "tags": tags, "async_build": async_build}
 
 
 def main() -> None:
