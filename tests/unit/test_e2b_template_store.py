@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dsec.compat.e2b_templates import TemplateError, split_name
+from dsec.compat.e2b_templates import TemplateError, Templates, split_name
+from dsec.images.store import ImageStore
 from dsec.store.templates import TemplateStore
 
 
@@ -42,3 +43,21 @@ def test_bad_names_are_refused(name: str) -> None:
 def test_names_and_tags() -> None:
     assert split_name("my-env_1.0") == ("my-env_1.0", None)
     assert split_name("my-env:v1.2") == ("my-env", "v1.2")
+
+
+def test_a_build_whose_server_stopped_is_reported_failed(tmp_path: Path) -> None:
+    """A build left ``building`` (its server stopped mid-pull) stops being polled forever:
+    once its heartbeat is stale, its status is an error saying so, and it is not ready."""
+    store = TemplateStore(tmp_path / "state.db")
+    templates = Templates(store, ImageStore(tmp_path / "images"), {}, "never", lambda: "p")
+    row = store.request("p", "tpl", "tpl-1", "b1", ["default"], 2, 512)
+    row.status = "building"
+    store.update(row)
+    assert templates.status("tpl-1", "b1", 0)["status"] == "building"
+    store._db.execute("UPDATE e2b_templates SET updated_at=0")  # its last heartbeat, long ago
+    answer = templates.status("tpl-1", "b1", 0)
+    assert answer["status"] == "error" and "interrupted" in answer["reason"]["message"]
+    assert store.get("p", "tpl").image is None  # type: ignore[union-attr]
+    with pytest.raises(TemplateError) as other:
+        templates.status("tpl-1", "b2", 0)
+    assert other.value.status == 404

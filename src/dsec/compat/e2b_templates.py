@@ -60,6 +60,8 @@ TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 METADATA_STEPS = {"ENV", "WORKDIR", "USER"}
 LAYER_STEPS = {"RUN", "COPY"}  # what needs the Dockerfile build
 MAX_STEPS = 512
+HEARTBEAT_S = 10  # a running build touches its record this often
+STALE_S = 120  # a build not touched for this long is reported failed: its server stopped
 MAX_TEMPLATES = 1000  # per project: records are small, but not free
 LOG_PAGE = 100  # the status route's page of log entries, as E2B's
 SNAPSHOT_PREFIX = "sn-"  # a templateID naming a dsec snapshot (dsec's ids: sn-<edge>-<hex>)
@@ -179,6 +181,9 @@ class Templates:
 
     def status(self, template_id: str, build_id: str, offset: int) -> dict[str, Any]:
         row = self._row(template_id, build_id)
+        if row.status == "building" and time.time() - row.updated_at > STALE_S:
+            self._fail(row, "the build was interrupted (the server building it stopped): "
+                            "build again")
         entries = row.logs[offset:offset + LOG_PAGE]
         answer: dict[str, Any] = {"templateID": row.template_id, "buildID": row.build_id,
                                   "status": row.status, "logEntries": entries,
@@ -218,6 +223,20 @@ class Templates:
 
     async def _build(self, row: TemplateRow, body: dict[str, Any],
                      steps: list[tuple[str, list[str]]]) -> None:
+        heartbeat = asyncio.create_task(self._heartbeat(row))
+        try:
+            await self._run_build(row, body, steps)
+        finally:
+            heartbeat.cancel()
+
+    async def _heartbeat(self, row: TemplateRow) -> None:
+        """A running build says so: one whose server stopped is seen stale (``status``)."""
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            await asyncio.to_thread(self.store.touch, row.project, row.alias, row.build_id)
+
+    async def _run_build(self, row: TemplateRow, body: dict[str, Any],
+                         steps: list[tuple[str, list[str]]]) -> None:
         try:
             base, settings = await self._base(row, body)
             row.settings = {**settings, **_metadata(steps, settings, body)}

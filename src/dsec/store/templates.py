@@ -121,6 +121,11 @@ class TemplateStore:
             (row.status, row.image, row.reason, json.dumps(row.logs), json.dumps(row.settings),
              time.time(), row.project, row.alias, row.build_id)).rowcount == 1
 
+    def touch(self, project: str, alias: str, build_id: str) -> None:
+        """A running build's heartbeat."""
+        self._db.execute("UPDATE e2b_templates SET updated_at=? WHERE project=? AND alias=? AND "
+                         "build_id=? AND status='building'", (time.time(), project, alias, build_id))
+
     def delete(self, project: str, template_id_or_alias: str) -> bool:
         return self._db.execute(
             "DELETE FROM e2b_templates WHERE project=? AND (template_id=? OR alias=?)",
