@@ -94,12 +94,17 @@ def test_build_from_an_image_create_list_delete(server: Server, image: str, vers
     assert run_gone["raised"] in ("NotFoundException", "SandboxException"), run_gone
 
 
-def test_a_dockerfile_of_metadata_steps_builds(server: Server, image: str) -> None:
+def test_a_dockerfile_of_metadata_steps_and_a_template_of_a_template_build(
+        server: Server, image: str) -> None:
     name = unique("tpl-df")
-    built, ran = drive(server, [["build", name, image, "dockerfile"],
-                                ["run", name, "echo $TPL_GREETING; pwd"]])
+    built, ran, child, child_ran = drive(server, [
+        ["build", name, image, "dockerfile"], ["run", name, "echo $TPL_GREETING; pwd"],
+        ["build", name + "-child", name, "template"],
+        ["run", name + "-child", "echo $TPL_GREETING; pwd"]])
     assert "raised" not in built, built
     assert ran["stdout"] == "dockerfile\n/etc\n"
+    assert "raised" not in child, child
+    assert child_ran["stdout"] == "dockerfile\n/etc\n"  # from_template: its env and workdir
 
 
 @pytest.mark.parametrize("version", E2B_VERSIONS)

@@ -36,6 +36,8 @@ def build(name: str, image: str, extra: str = "", workdir: str = "/data") -> Any
         template = template.run_cmd("echo hi > /data/x")
     elif extra == "copy":
         template = template.copy(os.path.basename(__file__), "/data/")  # context: this dir
+    elif extra == "template":  # ``image`` names a template: its env and workdir carry over
+        template = Template().from_template(image)
     elif extra == "dockerfile":
         template = Template().from_dockerfile(f"FROM {image}\nENV TPL_GREETING=dockerfile\n"
                                               "WORKDIR /etc\n")

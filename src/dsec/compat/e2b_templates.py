@@ -206,7 +206,8 @@ class Templates:
         return [_listed(row) for row in self.store.of_project(self.project())]
 
     def delete(self, template_id_or_alias: str) -> bool:
-        """The template's alias goes; its image's layers go with layer GC once unused."""
+        """The template's name goes; the image it named stays in the image store under its
+        own name (its layers go with layer GC once that is removed too)."""
         return self.store.delete(self.project(), template_id_or_alias)
 
     # the build
@@ -255,7 +256,7 @@ class Templates:
     async def _base(self, row: TemplateRow, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         """The base image (its name in the image store) and the settings it comes with."""
         if body.get("fromTemplate"):
-            base = self.store.get(self.project(), str(body["fromTemplate"]).partition(":")[0])
+            base = self.store.get(row.project, str(body["fromTemplate"]).partition(":")[0])
             if base is None or base.image is None:
                 raise ImageNotFound(f"no ready template {body['fromTemplate']!r} to build from",
                                     ref=str(body["fromTemplate"]))
