@@ -167,3 +167,41 @@ def test_hostile_template_names_are_refused_and_nothing_is_stored(server: Server
         for bad in ({"name": 5}, {"tags": ["a b"], "name": "fine"}, {"name": "x", "cpuCount": 0}):
             assert http.post("/v3/templates", json=bad).status_code == 400
         assert http.get("/templates/aliases/..%2f..%2fetc").status_code == 404
+
+
+def test_hostile_build_bodies_are_typed_4xx_and_leave_nothing_ready(server: Server) -> None:
+    surrogate = '"\\ud800"'
+    with httpx.Client(base_url=f"{server.url}/e2b",
+                      headers={"X-API-Key": server.key, "Content-Type": "application/json"}) as http:
+        for body in (f'{{"name": {surrogate}}}', '{"name": "x", "cpuCount": Infinity}',
+                     '{"name": "x", "memoryMB": NaN}', '["name"]', "not json",
+                     '{"name": "x", "cpuCount": true}'):
+            answer = http.post("/v3/templates", content=body.encode())
+            assert answer.status_code == 400 and answer.json()["code"] == 400, (body, answer.text)
+        names = {unique("tpl-h"): steps for steps in (
+            "{}", '{"fromImage": "x", "steps": "RUN"}',
+            '{"fromImage": "x", "steps": [{"type": "RUN", "args": ["id"]}]}',
+            '{"fromImage": "x", "steps": [{"type": "ENV", "args": ["A"]}]}',
+            '{"fromImage": "x", "steps": [{"type": "WORKDIR", "args": [1]}]}',
+            '{"fromImage": "x", "steps": [{"type": "SHELL", "args": []}]}',
+            '{"fromImage": "x", "fromTemplate": "y"}',
+            '{"fromImage": "x", "fromImageRegistry": {"type": "registry"}}',
+            '{"fromImage": "x", "steps": [' + ",".join(['{"type": "USER", "args": ["u"]}'] * 600) + "]}",
+            f'{{"fromImage": {surrogate}}}')}
+        for name, steps in names.items():
+            made = http.post("/v3/templates", json={"name": name}).json()
+            url = f"/v2/templates/{made['templateID']}/builds/{made['buildID']}"
+            assert http.post(f"/v2/templates/{made['templateID']}/builds/other",
+                             content=b'{"fromImage": "x"}').status_code == 404
+            answer = http.post(url, content=steps.encode())
+            assert answer.status_code == 400 and answer.json()["code"] == 400, (steps, answer.text)
+            status = http.get(f"/templates/{made['templateID']}/builds/{made['buildID']}/status")
+            unread = surrogate in steps  # refused as it is read: the build still waits for steps
+            assert status.json()["status"] == ("waiting" if unread else "error")
+            assert ["x"] not in [t["aliases"] for t in http.get("/templates").json()]  # refused
+            # a failed build is not started again; one that never got its steps still can be
+            retry = http.post(url, content=b'{"fromImage": "no-such-dsec-image"}')
+            assert retry.status_code == (202 if unread else 409)
+            assert http.get(f"/templates/{made['templateID']}/builds/{made['buildID']}/status",
+                            params={"logsOffset": "-1"}).status_code == 400
+            assert http.get(f"/templates/aliases/{name}").status_code == 404
