@@ -95,20 +95,18 @@ class TemplateStore:
         """A new build of ``alias`` (waiting for its steps): a new template, or the next build
         of an existing one, which keeps its id and its image until the build is ready."""
         now = time.time()
-        with self._db.transaction():
-            old = self.get(project, alias)
-            if old is None:
-                self._db.execute(
-                    "INSERT INTO e2b_templates (project, alias, template_id, build_id, status, "
-                    "image, reason, logs, tags, settings, cpu_count, memory_mb, created_at, "
-                    "updated_at) VALUES (?,?,?,?,'waiting',NULL,NULL,'[]',?,'{}',?,?,?,?)",
-                    (project, alias, template_id, build_id, json.dumps(tags), cpu_count,
-                     memory_mb, now, now))
-            else:
-                self._db.execute(
-                    "UPDATE e2b_templates SET build_id=?, status='waiting', reason=NULL, logs='[]', "
-                    "tags=?, cpu_count=?, memory_mb=?, updated_at=? WHERE project=? AND alias=?",
-                    (build_id, json.dumps(tags), cpu_count, memory_mb, now, project, alias))
+        # one statement: two first builds of one alias at once make one template (the later
+        # request's build is the current one), never a constraint error
+        self._db.execute(
+            "INSERT INTO e2b_templates (project, alias, template_id, build_id, status, image, "
+            "reason, logs, tags, settings, cpu_count, memory_mb, created_at, updated_at) "
+            "VALUES (?,?,?,?,'waiting',NULL,NULL,'[]',?,'{}',?,?,?,?) "
+            "ON CONFLICT (project, alias) DO UPDATE SET build_id=excluded.build_id, "
+            "status='waiting', reason=NULL, logs='[]', tags=excluded.tags, "
+            "cpu_count=excluded.cpu_count, memory_mb=excluded.memory_mb, "
+            "updated_at=excluded.updated_at",
+            (project, alias, template_id, build_id, json.dumps(tags), cpu_count, memory_mb,
+             now, now))
         row = self.get(project, alias)
         assert row is not None
         return row
