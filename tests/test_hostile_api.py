@@ -492,7 +492,7 @@ def _swallow(call: Any) -> None:
 
 
 E2B_SCRIPT = """
-import json, sys
+import json, os, sys
 from e2b import Sandbox
 key = sys.argv[1]
 a = Sandbox.create("debian-minbase", idempotency_key=key, timeout=120)
@@ -502,8 +502,9 @@ try:
     mismatch = None
 except Exception as exc:
     mismatch = type(exc).__name__ + ": " + str(exc)
-print(json.dumps({"a": a.sandbox_id, "b": b.sandbox_id, "mismatch": mismatch}))
+print(json.dumps({"a": a.sandbox_id, "b": b.sandbox_id, "mismatch": mismatch}), flush=True)
 a.kill()
+os._exit(0)  # the 2.63 SDK's native teardown at exit aborts now and then (compat_e2b_driver.py)
 """
 
 
