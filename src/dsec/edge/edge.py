@@ -27,7 +27,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 from ..agent.client import AgentClient, AgentError, AgentUnavailable, Exit, Output
 from ..agent.tools import TAR
 from ..images.node_uses import NodeUses
-from ..images.store import Image, ImageStore
+from ..images.store import Image, ImageConfig, ImageStore
 from ..network.hosts import pin_in_sandbox
 from ..network.policy import Egress, ServiceTable, resolve
 from ..protocol.errors import (
@@ -66,7 +66,7 @@ from ..substrates.fn.fn import FnSubstrate
 from ..substrates.host.image_copy import allocated_bytes
 from ..substrates.host.tree import remove_tree
 from ..substrates.host.volume import DiskVolume
-from .commands import check_env, exec_argv, sandbox_path
+from .commands import DEFAULT_CWD, as_user, check_env, exec_argv, sandbox_path
 from .inherit import from_snapshot, inheritance
 from .metrics import EdgeMetrics
 from .pool import Pooled, WarmPool
@@ -116,6 +116,8 @@ class Live:
     substrate: Substrate
     agent: AgentClient
     env: dict[str, str]  # the base environment of every command: image, then request
+    user: str = ""  # the image's USER: its commands run as it (commands.as_user)
+    cwd: str = DEFAULT_CWD  # the image's working directory: a command's default cwd
     rolling_back: bool = False  # its init is being restarted: a failed call is not its death
     # Its last snapshot and the disk's write count as of it (Substrate.disk_writes): an equal
     # count later means the disk is still that snapshot's.
@@ -228,8 +230,11 @@ class Edge:
             self.store.event("cleanup_failed", row.id, reason=repr(exc)[:500])
 
     def _adopt(self, row: SandboxRow, substrate: Substrate) -> None:
+        image = self._image_of(row)
+        config = image.config if image is not None else ImageConfig()
         self._live[row.id] = Live(row, substrate, substrate.agent(row.id, row.runtime),
-                                  row.request["env"])
+                                  row.request["env"], user=config.user,
+                                  cwd=config.working_dir or DEFAULT_CWD)
         substrate.watch(row.id, row.runtime, lambda: self._exited(row.id))
 
     def _exited(self, sandbox_id: str) -> None:
@@ -675,6 +680,15 @@ class Edge:
             raise await self._agent_failed(live, exc) from None
         return self.info(live.row)
 
+    async def read_writable_layer(self, sandbox_id: str, read: Callable[[Path], T]) -> T:
+        """``read(upper)`` over the sandbox's overlay upper directory, in a worker thread,
+        with every process of the sandbox frozen (paused, as ``pause``; it stays paused), so
+        nothing changes under the reader. ``NotSupported`` where the substrate has none."""
+        live = self._get(sandbox_id)
+        upper = live.substrate.writable_layer(sandbox_id)
+        await self.pause(sandbox_id)
+        return await asyncio.to_thread(read, upper)
+
     async def resume(self, sandbox_id: str) -> SandboxInfo:
         """Let a paused sandbox run again; a no-op if it runs."""
         return self.info((await self._awake(sandbox_id)).row)
@@ -855,7 +869,8 @@ class Edge:
 
     # exec
     def _exec_args(self, live: Live, req: ExecRequest) -> dict[str, Any]:
-        argv, cwd = exec_argv(req)
+        argv, cwd = exec_argv(req, live.cwd)
+        argv = as_user(live.user, argv)
         env = {**live.env, **req.env} if req.session is None else live.env
         return dict(argv=argv, env=env, cwd=cwd,
                     stdin=base64.b64decode(req.stdin_b64) if req.stdin_b64 is not None else None,

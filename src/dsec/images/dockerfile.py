@@ -140,7 +140,7 @@ def parse(text: str, build_args: dict[str, str] | None = None) -> list[Instructi
             for name, default in _pairs(rest, line, arg=True):
                 values[name] = given.get(name, values.get(name, default or ""))
         elif keyword == "ENV":
-            values.update(_pairs(rest, line))
+            values.update((k, v or "") for k, v in _pairs(rest, line))
         elif keyword in ("COPY", "ADD") and set(flags) - {"chown", "chmod"}:
             raise NotSupported(f"Dockerfile line {line}: {keyword} {sorted(flags)} is not "
                                "supported (only --chown and --chmod)", line=line)
