@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import dsec
+from conftest import DEST_PORTS, TEST_ROOT, Server
 from dsec.config import Settings, install
 from dsec.edge.assemble import builder_edge
 from dsec.edge.dockerbuild import BuildOptions, DockerfileBuild, build_dockerfile
@@ -27,8 +28,6 @@ from dsec.images.mount import LayerMounter
 from dsec.images.store import ImageStore
 from dsec.network.testbed import Destination
 from dsec.protocol.errors import ImageBuildError, InvalidRequest, NotSupported
-
-from conftest import DEST_PORTS, TEST_ROOT, Server
 
 pytestmark = pytest.mark.usefixtures("images")
 
@@ -217,3 +216,36 @@ async def test_copy_refuses_escapes_from_the_context(build_state: Path, tmp_path
         await build_here(build_state, context, name, f"FROM debian-minbase\n{copy}\n")
     with pytest.raises(dsec.ImageNotFound):
         ImageStore().get(name)
+
+
+PYTHON_PROJECT = """\
+FROM python-3.11
+ARG NONCE
+ENV PIP_RETRIES=1 VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+WORKDIR /srv/project
+COPY host-ca.pem /etc/pip-ca.pem
+ENV PIP_CERT=/etc/pip-ca.pem
+COPY requirements.txt .
+RUN python3 -m venv /opt/venv && pip install --no-cache-dir --disable-pip-version-check \\
+    -r requirements.txt
+COPY app.py .
+CMD ["python", "app.py"]
+"""
+
+
+async def test_python_project_pip_installs_through_the_pypi_service(
+        build_state: Path, tmp_path: Path, name: str, server: Server) -> None:
+    # The host's trust store, as a user behind a TLS-inspecting proxy would give pip (as
+    # on these machines); elsewhere it holds the public CAs pip would use anyway.
+    shutil.copy("/etc/ssl/certs/ca-certificates.crt", tmp_path / "host-ca.pem")
+    (tmp_path / "requirements.txt").write_text("six==1.16.0\n")
+    (tmp_path / "app.py").write_text("import six\nprint('six', six.__version__)\n")
+    (tmp_path / "Dockerfile").write_text(PYTHON_PROJECT)
+    offline = cli_build(build_state, tmp_path, name)  # no network: pip cannot reach PyPI
+    assert offline.returncode == 1
+    assert "image_build_failed" in offline.stderr
+    built = cli_build(build_state, tmp_path, name, "--allow", "pypi")
+    assert built.returncode == 0, built.stdout + built.stderr
+    assert "Successfully installed six-1.16.0" in built.stderr
+    r = await run_in(server, name, "python app.py")
+    assert (r.exit_code, r.stdout) == (0, "six 1.16.0\n"), r.stderr

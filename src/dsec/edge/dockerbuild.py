@@ -238,11 +238,18 @@ async def _apply(build: _Build, ins: Instruction, report: StepReport) -> None:
                                        ins.flags.get("chmod"))
 
         async def extract(sandbox_id: str) -> None:
-            await build.edge.mkdir(sandbox_id, copy.directory, parents=True)
+            tar = copy
+            if not copy.into_dir:  # one file to a path that is a directory of the image: into it
+                with contextlib.suppress(DSecError):
+                    if (await build.edge.stat(sandbox_id, copy.target)).type == "dir":
+                        tar = await asyncio.to_thread(
+                            context_copy, build.context, sources, dest, config.working_dir,
+                            ins.keyword, ins.flags.get("chown"), ins.flags.get("chmod"), True)
+            await build.edge.mkdir(sandbox_id, tar.directory, parents=True)
             # dsec's tar, keeping the tar's owners (root, or --chown): not upload_tar's -o
             result = await build.edge.run(sandbox_id, ExecRequest(
-                command=[TAR, "-x", "-C", copy.directory, "-f", "-"],
-                stdin_b64=base64.b64encode(copy.tar).decode(), timeout_s=600))
+                command=[TAR, "-x", "-C", tar.directory, "-f", "-"],
+                stdin_b64=base64.b64encode(tar.tar).decode(), timeout_s=600))
             if result.exit_code != 0:
                 raise ImageBuildError(f"Dockerfile line {ins.line}: extracting {ins.keyword} "
                                       f"failed: {result.stderr_bytes[-TAIL_BYTES:].decode(errors='replace')}")

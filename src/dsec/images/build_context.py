@@ -31,13 +31,17 @@ _ARCHIVES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".txz")
 @dataclass(frozen=True)
 class ContextCopy:
     directory: str  # absolute, in the image: where the tar is extracted
+    target: str  # absolute, in the image: the destination as written (normalised)
+    into_dir: bool  # the sources go into ``target`` (else ``target`` is the one file's path)
     tar: bytes
     digest: str  # sha256 of the tar: the cache key's share of the context
 
 
 def context_copy(context: Path, sources: list[str], dest: str, workdir: str, keyword: str,
-                 chown: str | None = None, chmod: str | None = None) -> ContextCopy:
-    """The tar a ``COPY sources dest`` (or ``ADD``) extracts, and where."""
+                 chown: str | None = None, chmod: str | None = None,
+                 into_dir: bool = False) -> ContextCopy:
+    """The tar a ``COPY sources dest`` (or ``ADD``) extracts, and where. ``into_dir``: the
+    destination is known to be a directory of the image (one file is copied into it)."""
     root = Path(os.path.realpath(context))
     if not root.is_dir():
         raise InvalidRequest(f"the build context {context} is not a directory")
@@ -53,7 +57,8 @@ def context_copy(context: Path, sources: list[str], dest: str, workdir: str, key
                                "supported; COPY it and extract it in a RUN")
         paths.extend(_resolve(root, source))
     full_dest = dest if dest.startswith("/") else posixpath.join(workdir or "/", dest)
-    into_dir = dest.endswith("/") or len(paths) > 1 or (len(paths) == 1 and paths[0][0].is_dir())
+    into_dir = (into_dir or dest.endswith(("/", "/.")) or dest == "." or len(paths) > 1
+                or paths[0][0].is_dir())
     directory = posixpath.normpath(full_dest) if into_dir else posixpath.dirname(
         posixpath.normpath(full_dest))
     buffer = io.BytesIO()
@@ -67,7 +72,7 @@ def context_copy(context: Path, sources: list[str], dest: str, workdir: str, key
             if buffer.tell() > MAX_CONTEXT_BYTES:
                 raise InvalidRequest(f"{keyword} carries more than {MAX_CONTEXT_BYTES >> 20} MB")
     data = buffer.getvalue()
-    return ContextCopy(directory or "/", data, "sha256:" + hashlib.sha256(data).hexdigest())
+    return ContextCopy(directory or "/", posixpath.normpath(full_dest), into_dir, data, "sha256:" + hashlib.sha256(data).hexdigest())
 
 
 def _resolve(root: Path, source: str) -> list[tuple[Path, str]]:
