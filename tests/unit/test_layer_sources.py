@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dsec.images.build_context import context_copy
-from dsec.images.upper import OPAQUE, copy_upper
+from dsec.images.upper import MAX_DEPTH, OPAQUE, copy_upper
 from dsec.protocol.errors import ImageBuildError, InvalidRequest, NotSupported
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="whiteouts and owners need root")
@@ -63,6 +63,19 @@ def test_upper_copy_counts_sparse_files_whole(tmp_path: Path) -> None:
         f.truncate(64 << 20)
     with pytest.raises(ImageBuildError, match="more than its disk"):
         copy_upper(upper, tmp_path / "layer", 16 << 20)
+
+
+def test_upper_copy_refuses_a_too_deep_tree(tmp_path: Path) -> None:
+    upper = tmp_path / "upper"
+    upper.mkdir()
+    fd = os.open(upper, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(MAX_DEPTH + 5):  # by descriptor: deeper than any path the host could name
+        os.mkdir("d", dir_fd=fd)
+        fd, old = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd), fd
+        os.close(old)
+    os.close(fd)
+    with pytest.raises(ImageBuildError, match="directories deep"):
+        copy_upper(upper, tmp_path / "layer", 1 << 30)
 
 
 def members(tar: bytes) -> dict[str, tarfile.TarInfo]:

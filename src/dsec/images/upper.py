@@ -13,7 +13,9 @@ link and byte was made by hostile code. So the copy:
 - counts the bytes it copies (apparent sizes: a sparse file counts whole) against the
   sandbox's disk size, so a layer never holds more than the quota the step ran under;
 - writes only under ``dest``, a fresh scratch directory of the store: nothing of the step
-  reaches another layer or the host.
+  reaches another layer or the host;
+- refuses trees deeper than ``MAX_DEPTH`` directories, and drops every other xattr (file
+  capabilities included), as a typed ``ImageBuildError``/by design, never a crash.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ OPAQUE = "trusted.overlay.opaque"
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _CHUNK = 1 << 20
+MAX_DEPTH = 256  # directories deep: the walk holds a descriptor per level (and recurses)
 
 
 class _Budget:
@@ -56,6 +59,8 @@ def copy_upper(upper: Path, dest: Path, max_bytes: int, skip_top: tuple[str, ...
         os.mkdir(dest, 0o755)
         _copy_dir(src, dest, "", _Budget(max_bytes), {}, dropped, skip_top)
         _attributes(src, dest, is_dir=True)
+    except OSError as exc:
+        raise ImageBuildError(f"could not copy the step's writable layer: {exc}") from None
     finally:
         os.close(src)
     return dropped
@@ -70,6 +75,9 @@ def _copy_dir(src: int, dest: Path, rel: str, budget: _Budget, links: dict[tuple
         st = os.stat(name, dir_fd=src, follow_symlinks=False)
         mode = st.st_mode
         if stat.S_ISDIR(mode):
+            if rel.count("/") >= MAX_DEPTH:
+                raise ImageBuildError(f"the step's writable layer is more than {MAX_DEPTH} "
+                                      "directories deep: not kept as a layer")
             child = os.open(name, _DIR_FLAGS, dir_fd=src)
             try:
                 os.mkdir(target, 0o700)
