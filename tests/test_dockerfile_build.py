@@ -249,3 +249,14 @@ async def test_python_project_pip_installs_through_the_pypi_service(
     assert "Successfully installed six-1.16.0" in built.stderr
     r = await run_in(server, name, "python app.py")
     assert (r.exit_code, r.stdout) == (0, "six 1.16.0\n"), r.stderr
+
+
+async def test_user_before_the_first_run_applies_to_it(build_state: Path, tmp_path: Path,
+                                                      name: str, server: Server) -> None:
+    """The first RUN's sandbox has the parent's very layers (the same image version as
+    debian-minbase) but this build's USER and WORKDIR: the create's config counts."""
+    built = await build_here(build_state, tmp_path, name, "FROM debian-minbase\nUSER nobody\n"
+                             "RUN id -un > /tmp/who; pwd >> /tmp/who\n")
+    assert built.ran == 1
+    r = await run_in(server, name, "cat /tmp/who; id -un")
+    assert r.stdout.splitlines() == ["nobody", "/work", "nobody"]

@@ -229,9 +229,14 @@ class Edge:
             log.exception("could not undo an interrupted operation on sandbox %s", row.id)
             self.store.event("cleanup_failed", row.id, reason=repr(exc)[:500])
 
-    def _adopt(self, row: SandboxRow, substrate: Substrate) -> None:
-        image = self._image_of(row)
-        config = image.config if image is not None else ImageConfig()
+    def _adopt(self, row: SandboxRow, substrate: Substrate,
+                config: ImageConfig | None = None) -> None:
+        """Serve the sandbox. ``config``: its image's run config as the create resolved it;
+        when an edge adopts running sandboxes, the recorded version's (a version is its
+        layers: a name rebuilt with the same layers and another USER keeps its first)."""
+        if config is None:
+            image = self._image_of(row)
+            config = image.config if image is not None else ImageConfig()
         self._live[row.id] = Live(row, substrate, substrate.agent(row.id, row.runtime),
                                   row.request["env"], user=config.user,
                                   cwd=config.working_dir or DEFAULT_CWD)
@@ -315,7 +320,7 @@ class Edge:
                     raise
                 raise SnapshotNotFound(f"snapshot {snap.id} was deleted while a sandbox was "
                                        "being made from it", snapshot=snap.id) from None
-            self._adopt(row, substrate)
+            self._adopt(row, substrate, image.config)
             if pool:
                 pool.refill(image)
         finally:
