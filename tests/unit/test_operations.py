@@ -97,9 +97,9 @@ def test_the_cluster_actor_serves_exactly_the_table() -> None:
     assert CALLS | STREAMS == {op.method for op in OPERATIONS}
 
 
-# the edge's own, not operations; read_writable_layer takes a callable: in-process only, for a
-# Dockerfile build on the builder edge (edge/dockerbuild.py), never an API or remote call
-EDGE_LIFECYCLE = {"start", "close", "recover", "reap", "read_writable_layer"}
+# the edge's own, not operations; commit_layer serves Dockerfile builds on the command line's
+# builder edge (edge/dockerbuild.py): no API route or remote call (yet)
+EDGE_LIFECYCLE = {"start", "close", "recover", "reap", "commit_layer"}
 
 
 def test_every_operation_of_the_edge_is_in_the_table() -> None:

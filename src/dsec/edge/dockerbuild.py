@@ -5,7 +5,9 @@ untrusted command runs: a container sandbox of the image so far, with its limits
 no new privileges, dropped capabilities, a bounded disk, and no network unless the build is
 given an egress policy (the edge's service table, as for sandboxes). When it exits 0, its
 processes are frozen and its overlay upper directory (its changes, with overlay whiteouts)
-is copied by ``images/upper.py`` into a new content-addressed layer; the sandbox is removed.
+is copied by ``images/upper.py`` into a new content-addressed layer (``Edge.commit_layer``,
+data in and out, so the driver needs nothing of the edge but its operations); the sandbox is
+removed.
 COPY/ADD take a tar of context files (checked by ``images/build_context.py``) and extract it
 with dsec's own tar in such a sandbox, so destinations resolve in the image's own root as in
 Docker; WORKDIR makes its directory the same way. ENV, USER, LABEL, ARG, ENTRYPOINT, CMD
@@ -39,7 +41,6 @@ from ..images.build_context import context_copy
 from ..images.builder import layer_key
 from ..images.dockerfile import Instruction, pairs, parse, sources_and_dest
 from ..images.store import Image, ImageConfig, Layer, image_digest
-from ..images.upper import copy_upper
 from ..protocol.errors import DSecError, ImageBuildError, ImageNotFound, InvalidRequest
 from ..protocol.models import CreateRequest, ExecRequest, ExecResult, Network
 
@@ -47,7 +48,6 @@ if TYPE_CHECKING:
     from .edge import Edge
 
 TAIL_BYTES = 4096  # of a failing step's output, in its error
-SKIP_TOP = (".dsec",)  # the mount point of dsec's tools in every container's upper
 
 
 @dataclass
@@ -141,16 +141,15 @@ class _Build:
             await work(info.id)
             source = {"dockerfile": self.name, "line": instruction.line,
                       "instruction": instruction.text[:1000]}
-
-            def commit(upper: Path) -> Layer:
-                def build(scratch: Path) -> None:
-                    dropped = copy_upper(upper, scratch / "rootfs", opts.disk_mb << 20, SKIP_TOP)
-                    if dropped:
-                        self.say(f"[yellow]dropped from the layer (no devices, fifos or "
-                                 f"sockets in layers): {', '.join(dropped[:10])}[/yellow]")
-                return images.layers.ensure(key, source, build)[0]
-
-            return await self.edge.read_writable_layer(info.id, commit)
+            digest, dropped = await self.edge.commit_layer(info.id, key, source,
+                                                           opts.disk_mb << 20)
+            if dropped:
+                self.say(f"[yellow]dropped from the layer (no devices, fifos or sockets in "
+                         f"layers): {_printable(', '.join(dropped[:10]))}[/yellow]")
+            layer = images.layers.get(digest)
+            if layer is None:
+                raise ImageBuildError(f"layer {digest} vanished as it was made")
+            return layer
         finally:
             with contextlib.suppress(DSecError):
                 await self.edge.stop(info.id, reason="build step done")

@@ -28,6 +28,7 @@ from ..agent.client import AgentClient, AgentError, AgentUnavailable, Exit, Outp
 from ..agent.tools import TAR
 from ..images.node_uses import NodeUses
 from ..images.store import Image, ImageConfig, ImageStore
+from ..images.upper import copy_upper
 from ..network.hosts import pin_in_sandbox
 from ..network.policy import Egress, ServiceTable, resolve
 from ..protocol.errors import (
@@ -685,14 +686,23 @@ class Edge:
             raise await self._agent_failed(live, exc) from None
         return self.info(live.row)
 
-    async def read_writable_layer(self, sandbox_id: str, read: Callable[[Path], T]) -> T:
-        """``read(upper)`` over the sandbox's overlay upper directory, in a worker thread,
-        with every process of the sandbox frozen (paused, as ``pause``; it stays paused), so
-        nothing changes under the reader. ``NotSupported`` where the substrate has none."""
+    async def commit_layer(self, sandbox_id: str, digest: str, source: dict[str, Any],
+                           max_bytes: int) -> tuple[str, builtins.list[str]]:
+        """The sandbox's writable layer (its overlay upper: its changes over the image, with
+        whiteouts) stored as the layer ``digest`` (a Dockerfile step's cache key), copied
+        with every process of the sandbox frozen (paused, as ``pause``; it stays paused) by
+        ``images/upper.py``, which trusts nothing in it. Returns the layer's digest and what
+        the copy dropped (devices, fifos, sockets). ``NotSupported`` where the substrate has
+        no upper on the host (containers have)."""
         live = self._get(sandbox_id)
         upper = live.substrate.writable_layer(sandbox_id)
         await self.pause(sandbox_id)
-        return await asyncio.to_thread(read, upper)
+        dropped: builtins.list[str] = []
+
+        def build(scratch: Path) -> None:
+            dropped.extend(copy_upper(upper, scratch / "rootfs", max_bytes, skip_top=(".dsec",)))
+        layer, _ = await asyncio.to_thread(self.images.layers.ensure, digest, source, build)
+        return layer.digest, dropped
 
     async def resume(self, sandbox_id: str) -> SandboxInfo:
         """Let a paused sandbox run again; a no-op if it runs."""

@@ -94,7 +94,7 @@ class Substrate(ABC):
     def writable_layer(self, sandbox_id: str) -> Path:
         """The host directory that is the sandbox's overlay upper (its changes over the image,
         with overlay whiteouts), to be read only while its processes are frozen: how a
-        Dockerfile RUN step becomes a layer (edge/dockerbuild.py)."""
+        Dockerfile RUN step becomes a layer (``Edge.commit_layer``)."""
         raise NotSupported(f"{self.name} sandboxes have no overlay upper directory on the "
                            "host; Dockerfile RUN steps run in container sandboxes")
 
