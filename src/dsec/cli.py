@@ -464,14 +464,19 @@ def _dockerfile_build(dockerfile: Path, context: Path, name: str | None,
                       memory_mb: int) -> None:
     from .edge.assemble import builder_edge
     from .edge.dockerbuild import BuildOptions, build_dockerfile
-    from .protocol.models import NetworkPolicy
+    from .protocol.models import Network, NetworkPolicy
     if not name:
         raise click.UsageError("--name is required with -f")
     args = dict(arg.partition("=")[::2] for arg in build_args)
     services = {a: True for a in allow if ":" not in a and "/" not in a and not a[0].isdigit()}
     rules = [a for a in allow if a not in services]
-    options = BuildOptions(network=NetworkPolicy(services=services, allow=rules) if allow
-                           else "none", build_args=args, disk_mb=disk_mb, memory_mb=memory_mb)
+    network: Network = "none"
+    try:
+        if allow:
+            network = NetworkPolicy(services=services, allow=rules)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--allow") from None
+    options = BuildOptions(network=network, build_args=args, disk_mb=disk_mb, memory_mb=memory_mb)
 
     async def build() -> Any:
         async with builder_edge(Settings.load()) as edge:

@@ -68,6 +68,7 @@ def test_cache_text_tells_forms_and_flags_apart():
     ("FROM a\nFROM b\n", NotSupported),
     ("FROM a AS build\n", NotSupported),
     ("FROM a\nFROB x\n", InvalidRequest),
+    ("FROM a\nSHELL [\"/bin/bash\", \"-c\"]\n", NotSupported),
     ("FROM a\nCOPY --from=build /x /y\n", NotSupported),
     ("FROM a\nCOPY onlyone\n", InvalidRequest),
     ("FROM a\nENV 1bad=x\n", InvalidRequest),

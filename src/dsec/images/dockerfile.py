@@ -21,7 +21,9 @@ from dsec.protocol.errors import InvalidRequest, NotSupported
 SUPPORTED = ("FROM", "RUN", "COPY", "ADD", "ENV", "WORKDIR", "USER", "ARG", "LABEL",
              "ENTRYPOINT", "CMD")
 # Accepted and kept out of the image (no effect on a dsec sandbox): documentation only.
-IGNORED = ("EXPOSE", "VOLUME", "STOPSIGNAL", "HEALTHCHECK", "MAINTAINER", "SHELL", "ONBUILD")
+IGNORED = ("EXPOSE", "VOLUME", "STOPSIGNAL", "HEALTHCHECK", "MAINTAINER")
+# Would change what later steps (or child images) do: refused rather than ignored.
+REFUSED = ("SHELL", "ONBUILD")
 SUBSTITUTED = ("FROM", "COPY", "ADD", "ENV", "WORKDIR", "USER", "LABEL", "ARG")
 _VAR = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)(?:(:[-+])([^}]*))?\}|([A-Za-z_][A-Za-z0-9_]*))")
 _ESCAPE_DIRECTIVE = re.compile(r"^#\s*escape\s*=\s*([\\`])\s*$", re.IGNORECASE)
@@ -114,6 +116,8 @@ def parse(text: str, build_args: dict[str, str] | None = None) -> list[Instructi
         keyword, rest = keyword.upper(), rest.strip()
         if keyword in IGNORED:
             continue
+        if keyword in REFUSED:
+            raise NotSupported(f"Dockerfile line {line}: {keyword} is not supported", line=line)
         if keyword not in SUPPORTED:
             raise InvalidRequest(f"Dockerfile line {line}: unknown instruction {keyword!r}",
                                  line=line)
