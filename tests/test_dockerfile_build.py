@@ -28,6 +28,11 @@ from dsec.images.mount import LayerMounter
 from dsec.images.store import ImageStore
 from dsec.network.testbed import Destination
 from dsec.protocol.errors import ImageBuildError, InvalidRequest, NotSupported
+from dsec.protocol.models import CreateRequest, ExecRequest
+from test_image_pull import Registry, _archive
+from test_image_pull import no_credentials as no_registry_credentials  # noqa: F401 (a fixture)
+from test_image_pull import registry as pull_registry  # noqa: F401 (a fixture)
+from test_images import _busybox_layers
 
 pytestmark = pytest.mark.usefixtures("images")
 
@@ -260,3 +265,29 @@ async def test_user_before_the_first_run_applies_to_it(build_state: Path, tmp_pa
     assert built.ran == 1
     r = await run_in(server, name, "cat /tmp/who; id -un")
     assert r.stdout.splitlines() == ["nobody", "/work", "nobody"]
+
+
+@pytest.mark.usefixtures("no_registry_credentials")
+async def test_from_a_registry_reference_pulls_it_and_builds_on_it(
+        build_state: Path, tmp_path: Path, name: str,
+        pull_registry: Registry) -> None:  # noqa: F811 (the fixture, by its name)
+    """FROM a reference not in the store: pulled (from a loopback registry), then built on."""
+    repo = f"tests/dockerfile-base-{secrets.token_hex(3)}"
+    pull_registry.push(_archive(tmp_path, "busybox", _busybox_layers()), f"{repo}:1")
+    ref = f"{pull_registry.host}/{repo}:1"
+    built = await build_here(build_state, tmp_path, name,
+                             f"FROM {ref}\nRUN echo built > /data/new.txt && rm /etc/keep.txt\n")
+    store = ImageStore()
+    base = store.get(ref)
+    try:
+        assert built.ran == 1
+        assert built.image.layers[:-1] == base.layers  # the pulled layers, then the RUN's
+        assert built.image.config.env == base.config.env  # the base's config carried on
+        settings = Settings.load(state_dir=build_state)
+        async with builder_edge(settings) as edge:
+            info = await edge.create(CreateRequest(image=name, ttl_s=60))
+            r = await edge.run(info.id, ExecRequest(
+                command="cat /data/new.txt; test -e /etc/keep.txt || echo whiteout"))
+        assert r.stdout_bytes.decode().split() == ["built", "whiteout"]
+    finally:
+        store.remove(base.name)
