@@ -226,7 +226,7 @@ async def test_copy_refuses_escapes_from_the_context(build_state: Path, tmp_path
 PYTHON_PROJECT = """\
 FROM python-3.11
 ARG NONCE
-ENV PIP_RETRIES=1 VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+ENV PIP_RETRIES=1 VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH
 WORKDIR /srv/project
 COPY host-ca.pem /etc/pip-ca.pem
 ENV PIP_CERT=/etc/pip-ca.pem

@@ -83,3 +83,8 @@ def test_refused_with_a_typed_error(text, error):
                 sources_and_dest(instruction)
             if instruction.keyword in ("ENV", "LABEL"):
                 pairs(instruction)
+
+
+def test_the_base_images_env_is_substituted_after_from():
+    found = parse("FROM b\nENV PATH=/opt/venv/bin:$PATH\n", base_env={"PATH": "/usr/bin:/bin"})
+    assert pairs(found[1]) == [("PATH", "/opt/venv/bin:/usr/bin:/bin")]

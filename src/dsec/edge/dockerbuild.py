@@ -184,8 +184,11 @@ async def build_dockerfile(edge: Edge, dockerfile: str, context: Path, name: str
     """Build the Dockerfile text ``dockerfile`` with ``context`` as its build context and name
     the result ``name``. A failing step raises ``ImageBuildError`` (exit code, output tail)."""
     options = options or BuildOptions()
-    instructions = parse(dockerfile, options.build_args)
+    first = next(i for i in parse(dockerfile, options.build_args) if i.keyword == "FROM")
     build = _Build(edge, context, name, options, say)
+    await build.parent(first.args)  # its ENV is substituted in the instructions after FROM
+    parent_env = dict(kv.partition("=")[::2] for kv in build.config.env)
+    instructions = parse(dockerfile, options.build_args, parent_env)
     steps: list[StepReport] = []
     try:
         for instruction in instructions:
@@ -203,7 +206,7 @@ async def build_dockerfile(edge: Edge, dockerfile: str, context: Path, name: str
 async def _apply(build: _Build, ins: Instruction, report: StepReport) -> None:
     config = build.config
     if ins.keyword == "FROM":
-        await build.parent(ins.args)
+        pass  # resolved before the instructions were read (build_dockerfile)
     elif ins.keyword == "ARG":
         for key, default in pairs(ins):
             build.args[key] = build.options.build_args.get(key, build.args.get(key, default))

@@ -104,9 +104,12 @@ def logical_lines(text: str) -> list[tuple[int, str]]:
     return result
 
 
-def parse(text: str, build_args: dict[str, str] | None = None) -> list[Instruction]:
+def parse(text: str, build_args: dict[str, str] | None = None,
+          base_env: dict[str, str] | None = None) -> list[Instruction]:
     """The instructions of a Dockerfile, with ARG and ENV substituted where Docker does.
-    ``build_args`` (``--build-arg``) override ARG defaults; only declared ARGs are used."""
+    ``build_args`` (``--build-arg``) override ARG defaults; only declared ARGs are used.
+    ``base_env``: the FROM image's environment, which instructions after FROM see
+    (``ENV PATH=/opt/venv/bin:$PATH``)."""
     given = dict(build_args or {})
     values: dict[str, str] = {}
     instructions: list[Instruction] = []
@@ -140,6 +143,7 @@ def parse(text: str, build_args: dict[str, str] | None = None) -> list[Instructi
                 raise NotSupported(f"Dockerfile line {line}: FROM ... AS (stages) is not "
                                    "supported", line=line)
             saw_from = True
+            values.update(base_env or {})
         elif keyword == "ARG":
             for name, default in _pairs(rest, line, arg=True):
                 values[name] = given.get(name, values.get(name, default or ""))
