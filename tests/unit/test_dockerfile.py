@@ -73,6 +73,8 @@ def test_cache_text_tells_forms_and_flags_apart():
     ("FROM a\nCOPY onlyone\n", InvalidRequest),
     ("FROM a\nENV 1bad=x\n", InvalidRequest),
     ("FROM a\nRUN\n", InvalidRequest),
+    ("FROM a\nUSER -c\n", InvalidRequest),
+    ("FROM a\nUSER bob alice\n", InvalidRequest),
     ("FROM a\nCOPY --chown a b\n", InvalidRequest),
 ])
 def test_refused_with_a_typed_error(text, error):

@@ -26,6 +26,7 @@ IGNORED = ("EXPOSE", "VOLUME", "STOPSIGNAL", "HEALTHCHECK", "MAINTAINER")
 REFUSED = ("SHELL", "ONBUILD")
 SUBSTITUTED = ("FROM", "COPY", "ADD", "ENV", "WORKDIR", "USER", "LABEL", "ARG")
 _VAR = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)(?:(:[-+])([^}]*))?\}|([A-Za-z_][A-Za-z0-9_]*))")
+_USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,31})?")
 _ESCAPE_DIRECTIVE = re.compile(r"^#\s*escape\s*=\s*([\\`])\s*$", re.IGNORECASE)
 
 
@@ -149,6 +150,9 @@ def parse(text: str, build_args: dict[str, str] | None = None,
                 values[name] = given.get(name, values.get(name, default or ""))
         elif keyword == "ENV":
             values.update((k, v or "") for k, v in _pairs(rest, line))
+        elif keyword == "USER" and not _USER.fullmatch(rest):
+            raise InvalidRequest(f"Dockerfile line {line}: USER {rest!r} is not a user name or "
+                                 "uid (with an optional :group)", line=line)
         elif keyword in ("COPY", "ADD") and set(flags) - {"chown", "chmod"}:
             raise NotSupported(f"Dockerfile line {line}: {keyword} {sorted(flags)} is not "
                                "supported (only --chown and --chmod)", line=line)
