@@ -101,6 +101,18 @@ def test_context_copy_forms_and_owners(tmp_path: Path) -> None:
     assert into.digest != renamed.digest
 
 
+def test_dockerignore_leaves_paths_out(tmp_path: Path) -> None:
+    for rel in (".git/config", "app/main.py", "app/cache/x.pyc", "app/keep.pyc", "notes.md"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(rel)
+    (tmp_path / ".dockerignore").write_text("# comment\n.git\n**/*.pyc\n!app/keep.pyc\n*.md\n")
+    copied = members(context_copy(tmp_path, ["."], "/src/", "/", "COPY").tar)
+    assert {n for n, m in copied.items() if m.isfile()} == {
+        ".dockerignore", "app/main.py", "app/keep.pyc"}
+    with pytest.raises(InvalidRequest, match="dockerignore"):
+        context_copy(tmp_path, ["*.md"], "/src/", "/", "COPY")
+
+
 @pytest.mark.parametrize("source", ["../x", "/../x", "escape", "tree", "nothing-here"])
 def test_context_copy_refuses_escapes(tmp_path: Path, source: str) -> None:
     context = tmp_path / "ctx"

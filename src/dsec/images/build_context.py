@@ -7,11 +7,12 @@ kept as a link only if it points inside the context, and the tar carries only re
 directories and such links, owned by root (or ``--chown``): the build driver extracts it in
 a sandbox of the parent image (so the destination is resolved in that root file system, as
 Docker does) and takes the result as a layer. The tar's digest is part of the step's cache
-key: a changed file makes a new layer.
+key: a changed file makes a new layer. The context's ``.dockerignore`` leaves paths out.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import hashlib
 import io
@@ -47,6 +48,7 @@ def context_copy(context: Path, sources: list[str], dest: str, workdir: str, key
         raise InvalidRequest(f"the build context {context} is not a directory")
     uid, gid = _owner(chown)
     mode = _mode(chmod)
+    ignore = _Ignore(root)
     paths: list[tuple[Path, str]] = []  # (real path, the name it was given by)
     for source in sources:
         if keyword == "ADD" and "://" in source:
@@ -55,7 +57,9 @@ def context_copy(context: Path, sources: list[str], dest: str, workdir: str, key
         if keyword == "ADD" and source.endswith(_ARCHIVES):
             raise NotSupported(f"ADD {source}: ADD's extraction of local archives is not "
                                "supported; COPY it and extract it in a RUN")
-        paths.extend(_resolve(root, source))
+        paths.extend(found for found in _resolve(root, source) if not ignore(found[0]))
+    if not paths:
+        raise InvalidRequest(f"{keyword} {' '.join(sources)}: every source is in .dockerignore")
     full_dest = dest if dest.startswith("/") else posixpath.join(workdir or "/", dest)
     into_dir = (into_dir or dest.endswith(("/", "/.")) or dest == "." or len(paths) > 1
                 or paths[0][0].is_dir())
@@ -65,7 +69,7 @@ def context_copy(context: Path, sources: list[str], dest: str, workdir: str, key
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for path, given in paths:
             if path.is_dir():
-                _add_tree(tar, root, path, ".", uid, gid, mode)
+                _add_tree(tar, root, path, ".", uid, gid, mode, ignore)
             else:
                 name = given if into_dir else posixpath.basename(posixpath.normpath(full_dest))
                 _add(tar, root, path, name, uid, gid, mode)
@@ -99,11 +103,11 @@ def _resolve(root: Path, source: str) -> list[tuple[Path, str]]:
 
 
 def _add_tree(tar: tarfile.TarFile, root: Path, top: Path, prefix: str, uid: int, gid: int,
-              mode: int | None) -> None:
+              mode: int | None, ignore: _Ignore) -> None:
     for directory, dirs, files in os.walk(top):  # does not descend into links to directories
-        dirs.sort()
+        dirs[:] = sorted(d for d in dirs if not ignore(Path(directory, d)))
         rel = os.path.relpath(directory, top)
-        for name in sorted(dirs) + sorted(files):
+        for name in dirs + sorted(f for f in files if not ignore(Path(directory, f))):
             path = Path(directory, name)
             _add(tar, root, path, posixpath.normpath(posixpath.join(prefix, rel, name)), uid, gid,
                  mode)
@@ -133,6 +137,32 @@ def _add(tar: tarfile.TarFile, root: Path, path: Path, name: str, uid: int, gid:
             tar.addfile(info, f)
     else:
         raise InvalidRequest(f"{path.relative_to(root)} is not a file, directory or symlink")
+
+
+class _Ignore:
+    """The context's ``.dockerignore``: patterns on paths relative to the context (``*``
+    and ``?`` as in fnmatch, so ``*`` also crosses ``/``, more than Docker's), a pattern
+    matching a directory excluding what is under it, ``!pattern`` taking paths back."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        try:
+            lines = (root / ".dockerignore").read_text().splitlines()
+        except FileNotFoundError:
+            lines = []
+        self.rules = [(line.startswith("!"), posixpath.normpath(line.lstrip("!").strip("/ ")))
+                      for line in (raw.strip() for raw in lines)
+                      if line and not line.startswith("#")]
+
+    def __call__(self, path: Path) -> bool:
+        rel = os.path.relpath(path, self.root)
+        parts = rel.split("/")
+        prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+        excluded = False
+        for negated, pattern in self.rules:
+            if any(fnmatch.fnmatchcase(p, pattern) for p in prefixes):
+                excluded = not negated
+        return excluded
 
 
 def _owner(chown: str | None) -> tuple[int, int]:
