@@ -145,13 +145,15 @@ async def test_build_runs_copies_and_is_honoured_at_run_time_then_cached(
 async def test_failing_run_reports_exit_code_and_output(build_state: Path, tmp_path: Path,
                                                        name: str) -> None:
     dockerfile = ("FROM debian-minbase\nRUN echo first-line; echo on-stderr >&2; "
-                  "echo last-words; exit 3\n")
+                  "printf 'last-words\\033]52;c;aGk=\\a\\n'; exit 3\n")
     with pytest.raises(ImageBuildError) as caught:
         await build_here(build_state, tmp_path, name, dockerfile)
     assert caught.value.details["exit_code"] == 3
     assert "last-words" in caught.value.details["output"]
     assert "on-stderr" in caught.value.details["output"]
     assert "line 3" in caught.value.message
+    assert "\x1b" in caught.value.details["output"]  # the data as it was
+    assert "\x1b" not in caught.value.message  # but no terminal escapes in what is printed
     with pytest.raises(dsec.ImageNotFound):
         ImageStore().get(name)  # nothing named
     failed = cli_build(build_state, tmp_path, name)

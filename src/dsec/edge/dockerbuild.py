@@ -119,7 +119,7 @@ class _Build:
             report.cached = True
             self.say(f"[dim]line {instruction.line}: {instruction.keyword} (cached)[/dim]")
         else:
-            self.say(f"line {instruction.line}: {instruction.text}")
+            self.say(f"line {instruction.line}: {_printable(instruction.text)}")
             layer = await self._in_sandbox(instruction, key, work)
         self.layers.append(layer)
         report.layer = layer.digest
@@ -173,8 +173,9 @@ class _Build:
         if result.exit_code != 0 or result.timed_out:
             why = "timed out" if result.timed_out else f"exited with {result.exit_code}"
             output = tail.decode(errors="replace")
-            raise ImageBuildError(
-                f"Dockerfile line {instruction.line}: {instruction.text} {why}:\n{output}",
+            shown = "\n".join(_printable(text) for text in output.splitlines())
+            raise ImageBuildError(  # the message is printed: the output's escapes are not
+                f"Dockerfile line {instruction.line}: {instruction.text} {why}:\n{shown}",
                 line=instruction.line, exit_code=result.exit_code, output=output)
 
 
