@@ -182,7 +182,8 @@ FROM debian-minbase
 RUN ln -s /etc/shadow /hostshadow && ln -s {target} /hostdir \\
  && mkdir -p /evil && ln -s {target} /evil/into && echo x > /.wh.etc && echo y > /etc/.wh.passwd \\
  && mkfifo /fifo && rm /etc/issue && dd if=/dev/zero of=/big bs=1M count=40 status=none \\
- && (echo escape > /.dsec/escape 2>/dev/null || true) && (mknod /dev-null c 1 3 2>/dev/null || true)
+ && (echo escape > /.dsec/escape 2>/dev/null || true) && (mknod /dev-null c 1 3 2>/dev/null || true) \
+ && rm -rf /etc/apt && mkdir /etc/apt && echo new > /etc/apt/only
 """
 
 
@@ -195,9 +196,10 @@ async def test_hostile_run_leaves_a_safe_layer_and_host(build_state: Path, tmp_p
     r = await run_in(server, name, "readlink /hostshadow; test -e /etc/passwd && echo passwd; "
                                    "test -d /etc && echo etc; cat /.wh.etc; test -e /fifo || "
                                    "echo nofifo; test -e /etc/issue || echo whiteout; "
-                                   "stat -c %s /big; test -e /dev-null || echo nodev")
+                                   "stat -c %s /big; test -e /dev-null || echo nodev; ls /etc/apt")
     assert r.stdout.splitlines() == [
-        "/etc/shadow", "passwd", "etc", "x", "nofifo", "whiteout", str(40 << 20), "nodev"]
+        "/etc/shadow", "passwd", "etc", "x", "nofifo", "whiteout", str(40 << 20), "nodev",
+        "only"]  # a directory removed and made again hides the lower one (opaque)
     # a file named like a whiteout stays a file; a fifo and devices never reach a layer
 
 
