@@ -269,6 +269,15 @@ async def test_user_before_the_first_run_applies_to_it(build_state: Path, tmp_pa
     assert built.ran == 1
     r = await run_in(server, name, "cat /tmp/who; id -un")
     assert r.stdout.splitlines() == ["nobody", "/work", "nobody"]
+    async with server.client() as client, await client.create(image=name, ttl_s=120) as sb:
+        # files go in and out as root, as the file API does: commands run as the USER
+        (tmp_path / "up").mkdir()
+        (tmp_path / "up" / "in.txt").write_text("in\n")
+        await sb.upload(tmp_path / "up", "/opt/uploaded")  # /opt is root's
+        r = await sb.run("stat -c %U /opt/uploaded/in.txt; id -un")
+        assert r.stdout.split() == ["root", "nobody"]
+        await sb.download("/opt/uploaded", tmp_path / "down")
+        assert (tmp_path / "down" / "in.txt").read_text() == "in\n"
 
 
 @pytest.mark.usefixtures("no_registry_credentials")

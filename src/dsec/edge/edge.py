@@ -885,7 +885,8 @@ class Edge:
     # exec
     def _exec_args(self, live: Live, req: ExecRequest) -> dict[str, Any]:
         argv, cwd = exec_argv(req, live.cwd)
-        argv = as_user(live.user, argv)
+        if argv[0] != TAR:  # dsec's own tar (upload/download) runs as root, as the file API
+            argv = as_user(live.user, argv)
         env = {**live.env, **req.env} if req.session is None else live.env
         return dict(argv=argv, env=env, cwd=cwd,
                     stdin=base64.b64decode(req.stdin_b64) if req.stdin_b64 is not None else None,
