@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -433,7 +432,7 @@ def image() -> None:
               help="build this Dockerfile; SPEC is then its build context (default: .)")
 @click.option("--name", default=None, help="the built image's name (required with -f)")
 @click.option("--build-arg", "build_args", multiple=True, metavar="NAME=VALUE",
-              help="a value for an ARG of the Dockerfile (repeatable; NAME alone: from the environment)")
+              help="a value for an ARG of the Dockerfile (repeatable)")
 @click.option("--allow", "allow", multiple=True, metavar="SERVICE|RULE",
               help="egress of RUN steps: a service of the server's table (pypi, npm, ...) or "
                    "a raw rule (host:port, CIDR); without: RUN steps have no network")
@@ -468,8 +467,9 @@ def _dockerfile_build(dockerfile: Path, context: Path, name: str | None,
     from .protocol.models import Network, NetworkPolicy
     if not name:
         raise click.UsageError("--name is required with -f")
-    args = {k: v if eq else os.environ.get(k, "")
-            for k, eq, v in (arg.partition("=") for arg in build_args)}
+    if any("=" not in arg for arg in build_args):
+        raise click.UsageError("--build-arg takes NAME=VALUE")
+    args = dict(arg.partition("=")[::2] for arg in build_args)
     services = {a: True for a in allow if ":" not in a and "/" not in a and not a[0].isdigit()}
     rules = [a for a in allow if a not in services]
     network: Network = "none"
