@@ -8,6 +8,7 @@ Images go to the shared images cache under test-unique names, removed afterwards
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -288,11 +289,11 @@ async def test_from_a_registry_reference_pulls_it_and_builds_on_it(
     repo = f"tests/dockerfile-base-{secrets.token_hex(3)}"
     pull_registry.push(_archive(tmp_path, "busybox", _busybox_layers()), f"{repo}:1")
     ref = f"{pull_registry.host}/{repo}:1"
-    built = await build_here(build_state, tmp_path, name,
-                             f"FROM {ref}\nRUN echo built > /data/new.txt && rm /etc/keep.txt\n")
     store = ImageStore()
-    base = store.get(ref)
     try:
+        built = await build_here(build_state, tmp_path, name,
+                                 f"FROM {ref}\nRUN echo built > /data/new.txt && rm /etc/keep.txt\n")
+        base = store.get(ref)
         assert built.ran == 1
         assert built.image.layers[:-1] == base.layers  # the pulled layers, then the RUN's
         assert built.image.config.env == base.config.env  # the base's config carried on
@@ -303,4 +304,5 @@ async def test_from_a_registry_reference_pulls_it_and_builds_on_it(
                 command="cat /data/new.txt; test -e /etc/keep.txt || echo whiteout"))
         assert r.stdout_bytes.decode().split() == ["built", "whiteout"]
     finally:
-        store.remove(base.name)
+        with contextlib.suppress(dsec.ImageNotFound):
+            store.remove(ref)
