@@ -426,9 +426,30 @@ def image() -> None:
 
 
 @image.command("build")
-@click.argument("spec")
-def image_build(spec: str) -> None:
-    """Build SPEC (a TOML file, or a built-in name such as python-3.11)."""
+@click.argument("spec", required=False)
+@click.option("-f", "--file", "dockerfile", type=click.Path(exists=True, dir_okay=False,
+              path_type=Path), default=None,
+              help="build this Dockerfile; SPEC is then its build context (default: .)")
+@click.option("--name", default=None, help="the built image's name (required with -f)")
+@click.option("--build-arg", "build_args", multiple=True, metavar="NAME=VALUE",
+              help="a value for an ARG of the Dockerfile (repeatable)")
+@click.option("--allow", "allow", multiple=True, metavar="SERVICE|RULE",
+              help="egress of RUN steps: a service of the server's table (pypi, npm, ...) or "
+                   "a raw rule (host:port, CIDR); without: RUN steps have no network")
+@click.option("--disk-mb", default=4096, show_default=True, help="each step's disk (its layer "
+              "can hold no more)")
+@click.option("--memory-mb", default=2048, show_default=True)
+def image_build(spec: str | None, dockerfile: Path | None, name: str | None,
+                build_args: tuple[str, ...], allow: tuple[str, ...], disk_mb: int,
+                memory_mb: int) -> None:
+    """Build SPEC (a TOML file, or a built-in name such as python-3.11), or with -f a
+    Dockerfile (each RUN, COPY and WORKDIR step in a dsec container sandbox)."""
+    if dockerfile is not None:
+        _dockerfile_build(dockerfile, Path(spec or "."), name, build_args, allow, disk_mb,
+                          memory_mb)
+        return
+    if spec is None:
+        raise click.UsageError("give a SPEC, or -f Dockerfile")
     from .images.spec import load_spec
     from .images.store import ImageStore
     try:
@@ -436,6 +457,39 @@ def image_build(spec: str) -> None:
     except DSecError as exc:
         _fail(exc)
     click.echo(f"{built.name} {built.digest}")
+
+
+def _dockerfile_build(dockerfile: Path, context: Path, name: str | None,
+                      build_args: tuple[str, ...], allow: tuple[str, ...], disk_mb: int,
+                      memory_mb: int) -> None:
+    from .edge.assemble import builder_edge
+    from .edge.dockerbuild import BuildOptions, build_dockerfile
+    from .protocol.models import Network, NetworkPolicy
+    if not name:
+        raise click.UsageError("--name is required with -f")
+    if any("=" not in arg for arg in build_args):
+        raise click.UsageError("--build-arg takes NAME=VALUE")
+    args = dict(arg.partition("=")[::2] for arg in build_args)
+    services = {a: True for a in allow if ":" not in a and "/" not in a and not a[0].isdigit()}
+    rules = [a for a in allow if a not in services]
+    network: Network = "none"
+    try:
+        if allow:
+            network = NetworkPolicy(services=services, allow=rules)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--allow") from None
+    options = BuildOptions(network=network, build_args=args, disk_mb=disk_mb, memory_mb=memory_mb)
+
+    async def build() -> Any:
+        async with builder_edge(Settings.load()) as edge:
+            return await build_dockerfile(edge, dockerfile.read_text(), context, name, options,
+                                          say=console.print)
+    try:
+        result = asyncio.run(build())
+    except DSecError as exc:
+        _fail(exc)
+    console.print(f"{result.ran} steps run, {result.cached} cached")
+    click.echo(f"{result.image.name} {result.image.digest}")
 
 
 @image.command("ls")

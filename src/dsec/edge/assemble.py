@@ -3,13 +3,18 @@ the one mapping from settings to an edge, for the embedded edge and each Ray edg
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry
+
 from ..config import Settings
+from ..images.mount import locked
 from ..images.store import ImageStore
 from ..store.sqlite import StateStore
 from ..substrates.registry import VM_SUBSTRATES, all_substrates, disk_volume
-from .edge import Edge, EdgeConfig
+from .edge import Edge, EdgeConfig, default_edge_id
 from .metrics import EdgeMetrics
 
 
@@ -37,3 +42,27 @@ def build_edge(settings: Settings, store: StateStore, metrics: EdgeMetrics, stat
     for vm in VM_SUBSTRATES:
         edge.pools[vm.name].size = settings.vm_warm_pool
     return edge
+
+
+@contextlib.asynccontextmanager
+async def builder_edge(settings: Settings) -> AsyncIterator[Edge]:
+    """An edge of its own for a Dockerfile build from the command line (edge/dockerbuild.py),
+    under ``<state>/builder``: no warm pools, its sandboxes removed when it starts (a build
+    that died left them) and when the build ends. One build at a time per state directory
+    (a lock): a second edge on these files would remove the first's sandboxes."""
+    state_dir = settings.state_dir / "builder"
+    state_dir.mkdir(parents=True, exist_ok=True)
+    with locked(state_dir / "build.lock"):
+        store = StateStore(state_dir / "state.db")
+        edge = build_edge(settings.replace(warm_pool=0, vm_warm_pool=0), store,
+                          EdgeMetrics(CollectorRegistry()), state_dir,
+                          edge_id=default_edge_id(state_dir))
+        await edge.start()
+        try:
+            for info in edge.list():  # left by a build that died
+                await edge.stop(info.id, reason="left by an earlier build")
+            yield edge
+        finally:
+            for info in edge.list():
+                await edge.stop(info.id, reason="build ended")
+            await edge.close()

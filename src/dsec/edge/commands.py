@@ -54,11 +54,22 @@ def check_env(env: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def exec_argv(req: ExecRequest) -> tuple[list[str], str]:
+def as_user(user: str, argv: list[str]) -> list[str]:
+    """``argv`` run as the image's ``user`` (a Dockerfile's USER: a name in the image's
+    /etc/passwd, or ``root``/``0``: unchanged), through dsec's busybox ``su``, which the
+    agent's commands may run (they keep CAP_SETUID and CAP_SETGID); ``-p`` keeps the env."""
+    name = user.partition(":")[0]
+    if name in ("", "root", "0"):
+        return argv
+    return [BUSYBOX, "su", "-p", "-s", SHELL, name, "-c", 'exec "$0" "$@"', *argv]
+
+
+def exec_argv(req: ExecRequest, default_cwd: str = DEFAULT_CWD) -> tuple[list[str], str]:
     """(argv, cwd) for a request, wrapping session commands. In a session, the call's env is
-    exported into the session and an explicit cwd replaces the session's."""
+    exported into the session and an explicit cwd replaces the session's. Without a cwd the
+    command runs in ``default_cwd`` (the image's working directory)."""
     check_env(req.env)
-    cwd = sandbox_path(req.cwd) if req.cwd else DEFAULT_CWD
+    cwd = sandbox_path(req.cwd) if req.cwd else default_cwd
     if req.session is None:
         argv = [SHELL, "-c", req.command] if isinstance(req.command, str) else list(req.command)
         if not argv:

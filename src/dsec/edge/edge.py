@@ -27,7 +27,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 from ..agent.client import AgentClient, AgentError, AgentUnavailable, Exit, Output
 from ..agent.tools import TAR
 from ..images.node_uses import NodeUses
-from ..images.store import Image, ImageStore
+from ..images.store import Image, ImageConfig, ImageStore
+from ..images.upper import copy_upper
 from ..network.hosts import pin_in_sandbox
 from ..network.policy import Egress, ServiceTable, resolve
 from ..protocol.errors import (
@@ -66,7 +67,7 @@ from ..substrates.fn.fn import FnSubstrate
 from ..substrates.host.image_copy import allocated_bytes
 from ..substrates.host.tree import remove_tree
 from ..substrates.host.volume import DiskVolume
-from .commands import check_env, exec_argv, sandbox_path
+from .commands import DEFAULT_CWD, as_user, check_env, exec_argv, sandbox_path
 from .inherit import from_snapshot, inheritance
 from .metrics import EdgeMetrics
 from .pool import Pooled, WarmPool
@@ -116,6 +117,8 @@ class Live:
     substrate: Substrate
     agent: AgentClient
     env: dict[str, str]  # the base environment of every command: image, then request
+    user: str = ""  # the image's USER: its commands run as it (commands.as_user)
+    cwd: str = DEFAULT_CWD  # the image's working directory: a command's default cwd
     rolling_back: bool = False  # its init is being restarted: a failed call is not its death
     # Its last snapshot and the disk's write count as of it (Substrate.disk_writes): an equal
     # count later means the disk is still that snapshot's.
@@ -227,9 +230,17 @@ class Edge:
             log.exception("could not undo an interrupted operation on sandbox %s", row.id)
             self.store.event("cleanup_failed", row.id, reason=repr(exc)[:500])
 
-    def _adopt(self, row: SandboxRow, substrate: Substrate) -> None:
+    def _adopt(self, row: SandboxRow, substrate: Substrate,
+                config: ImageConfig | None = None) -> None:
+        """Serve the sandbox. ``config``: its image's run config as the create resolved it;
+        when an edge adopts running sandboxes, the recorded version's (a version is its
+        layers: a name rebuilt with the same layers and another USER keeps its first)."""
+        if config is None:
+            image = self._image_of(row)
+            config = image.config if image is not None else ImageConfig()
         self._live[row.id] = Live(row, substrate, substrate.agent(row.id, row.runtime),
-                                  row.request["env"])
+                                  row.request["env"], user=config.user,
+                                  cwd=config.working_dir or DEFAULT_CWD)
         substrate.watch(row.id, row.runtime, lambda: self._exited(row.id))
 
     def _exited(self, sandbox_id: str) -> None:
@@ -310,7 +321,7 @@ class Edge:
                     raise
                 raise SnapshotNotFound(f"snapshot {snap.id} was deleted while a sandbox was "
                                        "being made from it", snapshot=snap.id) from None
-            self._adopt(row, substrate)
+            self._adopt(row, substrate, image.config)
             if pool:
                 pool.refill(image)
         finally:
@@ -675,6 +686,24 @@ class Edge:
             raise await self._agent_failed(live, exc) from None
         return self.info(live.row)
 
+    async def commit_layer(self, sandbox_id: str, digest: str, source: dict[str, Any],
+                           max_bytes: int) -> tuple[str, builtins.list[str]]:
+        """The sandbox's writable layer (its overlay upper: its changes over the image, with
+        whiteouts) stored as the layer ``digest`` (a Dockerfile step's cache key), copied
+        with every process of the sandbox frozen (paused, as ``pause``; it stays paused) by
+        ``images/upper.py``, which trusts nothing in it. Returns the layer's digest and what
+        the copy dropped (devices, fifos, sockets). ``NotSupported`` where the substrate has
+        no upper on the host (containers have)."""
+        live = self._get(sandbox_id)
+        upper = live.substrate.writable_layer(sandbox_id)
+        await self.pause(sandbox_id)
+        dropped: builtins.list[str] = []
+
+        def build(scratch: Path) -> None:
+            dropped.extend(copy_upper(upper, scratch / "rootfs", max_bytes, skip_top=(".dsec",)))
+        layer, _ = await asyncio.to_thread(self.images.layers.ensure, digest, source, build)
+        return layer.digest, dropped
+
     async def resume(self, sandbox_id: str) -> SandboxInfo:
         """Let a paused sandbox run again; a no-op if it runs."""
         return self.info((await self._awake(sandbox_id)).row)
@@ -855,7 +884,9 @@ class Edge:
 
     # exec
     def _exec_args(self, live: Live, req: ExecRequest) -> dict[str, Any]:
-        argv, cwd = exec_argv(req)
+        argv, cwd = exec_argv(req, live.cwd)
+        if argv[0] != TAR:  # dsec's own tar (upload/download) runs as root, as the file API
+            argv = as_user(live.user, argv)
         env = {**live.env, **req.env} if req.session is None else live.env
         return dict(argv=argv, env=env, cwd=cwd,
                     stdin=base64.b64decode(req.stdin_b64) if req.stdin_b64 is not None else None,

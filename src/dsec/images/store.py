@@ -76,6 +76,8 @@ class ImageConfig:
     working_dir: str = WORKDIR
     entrypoint: tuple[str, ...] = ()
     cmd: tuple[str, ...] = ()
+    user: str = ""  # a Dockerfile's USER (name or uid[:gid]): commands run as it; "" is root
+    labels: tuple[str, ...] = ()  # a Dockerfile's LABELs, "key=value"
 
 
 @dataclass(frozen=True)
@@ -248,6 +250,16 @@ class ImageStore:
                 return self._save(name, layers, ImageConfig(**run_config),
                                   {"registry": name, "manifest": manifest, "platform": platform})
 
+    def save_built(self, name: str, layers: list[Layer], config: ImageConfig,
+                   source: dict[str, Any]) -> Image:
+        """Name the layers a build made elsewhere (a Dockerfile build, edge/dockerbuild.py)."""
+        _check_name(name)
+        with locked(self._store_lock, shared=True):
+            missing = [layer.digest for layer in layers if self.layers.get(layer.digest) is None]
+            if missing:
+                raise ImageBuildError(f"layers {missing} vanished before {name!r} was saved")
+            return self._save(name, layers, config, source)
+
     def pullable(self, ref: str) -> bool:
         """Whether ``ref`` names a registry image (not a builtin spec, not a digest prefix)."""
         return ref not in builtin_names() and not ref.startswith("sha256:") and is_reference(ref)
@@ -419,6 +431,8 @@ class ImageStore:
                 working_dir=config["working_dir"],
                 entrypoint=tuple(config["entrypoint"]),
                 cmd=tuple(config["cmd"]),
+                user=config.get("user", ""),
+                labels=tuple(config.get("labels", ())),
             ),
         )
 

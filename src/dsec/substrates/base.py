@@ -91,6 +91,13 @@ class Substrate(ABC):
         raise NotSupported(f"the {self.name} substrate cannot enforce network policies yet; "
                            "use network='none'")
 
+    def writable_layer(self, sandbox_id: str) -> Path:
+        """The host directory that is the sandbox's overlay upper (its changes over the image,
+        with overlay whiteouts), to be read only while its processes are frozen: how a
+        Dockerfile RUN step becomes a layer (``Edge.commit_layer``)."""
+        raise NotSupported(f"{self.name} sandboxes have no overlay upper directory on the "
+                           "host; Dockerfile RUN steps run in container sandboxes")
+
     async def snapshot_disk(self, sandbox_id: str, runtime: dict[str, Any],
                             dest: Path) -> int | None:
         """Write a consistent copy of the running sandbox's writable layer to ``dest`` (a

@@ -264,6 +264,9 @@ class ContainerSubstrate(Substrate):
                                   str(run), self.cgroup_parent)
         (d / "config.json").write_text(json.dumps(config))
 
+    def writable_layer(self, sandbox_id: str) -> Path:
+        return self._dir(sandbox_id) / "disk" / "upper"
+
     async def snapshot_disk(self, sandbox_id: str, runtime: dict[str, Any], dest: Path) -> int:
         """A consistent copy of the disk image. On the reflink volume: every process of the
         sandbox frozen (the cgroup freezer, as ``pause``), its file system synced, the image
