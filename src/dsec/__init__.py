@@ -27,6 +27,7 @@ from .protocol.errors import (
                               InvalidRequest,
                               NotSupported,
                               PayloadTooLarge,
+                              PortUnavailable,
                               ProcessExited,
                               ProcessNotFound,
                               ProjectExists,
@@ -76,6 +77,6 @@ __all__ = [
     "QuotaExceeded", "DelegationExceeded", "ProjectNotFound", "ProjectExists", "Forbidden",
     "ProjectInfo", "ProjectKey", "Quota",
     "NetworkPolicy",
-    "RemoteError", "ResultRefused", "CodeResult", "UnsafeArchive", "IdempotencyKeyReused",
+    "RemoteError", "ResultRefused", "PortUnavailable", "CodeResult", "UnsafeArchive", "IdempotencyKeyReused",
 ]
 __version__ = "0.1.0"

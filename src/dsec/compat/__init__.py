@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from ..control.plane import ControlPlane
 from .auth import Keys
 from .e2b import create_e2b_app, template_mapping
+from .e2b_ports import E2BPorts
 from .sandboxfusion import create_sandboxfusion_app
 from .swerex import create_swerex_app
 
@@ -27,7 +28,9 @@ def mount_compat(app: FastAPI, control: ControlPlane) -> FastAPI:
     """The compatibility front-ends, over the same router (and so the same admission) as the
     native API."""
     keys = Keys(control.store, control.settings.state_dir, control.projects.enter)
-    app.mount(E2B_PREFIX, create_e2b_app(control.router, keys, template_mapping(control.settings.e2b_templates)))
+    app.mount(E2B_PREFIX, E2BPorts(create_e2b_app(control.router, keys,
+                                                  template_mapping(control.settings.e2b_templates)),
+                                   control.router, keys))
     app.mount(SANDBOXFUSION_PREFIX, create_sandboxfusion_app(control.router, keys,
                                                              control.settings.sandboxfusion_image))
     app.mount(SWEREX_PREFIX, create_swerex_app(control.router, keys))
