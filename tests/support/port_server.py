@@ -3,67 +3,79 @@
 ``python3 port_server.py PORT``: ``/headers`` answers the request headers it got (as JSON),
 ``/big?n=N`` N bytes, ``/flood`` bytes without end, ``/redirect?to=URL`` a 302 to URL,
 ``/silent`` nothing ever, ``POST /echo`` the body back; ``/reach?url=URL`` what fetching
-URL from inside the sandbox gave (the sandbox's own reach).
+URL from inside the sandbox gave (the sandbox's own reach). One thread (asyncio): under
+gVisor here a process could not start threads.
 """
 
+import asyncio
 import json
 import sys
-import time
 import urllib.parse
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+CHUNK = 1 << 20
 
 
-class Handler(BaseHTTPRequestHandler):
-    def send_body(self, status: int, body: bytes, **headers: str) -> None:
-        self.send_response(status)
-        for k, v in headers.items():
-            self.send_header(k, v)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+def head(status: int, headers: dict[str, str]) -> bytes:
+    lines = [f"HTTP/1.1 {status} X"] + [f"{k}: {v}" for k, v in headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
-    def do_GET(self) -> None:
-        url = urllib.parse.urlsplit(self.path)
+
+def reach(url: str) -> str:
+    try:
+        with urllib.request.urlopen(url, timeout=3) as r:
+            return f"reached {r.status}"
+    except Exception as exc:
+        return f"failed {type(exc).__name__}"
+
+
+async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        request = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+        method, target, _ = request[0].split(" ")
+        headers = [line.split(": ", 1) for line in request[1:] if line]
+        length = int(dict((k.lower(), v) for k, v in headers).get("content-length", "0"))
+        body = await reader.readexactly(length)
+        url = urllib.parse.urlsplit(target)
         query = dict(urllib.parse.parse_qsl(url.query))
-        if url.path == "/headers":
-            self.send_body(200, json.dumps([[k, v] for k, v in self.headers.items()] +
-                                           [["path", self.path]]).encode())
+
+        async def send(status: int, data: bytes, **extra: str) -> None:
+            writer.write(head(status, {"Content-Length": str(len(data)), **extra}) + data)
+            await writer.drain()
+
+        if method == "POST" and url.path == "/echo":
+            await send(200, body, **{"Content-Type": "application/octet-stream"})
+        elif url.path == "/headers":
+            await send(200, json.dumps(headers + [["path", target]]).encode())
         elif url.path == "/big":
             n = int(query["n"])
-            self.send_response(200)
-            self.send_header("Content-Length", str(n))
-            self.end_headers()
-            chunk = b"x" * (1 << 20)
+            writer.write(head(200, {"Content-Length": str(n)}))
             while n > 0:
-                self.wfile.write(chunk[:n])
-                n -= len(chunk)
+                writer.write(b"x" * min(CHUNK, n))
+                n -= CHUNK
+                await writer.drain()
         elif url.path == "/flood":
-            self.send_response(200)
-            self.end_headers()
-            chunk = b"f" * (1 << 20)
+            writer.write(head(200, {}))
             while True:
-                self.wfile.write(chunk)
+                writer.write(b"f" * CHUNK)
+                await writer.drain()
         elif url.path == "/redirect":
-            self.send_body(302, b"", Location=query["to"])
+            await send(302, b"", Location=query["to"])
         elif url.path == "/silent":
-            time.sleep(3600)
+            await asyncio.sleep(3600)
         elif url.path == "/reach":
-            try:
-                with urllib.request.urlopen(query["url"], timeout=3) as r:
-                    got = f"reached {r.status}"
-            except Exception as exc:
-                got = f"failed {type(exc).__name__}"
-            self.send_body(200, got.encode())
+            await send(200, reach(query["url"]).encode())  # blocks the loop: a test's aside
         else:
-            self.send_body(404, b"no such page")
-
-    def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
-        self.send_body(200, body, **{"Content-Type": "application/octet-stream"})
-
-    def log_message(self, *args: object) -> None:
+            await send(404, b"no such page")
+    except (ConnectionError, asyncio.IncompleteReadError):
         pass
+    finally:
+        writer.close()
 
 
-ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+async def main() -> None:
+    server = await asyncio.start_server(serve, "127.0.0.1", int(sys.argv[1]))
+    await server.serve_forever()
+
+
+asyncio.run(main())
