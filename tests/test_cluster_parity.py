@@ -260,6 +260,14 @@ async def test_a_sandbox_port_under_ray(replica: Server) -> None:
                 assert r.status_code == 200 and len(r.content) == n
                 r = await http.get(f"/v1/sandboxes/{sb.id}/ports/{PORT + 1}/")
                 assert r.status_code == 502 and r.json()["error"]["code"] == "port_unavailable"
+                # a flood read slowly: the actor runs at most STREAM_AHEAD chunks ahead
+                async with http.stream("GET", f"/v1/sandboxes/{sb.id}/ports/{PORT}/flood") as flood:
+                    taken = 0
+                    async for chunk in flood.aiter_raw():
+                        taken += len(chunk)
+                        if taken > 16 << 20:
+                            break
+                    assert seen(await http.get(f"/v1/sandboxes/{sb.id}/ports/{PORT}/headers"))
             async with httpx.AsyncClient(timeout=120) as plain:
                 assert seen(await plain.get(await sb.url(PORT) + "headers"))["path"] == "/headers"
         finally:

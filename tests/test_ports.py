@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 import dsec
-from conftest import Server, make_tcp_server, stop_server
+from conftest import VM_ACCEL, Server, make_tcp_server, stop_server
 
 PORT = 18437  # the sandbox's server; nothing on the host listens here
 SCRIPT = (Path(__file__).parent / "support" / "port_server.py").read_bytes()
@@ -35,7 +35,8 @@ def srv(images: object, request: pytest.FixtureRequest) -> Iterator[Server]:
         pytest.skip(f"{request.param} is not installed")
     os.environ["DSEC_PORT_IDLE_S"] = str(IDLE_S)
     try:
-        server = make_tcp_server("--capacity", "16", "--runtime", request.param).start()
+        server = make_tcp_server("--capacity", "16", "--runtime", request.param,
+                                 "--vm-accel", VM_ACCEL).start()
     finally:
         del os.environ["DSEC_PORT_IDLE_S"]
     yield server
@@ -48,9 +49,10 @@ async def client(srv: Server) -> AsyncIterator[dsec.DSecClient]:
         yield c
 
 
-async def serving(client: dsec.DSecClient, srv: Server) -> dsec.AsyncSandbox:
+async def serving(client: dsec.DSecClient, srv: Server,
+                  substrate: str = "container") -> dsec.AsyncSandbox:
     """A python sandbox running port_server.py on PORT, once it answers through the proxy."""
-    sb = await client.create(image="python-3.11", ttl_s=600)
+    sb = await client.create(substrate=substrate, image="python-3.11", ttl_s=600, memory_mb=512)
     await sb.write_file("/work/port_server.py", SCRIPT)
     await sb.start(["python3", "/work/port_server.py", str(PORT)])
     async with httpx.AsyncClient(base_url=srv.url, headers=auth(srv)) as http:
@@ -245,3 +247,29 @@ async def test_a_flooding_or_silent_server_does_not_hold_the_api_server(
     for r in rs:
         assert r.status_code == 200 or (r.status_code == 502 and
                                         r.json()["error"]["details"]["reason"] == "busy"), r.text
+
+
+async def test_a_microvm_serves_its_port_through_its_guest_agent(client: dsec.DSecClient,
+                                                                srv: Server) -> None:
+    """A VM's agent connects inside the guest: the same proxy, the same stripping, no port
+    opened on the host (the guest has no network)."""
+    if "runsc" in srv.args:
+        pytest.skip("one VM case is enough: it runs under the crun server")
+    vm = await serving(client, srv, substrate="microvm")
+    try:
+        async with httpx.AsyncClient(base_url=srv.url, headers=auth(srv), timeout=120) as http:
+            got = seen(await http.get(f"/v1/sandboxes/{vm.id}/ports/{PORT}/headers",
+                                      headers={"x-api-key": srv.key}))
+            assert got["path"] == "/headers" and "x-api-key" not in got
+            n = (8 << 20) + 3
+            r = await http.get(f"/v1/sandboxes/{vm.id}/ports/{PORT}/big?n={n}")
+            assert r.status_code == 200 and len(r.content) == n
+            r = await http.get(f"/v1/sandboxes/{vm.id}/ports/{PORT + 1}/")
+            assert r.status_code == 502 and r.json()["error"]["code"] == "port_unavailable"
+            r = await http.get(f"/v1/sandboxes/{vm.id}/ports/{PORT}/reach",
+                               params={"url": f"{srv.url}/v1/health"})
+            assert r.text.startswith("failed"), r.text
+        async with httpx.AsyncClient(timeout=120) as plain:
+            assert seen(await plain.get(await vm.url(PORT) + "headers"))["path"] == "/headers"
+    finally:
+        await vm.stop()

@@ -28,6 +28,10 @@ from ..store.sqlite import LIVE_STATES, SandboxRow, StateStore
 from .members import Member
 
 UNAVAILABLE_GRACE_S = 30.0  # an unreachable actor: how long to wait for Ray's verdict on its node
+# A stream's events the node's actor may produce ahead of the API replica: without a bound a
+# sandbox's output (a flooding port's answer, up to 1 GiB) would pile up in the object store
+# as fast as the sandbox makes it, whatever the client reads.
+STREAM_AHEAD = 16
 
 
 def _unwrap(exc: BaseException) -> BaseException:
@@ -152,7 +156,8 @@ class RemoteEdge:
 
     async def _stream(self, method: str, sandbox_id: str, *args: Any,
                       **kwargs: Any) -> AsyncIterator[Any]:
-        refs = self.member.handle.stream.options(num_returns="streaming").remote(
+        refs = self.member.handle.stream.options(
+            num_returns="streaming", _generator_backpressure_num_objects=STREAM_AHEAD).remote(
             method, sandbox_id, *args, **kwargs)
         while True:
             try:

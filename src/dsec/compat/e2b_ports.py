@@ -29,7 +29,7 @@ from ..protocol.errors import DSecError, PortUnavailable, SandboxDied, SandboxNo
 from .auth import Keys
 from .envd import ENVD_PORT, gone
 
-HOST = re.compile(r"(\d{1,5})-([A-Za-z0-9_-]{1,128})\.[^/]+")
+HOST = re.compile(r"(\d{1,5})-(sb-[A-Za-z0-9]{1,64}-[0-9a-f]{1,64})\.[^/]+")  # a dsec sandbox id only
 
 
 def port_of(headers: Mapping[str, str]) -> tuple[str, int] | None:
