@@ -99,6 +99,9 @@ async def test_the_key_and_the_port_token_reach_the_port(sb: dsec.AsyncSandbox, 
         r = await plain.post(url + "echo", content=b"\x00body\xff" * 1000)
         assert r.status_code == 200 and r.content == b"\x00body\xff" * 1000
         assert (await plain.get(url.rstrip("/"))).status_code == 404  # the root: the server's own 404
+        head = await plain.head(url + "big?n=5000")
+        assert head.status_code == 200 and head.headers["content-length"] == "5000"
+        assert head.content == b""
 
 
 def test_the_blocking_sdk_gives_the_same_url(sb: dsec.AsyncSandbox, srv: Server) -> None:

@@ -50,7 +50,7 @@ async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
         elif url.path == "/big":
             n = int(query["n"])
             writer.write(head(200, {"Content-Length": str(n)}))
-            while n > 0:
+            while n > 0 and method != "HEAD":
                 writer.write(b"x" * min(CHUNK, n))
                 n -= CHUNK
                 await writer.drain()
