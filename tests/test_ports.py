@@ -184,6 +184,20 @@ async def test_nothing_listening_is_a_typed_error(sb: dsec.AsyncSandbox, srv: Se
         assert r.status_code == 404
 
 
+async def test_an_answer_that_is_not_http_or_too_big_a_head_is_a_typed_error(
+        sb: dsec.AsyncSandbox, srv: Server) -> None:
+    async with httpx.AsyncClient(base_url=srv.url, headers=auth(srv)) as http:
+        for page in ("hugehead", "garbage"):
+            r = await http.get(f"/v1/sandboxes/{sb.id}/ports/{PORT}/{page}")
+            assert r.status_code == 502, page
+            assert r.json()["error"]["code"] == "port_unavailable", page
+        r = await http.get(f"/v1/sandboxes/{sb.id}/ports/{PORT}/chunked")
+        assert r.status_code == 200 and r.content == b"hello world"
+        # the server's own policy can only add to the proxy's sandbox policy, never replace it
+        policies = r.headers.get_list("content-security-policy")
+        assert "default-src *" in policies and any(p.startswith("sandbox ") for p in policies)
+
+
 async def test_a_large_answer_streams_through(sb: dsec.AsyncSandbox, srv: Server) -> None:
     n = (96 << 20) + 12345
     got = 0

@@ -2,7 +2,8 @@
 
 ``python3 port_server.py PORT``: ``/headers`` answers the request headers it got (as JSON),
 ``/big?n=N`` N bytes, ``/flood`` bytes without end, ``/redirect?to=URL`` a 302 to URL,
-``/silent`` nothing ever, ``POST /echo`` the body back; ``/reach?url=URL`` what fetching
+``/silent`` nothing ever, ``/hugehead`` a 100 KB head, ``/garbage`` no HTTP at all,
+``/chunked`` a chunked body, ``POST /echo`` the body back; ``/reach?url=URL`` what fetching
 URL from inside the sandbox gave (the sandbox's own reach). One thread (asyncio): under
 gVisor here a process could not start threads.
 """
@@ -61,6 +62,17 @@ async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
                 await writer.drain()
         elif url.path == "/redirect":
             await send(302, b"", Location=query["to"])
+        elif url.path == "/hugehead":  # a head past the proxy's 64 KiB bound
+            writer.write(head(200, {f"X-{i}": "h" * 1000 for i in range(100)}))
+            await writer.drain()
+        elif url.path == "/garbage":
+            writer.write(b"SSH-2.0-not-http\r\n\r\n")
+            await writer.drain()
+        elif url.path == "/chunked":  # chunked, and a header trying to loosen the sandbox CSP
+            writer.write(head(200, {"Transfer-Encoding": "chunked",
+                                    "Content-Security-Policy": "default-src *"}))
+            writer.write(b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n")
+            await writer.drain()
         elif url.path == "/silent":
             await asyncio.sleep(3600)
         elif url.path == "/reach":

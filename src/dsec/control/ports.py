@@ -116,6 +116,8 @@ async def forward(chunks: AsyncIterator[bytes], method: str, sandbox_id: str,
             head = await event()
         if not isinstance(head, h11.Response):
             raise h11.RemoteProtocolError("the connection closed before an answer")
+        if sum(len(k) + len(v) + 4 for k, v in head.headers) > HEAD_MAX:  # h11 bounds only
+            raise h11.RemoteProtocolError(f"its head is over {HEAD_MAX} bytes")  # an incomplete one
     except h11.RemoteProtocolError as exc:
         await _close(source)
         raise PortUnavailable(f"port {port} in sandbox {sandbox_id} gave no HTTP answer: {exc}",
