@@ -410,7 +410,8 @@ ONLY = {"network": "dsec_benchmarks.bench_network:network_series",
         "state": "dsec_benchmarks.bench_state:run_state",
         "pause": "dsec_benchmarks.bench_pause:pause_series",
         "stdin": "dsec_benchmarks.bench_stdin:stdin_series",
-        "soak": "dsec_benchmarks.bench_soak:soak_series"}
+        "soak": "dsec_benchmarks.bench_soak:soak_series",
+        "pull": "dsec_benchmarks.bench_pull:pull_series"}
 
 
 def main(quick: bool = False, json_out: Path | None = None, only_trajectory: bool = False,

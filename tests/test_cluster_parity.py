@@ -9,7 +9,7 @@ lists the node; an fn call counts against the caller's
 project quota (embedded and cluster alike); and what a dead edge's fn substrate left on the
 host (template cgroups, its directory) is removed when the node's new edge starts.
 
-The E2B front's snapshots and fork, snapshot quotas and TTLs, mini-swe-agent's agent loop
+The E2B front's snapshots and fork and its templates (built with the real SDK), snapshot quotas and TTLs, mini-swe-agent's agent loop
 through dsec.integrations, and swe-rex's RemoteRuntime through the SWE-ReX front run on the Ray
 edge too.
 
@@ -40,10 +40,12 @@ from dsec.images.mount import LayerMounter
 from dsec.images.store import ImageStore
 from dsec.network.testbed import Destination
 from dsec.substrates.fn.fn import FnSubstrate
+from test_compat_e2b_templates import drive
 from test_compat_swerex import check_runtime, run_swerex_runtime
 from test_integrations import check_mini_swe_agent_run, run_mini_swe_agent
 from test_metrics import scrape
 from test_network import fetch
+from test_projects import unique
 
 pytest.importorskip("ray", reason="the cluster tests need the `cluster` extra (Ray)")
 import ray  # noqa: E402
@@ -57,7 +59,8 @@ DEAD_EDGE = "rdeadbeef"  # an edge directory whose node Ray never listed: an orp
 FN_IMAGE = "python-3.11"
 # Settings given by environment only (no serve option), as an operator's unit file would.
 ENV_ONLY = {"DSEC_FN_PRELOAD": "numpy,fractions", "DSEC_E2B_TEMPLATES": "mine=python-3.11",
-            "DSEC_SANDBOXFUSION_IMAGE": FN_IMAGE, "DSEC_PORT_IDLE_S": "45"}
+            "DSEC_SANDBOXFUSION_IMAGE": FN_IMAGE, "DSEC_REGISTRY_HTTP": "registry.invalid:5000",
+            "DSEC_IMAGE_LAYER_MAX_MB": "4096", "DSEC_PORT_IDLE_S": "45"}
 
 
 def fn_cgroups(edge: str) -> list[Path]:
@@ -132,7 +135,7 @@ def serve_args(ray_cluster: LocalRayCluster, local_postgres: LocalPostgres, serv
             # garbage collection: a retention long past the tests, and no pass before the
             # GC test's own replicas take the lease (its loop sleeps an interval first)
             "--retain-ended-s": "86400", "--retain-failed-s": "86400", "--trajectory-ttl-s": "86400",
-            "--gc-interval-s": "3600", "--blob-grace-s": "600",
+            "--gc-interval-s": "3600", "--blob-grace-s": "600", "--pull": "missing",
             "--layer-grace-s": str(200 * 365 * 86400)}  # the shared images cache: never collected
 
 
@@ -481,6 +484,20 @@ def test_e2b_snapshot_and_fork_under_ray(replica: Server) -> None:
                             headers=key).json() == []  # the fork's snapshot went with it
         finally:
             http.delete(f"/e2b/sandboxes/{sb['sandboxID']}", headers=key)
+
+
+def test_e2b_template_under_ray(replica: Server) -> None:
+    """An E2B template built with the real SDK on the API replica (recorded in PostgreSQL),
+    and a sandbox made from it on a Ray edge, with the template's env and workdir."""
+    name = unique("tpl-ray")
+    built, exists, ran, listed, deleted, gone = drive(replica, [
+        ["build", name, FN_IMAGE, "", "/tmp"], ["exists", name],
+        ["run", name, "echo $TPL_GREETING; pwd"], ["list"], ["delete", name], ["exists", name]])
+    assert "raised" not in built, built
+    assert exists == [True, True]
+    assert ran == {"stdout": "from-template\n/tmp\n", "exit_code": 0}
+    assert [t["status"] for t in listed["templates"] if t["aliases"] == [name]] == ["ready"]
+    assert deleted == 204 and gone == [False, False]
 
 
 def test_mini_swe_agent_under_ray(replica: Server, tmp_path: Path) -> None:

@@ -36,7 +36,7 @@ from dsec.images import (
 )
 from dsec.images.builder import plan_layers
 from dsec.images.mount import mountpoints
-from dsec.protocol.errors import ImageNotFound, InvalidRequest
+from dsec.protocol.errors import DigestMismatch, ImageNotFound, InvalidRequest
 
 BUSYBOX = Path("/usr/bin/busybox")  # busybox-static
 
@@ -320,7 +320,7 @@ def test_corrupt_layer_is_rejected_and_leaves_nothing(tmp_path: Path, store: Ima
     config = json.loads(_config(layers))
     config["rootfs"]["diff_ids"][1] = "sha256:" + "0" * 64
     archive = make_oci_archive(tmp_path / "bad.tar", layers, json.dumps(config).encode())
-    with pytest.raises(InvalidRequest, match="does not match its diff_id"):
+    with pytest.raises(DigestMismatch, match="does not match its diff_id"):
         store.import_oci(archive, "bad")
     assert len(os.listdir(store.root / "layers")) == 1  # the good bottom layer is kept for reuse
     assert os.listdir(store.root / "tmp") == []

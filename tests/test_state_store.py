@@ -4,6 +4,7 @@ apt package), through the one interface the edge and the trajectory log use."""
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,6 +17,7 @@ from dsec.store.db import IntegrityError
 from dsec.store.local_postgres import LocalPostgres
 from dsec.store.projects import NameTaken, ProjectStore
 from dsec.store.sqlite import SandboxRow, SnapshotRow, StateStore
+from dsec.store.templates import TemplateStore
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -152,3 +154,31 @@ def test_a_database_of_before_inheritance_gains_its_column_and_keeps_its_snapsho
         assert [s.inherited for s in reopened.snapshots()] == [None, kept]
     finally:
         reopened.close()
+
+
+def test_two_first_builds_of_one_e2b_template_at_once_make_one(store: StateStore) -> None:
+    """Two API servers (each its own connection) start the first build of one alias at the
+    same moment: one template, the build of whichever wrote last, no error for either (on
+    PostgreSQL a read-then-insert raced into a unique violation)."""
+    barrier = threading.Barrier(8)
+    ids: list[str] = []
+
+    def build(n: int) -> None:
+        templates = TemplateStore(store.url)
+        try:
+            barrier.wait()
+            ids.append(templates.request("a", "tpl", f"tpl-{n}", f"b{n}", ["default"], 2,
+                                         512).template_id)
+        finally:
+            templates.close()
+
+    threads = [threading.Thread(target=build, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    templates = TemplateStore(store.url)
+    (only,) = templates.of_project("a")
+    templates.close()
+    assert len(ids) == 8 and set(ids) == {only.template_id}
+    assert only.build_id in {f"b{n}" for n in range(8)} and only.status == "waiting"

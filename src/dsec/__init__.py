@@ -18,6 +18,7 @@ from .protocol.errors import (
                               CheckpointNotFound,
                               CommandTimeout,
                               DelegationExceeded,
+                              DigestMismatch,
                               DSecError,
                               FileNotFound,
                               Forbidden,
@@ -33,6 +34,9 @@ from .protocol.errors import (
                               ProjectExists,
                               ProjectNotFound,
                               QuotaExceeded,
+                              RegistryDenied,
+                              RegistryError,
+                              RegistryUnreachable,
                               RemoteError,
                               ResultRefused,
                               SandboxDied,
@@ -78,5 +82,6 @@ __all__ = [
     "ProjectInfo", "ProjectKey", "Quota",
     "NetworkPolicy",
     "RemoteError", "ResultRefused", "PortUnavailable", "CodeResult", "UnsafeArchive", "IdempotencyKeyReused",
+    "DigestMismatch", "RegistryError", "RegistryUnreachable", "RegistryDenied",
 ]
 __version__ = "0.1.0"

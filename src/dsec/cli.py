@@ -422,7 +422,7 @@ def _brief(values: dict[str, Any]) -> str:
 
 @main.group()
 def image() -> None:
-    """Build, list and import images."""
+    """Build, list, import and pull images."""
 
 
 @image.command("build")
@@ -459,6 +459,21 @@ def image_import(archive: Path, name: str) -> None:
     except DSecError as exc:
         _fail(exc)
     click.echo(f"{imported.name} {imported.digest}")
+
+
+@image.command("pull")
+@click.argument("ref")
+@click.option("--platform", default=None, help="os/arch[/variant] of a multi-platform image "
+              "(default: linux and this host's architecture)")
+def image_pull(ref: str, platform: str | None) -> None:
+    """Pull REF (e.g. python:3.11-slim, registry.example/team/task:1.2, name@sha256:...) from its
+    registry; credentials from the docker config file or DSEC_REGISTRY_AUTH."""
+    from .images.store import ImageStore
+    try:
+        pulled = ImageStore().pull(ref, platform=platform, console=console)
+    except DSecError as exc:
+        _fail(exc)
+    click.echo(f"{pulled.name} {pulled.digest}")
 
 
 @main.group()
@@ -579,7 +594,8 @@ def project_quota(name: str, sandboxes: int | None, cpu: float | None,
 @click.option("--only-trajectory", is_flag=True,
               help="only the trajectory series (log overhead, fast-forward)")
 @click.option("--only", type=click.Choice(["fn", "microvm", "vm", "cluster", "projects",
-                                           "network", "state", "pause", "stdin", "soak"]),
+                                           "network", "state", "pause", "stdin", "soak",
+                                           "pull"]),
               default=None,
               help="run one series alone: fn (call latency and throughput), microvm or vm "
                    "(against containers), cluster (a local Ray cluster against one node), "
@@ -587,7 +603,8 @@ def project_quota(name: str, sandboxes: int | None, cpu: float | None,
                    "on create, set_network), state (snapshot, create from one, fork, rollback), "
                    "pause (pause, resume, a call on a paused sandbox), stdin (input to a "
                    "process, a terminal's round trip, stdin throughput), soak (server "
-                   "resources over many create/run/stop cycles, retention set short)")
+                   "resources over many create/run/stop cycles, retention set short), pull "
+                   "(a registry pull and conversion against skopeo copy to a directory)")
 @click.option("--sizes", default="100", help="cluster series: burst sizes, comma-separated")
 @click.option("--cycles", type=click.IntRange(min=10), default=None,
               help="soak series: create/run/stop cycles (default 20000; --quick 200)")

@@ -97,6 +97,18 @@ class Settings:
                                        option="--ray")
     image_store: Path | None = _setting(None, "image store (default /var/cache/dsec/images; "
                                         "may be a shared mount)", option="--image-store")
+    pull: str = _setting("never", "create(image=REF) of an image not in the store: missing "
+                         "pulls REF from its registry (once, however many creates ask), never "
+                         "refuses it (ImageNotFound; pull it with dsec image pull first)",
+                         option="--pull", choices=("missing", "never"))
+    registry_auth: Path | None = _setting(None, "registry credentials, a docker config.json "
+                                          "file (default: $DOCKER_CONFIG/config.json, else "
+                                          "~/.docker/config.json)")
+    registry_http: tuple[str, ...] = _setting((), "registries (host:port, comma-separated) "
+                                              "reached over plain HTTP; loopback ones always "
+                                              "are")
+    image_layer_max_mb: int = _setting(32768, "most MiB one image layer may unpack to (its "
+                                       "tar and its files' sizes); a bigger one is refused")
     cache: Path = _setting(Path("/var/cache/dsec"), "build cache: the agent, the sandbox "
                            "tree, VM kernels and snapshots")
     shared_snapshots: Path | None = _setting(None, "a directory every node reaches: snapshots "

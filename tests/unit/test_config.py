@@ -22,6 +22,7 @@ ENV_READERS = {
     "substrates/host/spawn.py": "hands the server's environment to the runtimes it runs",
     "images/builder.py": "hands the environment to mmdebstrap and apt",
     "integrations/minisweagent.py": "mini-swe-agent's forward_env: host variables a config names",
+    "images/registry.py": "docker's own DOCKER_CONFIG, where DSEC_REGISTRY_AUTH is unset",
 }
 
 

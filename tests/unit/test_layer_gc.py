@@ -264,3 +264,22 @@ async def test_what_a_dead_collector_moved_aside_goes_at_the_next_collection(
     assert aside.exists()
     await collector(store).collect(time.time(), dry_run=False)
     assert not aside.exists() and building.exists()
+
+
+async def test_a_pulled_images_name_keeps_its_layers_and_its_removal_frees_them(
+        store: ImageStore, tmp_path: Path) -> None:
+    """A pulled image is named by its canonical reference ('/' and '@' escaped in its
+    manifest's file name): the collector reads it like any name."""
+    ref = "registry.test:5000/team/task@sha256:" + "ab" * 32
+    layers = [_layer_tar([("etc", None, 0o755), ("etc/base", b"base\n", 0o644)]),
+              _layer_tar([("only-pulled.txt", b"pulled", 0o644)])]
+    pulled = store.import_oci(make_oci_archive(tmp_path / "pulled.tar", layers), ref)
+    other = image(store, tmp_path, "other", "only-other")
+    gc, later = collector(store), time.time() + LATER
+    assert counts(await gc.collect(later, dry_run=False))["layers"] == (0, 0)
+    assert store.get(ref) == pulled and store.version(pulled.digest) == pulled
+
+    store.remove(ref)
+    unique = [layer for layer in pulled.layers if layer not in other.layers]
+    assert counts(await gc.collect(later, dry_run=False))["layers"][0] == len(unique) >= 1
+    assert layer_dirs(store) == {layer.digest for layer in other.layers}

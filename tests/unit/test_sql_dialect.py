@@ -22,7 +22,7 @@ import pytest
 from pglast import ast as pg
 
 from dsec.protocol.errors import InvalidRequest
-from dsec.store import idempotency, projects
+from dsec.store import idempotency, projects, templates
 from dsec.store import sqlite as state
 from dsec.store.db import (
     IntegrityError,
@@ -33,7 +33,7 @@ from dsec.store.db import (
 )
 from dsec.trajectory import log
 
-STORES = [state, projects, idempotency, log]
+STORES = [state, projects, idempotency, templates, log]
 # SQLite's declared type -> the PostgreSQL type of the same values (as libpg_query names it)
 PG_TYPE = {"TEXT": "text", "INTEGER": "int4", "BIGINT": "int8", "REAL": "float8",
            "DOUBLE PRECISION": "float8", "BLOB": "bytea"}

@@ -13,9 +13,13 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from ..control.plane import ControlPlane
+from ..images.store import ImageStore
+from ..protocol.project_models import ROOT_PROJECT
+from ..store.templates import TemplateStore
 from .auth import Keys
 from .e2b import create_e2b_app, template_mapping
 from .e2b_ports import E2BPorts
+from .e2b_templates import Templates
 from .sandboxfusion import create_sandboxfusion_app
 from .swerex import create_swerex_app
 
@@ -28,8 +32,11 @@ def mount_compat(app: FastAPI, control: ControlPlane) -> FastAPI:
     """The compatibility front-ends, over the same router (and so the same admission) as the
     native API."""
     keys = Keys(control.store, control.settings.state_dir, control.projects.enter)
-    app.mount(E2B_PREFIX, E2BPorts(create_e2b_app(control.router, keys,
-                                                  template_mapping(control.settings.e2b_templates)),
+    settings = control.settings
+    templates = Templates(TemplateStore(control.store.url), ImageStore(settings.image_store),
+                          template_mapping(settings.e2b_templates), settings.pull,
+                          lambda: control.projects.caller() or ROOT_PROJECT)
+    app.mount(E2B_PREFIX, E2BPorts(create_e2b_app(control.router, keys, templates),
                                    control.router, keys))
     app.mount(SANDBOXFUSION_PREFIX, create_sandboxfusion_app(control.router, keys,
                                                              control.settings.sandboxfusion_image))

@@ -7,8 +7,8 @@ E2B SDK's single-gateway configuration works unchanged::
 Control plane (``X-API-Key`` or ``Authorization: Bearer``, any dsec API key; a project
 key sees and creates only its project's sandboxes, see docs/PROJECTS.md):
 
-- ``POST /sandboxes``, ``POST /v2/sandboxes``: create from a template (mapped to a dsec image);
-  the SDK's ``Idempotency-Key`` makes its retries return the same sandbox (control/idempotency.py)
+- ``POST /sandboxes``, ``POST /v2/sandboxes``: create from a template (a project's built
+  template, the static mapping, or a dsec image name: ``Templates.resolve``); the SDK's ``Idempotency-Key`` makes its retries return the same sandbox (control/idempotency.py)
 - ``GET /sandboxes``, ``GET /v2/sandboxes`` (metadata/state/template filters, pagination)
 - ``GET /sandboxes/{id}``, ``DELETE /sandboxes/{id}``, ``POST /sandboxes/{id}/timeout``
 - ``POST /sandboxes/{id}/connect``, ``POST /v2/sandboxes/{id}/connect`` (resumes a paused one)
@@ -20,7 +20,10 @@ key sees and creates only its project's sandboxes, see docs/PROJECTS.md):
   default is dsec's: filesystem. A fork's children start from one filesystem snapshot
   (processes fresh), which is deleted once they have started.
 
-Everything else E2B's API has (auto-pause, templates, metrics, logs, volumes, secrets,
+- templates (``Template.build`` from an image, ``exists``, build status and logs, list,
+  delete): e2b_templates.py
+
+Everything else E2B's API has (auto-pause, template builds with RUN/COPY steps, metrics, logs, volumes, secrets,
 network updates) answers 501. A request carrying ``E2b-Sandbox-Id`` (or an envd
 ``X-Access-Token``) is for the data plane (both planes have a ``/health``).
 """
@@ -55,15 +58,21 @@ from ..protocol.errors import (
 from ..protocol.models import CreateRequest, SandboxInfo, Snapshot, lone_surrogate
 from .auth import Keys
 from .connect import PlainHttpError
+from .e2b_templates import (
+    SNAPSHOT_PREFIX,
+    WORKDIR_LABEL,
+    Templates,
+    add_template_routes,
+)
 from .envd import ENVD_VERSION, USERS, Envd, gone
 
 TEMPLATE_LABEL = "e2b.template"
+HIDDEN_LABELS = {TEMPLATE_LABEL, WORKDIR_LABEL}  # dsec's own labels, not the user's metadata
 # E2B template name -> dsec image. A template that is not listed is taken as a dsec image name.
 DEFAULT_TEMPLATES = {"base": "python-3.11"}
 DEFAULT_CPU = 2  # E2B's default sandbox: 2 vCPUs, 512 MiB
 DEFAULT_MEMORY_MB = 512
 MAX_TIMEOUT_S = 7 * 86400
-SNAPSHOT_PREFIX = "sn-"  # a templateID naming a dsec snapshot (dsec's ids: sn-<edge>-<hex>)
 MAX_FORKS = 20  # E2B's bound on a fork's count
 
 
@@ -79,7 +88,7 @@ def template_mapping(raw: str) -> dict[str, str]:
     return mapping
 
 
-def create_e2b_app(router: Router, keys: Keys, templates: dict[str, str]) -> FastAPI:
+def create_e2b_app(router: Router, keys: Keys, templates: Templates) -> FastAPI:
     envd = Envd(router, keys)
     app = FastAPI(title="dsec: E2B compatibility", docs_url=None, redoc_url=None)
 
@@ -157,11 +166,14 @@ def create_e2b_app(router: Router, keys: Keys, templates: dict[str, str]) -> Fas
             # and environment its parent's (edge/inherit.py), envVars added to that
             snapshot = template if template.startswith(SNAPSHOT_PREFIX) else None
             machine = {} if snapshot else {"cpu": DEFAULT_CPU, "memory_mb": DEFAULT_MEMORY_MB}
-            req = CreateRequest(image=templates.get(template, template), snapshot=snapshot,
+            found = templates.resolve(template)
+            workdir = {WORKDIR_LABEL: found.workdir} if found.workdir else {}
+            req = CreateRequest(image=found.image, snapshot=snapshot,
                                 **machine, ttl_s=min(max(timeout, 1), MAX_TIMEOUT_S),
-                                env=_strings(body.get("envVars"), "envVars"),
-                                labels={**_strings(body.get("metadata"), "metadata"),
-                                        TEMPLATE_LABEL: template})
+                                env={**found.env, **_strings(body.get("envVars"), "envVars")},
+                                labels={**{k: v for k, v in _strings(body.get("metadata"),
+                                           "metadata").items() if k not in HIDDEN_LABELS},
+                                        TEMPLATE_LABEL: template, **workdir})
         except ValidationError as exc:
             return _error(400, f"invalid request: {exc.errors(include_url=False)}")
         try:
@@ -319,11 +331,12 @@ def create_e2b_app(router: Router, keys: Keys, templates: dict[str, str]) -> Fas
 
     @app.delete("/templates/{template_id:path}")
     async def delete_snapshot(template_id: str, request: Request) -> Response:
-        """A snapshot's delete (E2B's snapshots are templates); other templates are dsec
-        images, not deleted through this API."""
+        """A snapshot's delete (E2B's snapshots are templates), or a template's."""
         authenticate(request)
         if not template_id.startswith(SNAPSHOT_PREFIX):
-            return _not_supported(request)
+            if templates.delete(template_id):
+                return Response(status_code=204)
+            return _error(404, f"template '{template_id}' not found")
         try:
             await router.delete_snapshot(template_id)
         except SnapshotNotFound:
@@ -359,6 +372,8 @@ def create_e2b_app(router: Router, keys: Keys, templates: dict[str, str]) -> Fas
         finally:
             await router.delete_snapshot(snap.id)
         return JSONResponse(list(results), status_code=201)
+
+    add_template_routes(app, templates, authenticate, _json)
 
     @app.get("/health")
     async def health(request: Request) -> Response:
@@ -422,7 +437,7 @@ def _filtered(infos: list[SandboxInfo], params: Any) -> list[SandboxInfo]:
 
 
 def _metadata(info: SandboxInfo) -> dict[str, str]:
-    return {k: v for k, v in info.labels.items() if k != TEMPLATE_LABEL}
+    return {k: v for k, v in info.labels.items() if k not in HIDDEN_LABELS}
 
 
 async def _json(request: Request) -> dict[str, Any]:

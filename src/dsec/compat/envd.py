@@ -71,6 +71,7 @@ from ..protocol.models import (
 )
 from .auth import Keys
 from .connect import Call, ConnectError, Method, PlainHttpError, Service
+from .e2b_templates import WORKDIR_LABEL
 from .files import write_creating
 from .multipart import form_parts
 from .proto import ENVD, Message
@@ -100,6 +101,7 @@ class _Started:
 @dataclass
 class _Sandbox:
     procs: dict[int, _Started] = field(default_factory=dict)  # pid -> latest process
+    workdir: str | None = None  # its template's WORKDIR (a label set at create), once read
 
 
 def gone(sandbox_id: str) -> PlainHttpError:
@@ -265,6 +267,14 @@ class Envd:
                                f"know {', '.join(USERS)})")
         call.state["home"] = USERS[username]
 
+    def _workdir(self, target: Target) -> str | None:
+        """The sandbox's default working directory: its template's WORKDIR, if any."""
+        state = self._state(target.sandbox_id)
+        if state.workdir is None:
+            labels = target.edge.get_row(target.sandbox_id).request.get("labels") or {}
+            state.workdir = str(labels.get(WORKDIR_LABEL, ""))
+        return state.workdir or None
+
     def _state(self, sandbox_id: str) -> _Sandbox:
         return self._sandboxes.setdefault(sandbox_id, _Sandbox())
 
@@ -352,7 +362,7 @@ class Envd:
         config = msg.get("process") or {}
         if not config.get("cmd"):
             raise ConnectError("invalid_argument", "process.cmd is required")
-        cwd = resolve(config["cwd"], home) if config.get("cwd") else home
+        cwd = resolve(config["cwd"], home) if config.get("cwd") else self._workdir(target) or home
         env = {"HOME": home, **config.get("envs", {})}
         command = [config["cmd"], *config.get("args", [])]
         pty = msg.get("pty")

@@ -28,7 +28,7 @@ def build_edge(settings: Settings, store: StateStore, metrics: EdgeMetrics, stat
     config = EdgeConfig(state_dir=state_dir, edge_id=edge_id or settings.edge_id,
                         capacity=settings.capacity if capacity is None else capacity,
                         warm_pool=settings.warm_pool, port_idle_s=settings.port_idle_s,
-                        shared_snapshots=shared_snapshots(settings),
+                        shared_snapshots=shared_snapshots(settings), pull=settings.pull,
                         network_services=(settings.network_services
                                           or settings.state_dir / "network-services.toml"))
     volume = disk_volume(settings, state_dir, config.edge_id)

@@ -34,6 +34,7 @@ from ..protocol.errors import (
     CapacityExhausted,
     DSecError,
     FileNotFound,
+    ImageNotFound,
     InvalidRequest,
     NotSupported,
     PayloadTooLarge,
@@ -104,6 +105,7 @@ class EdgeConfig:
     network_services: Path | None = None  # the operator's service table (TOML)
     shared_snapshots: Path | None = None  # snapshots exported for every node (shared_snapshots.py)
     port_idle_s: float = 60.0  # a sandbox's port that sends nothing for this long: cut (ports.py)
+    pull: str = "never"  # "missing": a create of a registry reference not stored pulls it
 
     def __post_init__(self) -> None:
         self.edge_id = self.edge_id or default_edge_id(self.state_dir)
@@ -150,6 +152,7 @@ class Edge:
         self._reaper: asyncio.Task[None] | None = None
         self.shared = SharedSnapshots(config.shared_snapshots) if config.shared_snapshots else None
         self._fetching: dict[str, asyncio.Lock] = {}  # one fetch of a snapshot at a time
+        self._pulls: dict[str, asyncio.Future[Image]] = {}  # one pull of a reference at a time
         self.on_end: list[Callable[[str, str, str], None]] = []  # (sandbox id, state, reason)
         self.on_snapshot_deleted: list[Callable[[str], None]] = []  # (snapshot id)
 
@@ -285,6 +288,8 @@ class Edge:
             self.volume.check_room(req.disk_mb << 20)
         self._starting += 1
         try:
+            if snap is None:
+                await self._image(req.image)  # pulled first, where the server may
             # A snapshot's own image version, whatever its name points at now (its writable
             # layer fits only those layers): the version is kept while the snapshot is.
             image = await asyncio.to_thread(
@@ -315,6 +320,26 @@ class Edge:
             self._starting -= 1
         self.store.event("created", row.id, image=req.image, warm=pooled is not None)
         return self.info(row), pooled is not None
+
+    async def _image(self, ref: str) -> Image:
+        """The image of a create: pulled first when missing and the server may (``--pull
+        missing``); concurrent creates of one new image wait for one pull (the store's lock
+        makes it one across processes too)."""
+        try:
+            return self.images.get(ref)
+        except ImageNotFound as exc:
+            if not self.images.pullable(ref):
+                raise
+            if self.config.pull != "missing":
+                raise ImageNotFound(f"{exc.message}. {ref!r} is a registry reference: pull it "
+                                    f"first (dsec image pull {ref}), or serve with --pull "
+                                    "missing", ref=ref) from None
+        pull = self._pulls.get(ref)
+        if pull is None:
+            pull = self._pulls[ref] = asyncio.ensure_future(
+                asyncio.to_thread(self.images.pull, ref, missing_only=True))
+            pull.add_done_callback(lambda _: self._pulls.pop(ref, None))
+        return await asyncio.shield(pull)
 
     def _row(self, sandbox_id: str, req: CreateRequest, image_digest: str, state: str) -> SandboxRow:
         now = time.time()

@@ -26,7 +26,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 
 from dsec.images.mount import overlay_options
 from dsec.images.spec import WORKDIR, ImageSpec, ToolkitSection, WorkspaceSection
@@ -263,6 +263,14 @@ def _run(
         raise ImageBuildError(f"{title!r} failed (exit {returncode}):\n" + "\n".join(tail), step=title)
 
 
+def _log_line(label: str, line: str) -> None:
+    log.debug("%s: %s", label, line)
+
+
+def _show_line(progress: Progress, task: TaskID, line: str) -> None:
+    progress.update(task, line=line[:80])
+
+
 class BuildProgress:
     """Per-layer progress: a live rich line (spinner, elapsed time, latest output line) on a
     terminal console, one summary line per layer on other consoles, log records without one."""
@@ -272,8 +280,14 @@ class BuildProgress:
 
     @contextmanager
     def layer(self, label: str) -> Iterator[Callable[[str], None]]:
+        with self.layers([label]) as (report,):
+            yield report
+
+    @contextmanager
+    def layers(self, labels: list[str]) -> Iterator[list[Callable[[str], None]]]:
+        """A live line per label at once (layers built in parallel); updaters are thread-safe."""
         if self._console is None or not self._console.is_terminal:
-            yield lambda line: log.debug("%s: %s", label, line)
+            yield [partial(_log_line, label) for label in labels]
             return
         columns = (
             SpinnerColumn(),
@@ -282,8 +296,8 @@ class BuildProgress:
             TextColumn("{task.fields[line]}", style="dim", markup=False),  # raw apt/pip output
         )
         with Progress(*columns, console=self._console, transient=True) as progress:
-            task = progress.add_task(label, line="")
-            yield lambda line: progress.update(task, line=line[:80])
+            tasks = [progress.add_task(label, line="") for label in labels]
+            yield [partial(_show_line, progress, task) for task in tasks]
 
     def finished(self, label: str, layer: Layer, seconds: float | None) -> None:
         """``seconds`` is None for a cache hit."""

@@ -1,9 +1,18 @@
-"""Import of OCI image layout archives and ``docker save`` archives into the layer store.
+"""Import of OCI image layout archives and ``docker save`` archives into the layer store, and
+the one conversion of an OCI layer into a store layer (``extract_layer``), which registry pulls
+(pull.py) share.
 
-Each image layer becomes one store layer. OCI whiteouts are turned into overlay ones
+Each image layer becomes one store layer, keyed by its parent and its diff_id (so an archive
+import and a pull of the same image share layers). OCI whiteouts are turned into overlay ones
 (``.wh.NAME`` → char device 0:0 ``NAME``; ``.wh..wh..opq`` → ``trusted.overlay.opaque=y`` on
 its directory), so the layers stack directly as overlay lowers. A last, tiny layer makes sure
 ``/work`` exists, as in every dsec image.
+
+Layers are hostile data: GNU tar extracts them under the scratch directory only (it refuses
+``..``, strips leading ``/``, and does not write through symlinks it made); device nodes are
+dropped; a layer bigger than ``image_layer_max_mb`` (its tar, or its files' sizes: sparse
+bombs) is refused with ``UnsafeArchive``, and content that does not match its diff_id with
+``DigestMismatch``.
 """
 
 from __future__ import annotations
@@ -24,9 +33,15 @@ from functools import partial
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from dsec.config import current
 from dsec.images.builder import BuildProgress, layer_key
 from dsec.images.spec import WORKDIR
-from dsec.protocol.errors import ImageBuildError, InvalidRequest, NotSupported
+from dsec.protocol.errors import (
+    DigestMismatch,
+    InvalidRequest,
+    NotSupported,
+    UnsafeArchive,
+)
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -64,22 +79,36 @@ def import_archive(
             )
         layers: list[Layer] = []
         for index, (name, diff_id) in enumerate(zip(layer_names, diff_ids, strict=True), 1):
-            content = {"section": "oci", "diff_id": diff_id}
             label = f"{tar_path.name}: layer {index}/{len(layer_names)}"
             started = time.monotonic()
             with progress.layer(label):
                 layer, fresh = store.ensure(
-                    layer_key(layers[-1].digest if layers else None, content),
-                    content,
-                    partial(_extract_layer, blobs, name, diff_id),
+                    oci_layer_key(layers[-1].digest if layers else None, diff_id),
+                    {"section": "oci", "diff_id": diff_id},
+                    partial(_extract_member, blobs, name, diff_id),
                 )
             progress.finished(label, layer, time.monotonic() - started if fresh else None)
             layers.append(layer)
+    return [*layers, workdir_layer(store, layers)], run_config(config.get("config") or {})
+
+
+def _extract_member(blobs: _Blobs, name: str, diff_id: str, scratch: Path) -> None:
+    extract_layer(blobs.open(name), diff_id, scratch)
+
+
+def oci_layer_key(parent: str | None, diff_id: str) -> str:
+    """The store key of an OCI layer: its parent's key and its diff_id (the registry's digest
+    of its uncompressed tar, as the verified image config lists it)."""
+    return layer_key(parent, {"section": "oci", "diff_id": diff_id})
+
+
+def workdir_layer(store: LayerStore, layers: list[Layer]) -> Layer:
+    """The last layer of every imported or pulled image: it makes sure ``/work`` exists."""
     content = {"section": "workdir", "path": WORKDIR}
     workdir, _ = store.ensure(
         layer_key(layers[-1].digest if layers else None, content), content, _make_workdir
     )
-    return [*layers, workdir], _run_config(config.get("config") or {})
+    return workdir
 
 
 def _open_archive(tar_path: Path) -> tarfile.TarFile:
@@ -119,10 +148,10 @@ class _Blobs:
 
 
 def _read_oci_layout(blobs: _Blobs) -> tuple[list[str], dict[str, Any]]:
-    descriptor = _pick_manifest(blobs.json("index.json").get("manifests", []))
+    descriptor = pick_manifest(blobs.json("index.json").get("manifests", []))
     manifest = blobs.descriptor(descriptor)
     while descriptor.get("mediaType") in _INDEX_TYPES or "manifests" in manifest:  # a multi-platform index
-        descriptor = _pick_manifest(manifest["manifests"])
+        descriptor = pick_manifest(manifest["manifests"])
         manifest = blobs.descriptor(descriptor)
     layers = []
     for layer in manifest.get("layers", []):
@@ -142,20 +171,25 @@ def _read_docker_save(blobs: _Blobs) -> tuple[list[str], dict[str, Any]]:
     return list(entries[0]["Layers"]), blobs.json(entries[0]["Config"])
 
 
-def _pick_manifest(manifests: list[dict[str, Any]]) -> dict[str, Any]:
-    if len(manifests) == 1:
+def pick_manifest(manifests: list[dict[str, Any]], platform_: str | None = None) -> dict[str, Any]:
+    """The entry of an index for ``platform_`` (``os/arch[/variant]``; default this host's
+    linux/arch, or the only entry)."""
+    if len(manifests) == 1 and platform_ is None:
         return manifests[0]
+    wanted = (platform_ or f"linux/{_ARCH}").split("/")
     for descriptor in manifests:
-        platform_ = descriptor.get("platform", {})
-        if platform_.get("os") == "linux" and platform_.get("architecture") == _ARCH:
+        have = descriptor.get("platform") or {}
+        if [have.get("os"), have.get("architecture"), *([have.get("variant")] if len(wanted) > 2
+                                                         else [])] == wanted:
             return descriptor
-    raise NotSupported(f"the archive has {len(manifests)} manifests and none for linux/{_ARCH}")
+    raise NotSupported(f"the image has {len(manifests)} manifests and none for {'/'.join(wanted)}")
 
 
-def _extract_layer(blobs: _Blobs, name: str, diff_id: str, scratch: Path) -> None:
-    """Extract one layer into ``scratch/"rootfs"`` with GNU tar (owners, modes, xattrs, hard
-    links; it refuses members that would land outside), check its diff_id, convert whiteouts."""
-    blob, rootfs = blobs.open(name), scratch / "rootfs"
+def extract_layer(blob: IO[bytes], diff_id: str, scratch: Path) -> None:
+    """Extract one layer (a seekable tar, gzip or plain) into ``scratch/"rootfs"`` with GNU tar
+    (owners, modes, xattrs, hard links; it refuses members that would land outside), check its
+    diff_id and size, drop device nodes, convert whiteouts."""
+    rootfs, limit = scratch / "rootfs", current().image_layer_max_mb << 20
     magic = blob.read(4)
     blob.seek(0)
     if magic.startswith(_ZSTD_MAGIC):
@@ -174,36 +208,56 @@ def _extract_layer(blobs: _Blobs, name: str, diff_id: str, scratch: Path) -> Non
         "-f",
         "-",
     ]
-    digest = hashlib.sha256()
+    digest, unpacked = hashlib.sha256(), 0
     with tempfile.TemporaryFile() as errors:
         proc = subprocess.Popen(tar, stdin=subprocess.PIPE, stderr=errors)
         assert proc.stdin is not None
         try:
             with proc.stdin:
                 while chunk := stream.read(1 << 20):
+                    unpacked += len(chunk)
+                    if unpacked > limit:
+                        proc.kill()
+                        raise UnsafeArchive(f"layer {diff_id} unpacks to more than "
+                                            f"{limit >> 20} MiB", layer=diff_id, limit=limit)
                     digest.update(chunk)
                     proc.stdin.write(chunk)
         except BrokenPipeError:
             pass  # tar exited early: its exit status and message below say why
         except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
-            raise InvalidRequest(f"layer {diff_id} is corrupt: {exc}") from exc
+            raise DigestMismatch(f"layer {diff_id} is corrupt: {exc}", expected=diff_id,
+                                 got="corrupt") from exc
         finally:
             returncode = proc.wait()
         errors.seek(0)
         message = errors.read().decode(errors="replace").strip()
-    if returncode != 0:
-        raise ImageBuildError(f"extracting layer {diff_id} failed (exit {returncode}): {message}")
-    if f"sha256:{digest.hexdigest()}" != diff_id:
-        raise InvalidRequest(
-            f"layer content does not match its diff_id {diff_id} (got sha256:{digest.hexdigest()})"
-        )
-    _convert_whiteouts(rootfs)
+    got = f"sha256:{digest.hexdigest()}"
+    if returncode == 0 and got != diff_id:
+        raise DigestMismatch(f"layer content does not match its diff_id {diff_id} (got {got})",
+                             expected=diff_id, got=got)
+    if returncode != 0:  # tar refuses what would land outside (and what is truncated)
+        raise UnsafeArchive(f"layer {diff_id} cannot be extracted safely (tar exit "
+                            f"{returncode}): {message[-2000:]}", layer=diff_id)
+    _convert_whiteouts(rootfs, diff_id, limit)
 
 
-def _convert_whiteouts(rootfs: Path) -> None:
+def _convert_whiteouts(rootfs: Path, diff_id: str, limit: int) -> None:
+    """Turn whiteouts into overlay ones, drop device nodes, and refuse a layer whose files
+    (sparse ones at their full size, each inode once) add up to more than ``limit``."""
+    seen, total = set(), 0
     for directory, _, files in os.walk(rootfs):
         for name in files:
             if not name.startswith(_WHITEOUT_PREFIX):
+                path = os.path.join(directory, name)
+                st = os.lstat(path)
+                if stat.S_ISBLK(st.st_mode) or stat.S_ISCHR(st.st_mode):
+                    os.remove(path)  # a host device is no business of an image
+                elif stat.S_ISREG(st.st_mode) and (st.st_ino not in seen):
+                    seen.add(st.st_ino)
+                    total += st.st_size
+                    if total > limit:
+                        raise UnsafeArchive(f"layer {diff_id}'s files add up to more than "
+                                            f"{limit >> 20} MiB", layer=diff_id, limit=limit)
                 continue
             os.remove(os.path.join(directory, name))
             if name == _OPAQUE_MARKER:
@@ -222,7 +276,7 @@ def _make_workdir(scratch: Path) -> None:
     (scratch / "rootfs" / WORKDIR.lstrip("/")).mkdir(mode=0o755, parents=True)
 
 
-def _run_config(config: dict[str, Any]) -> dict[str, Any]:
+def run_config(config: dict[str, Any]) -> dict[str, Any]:
     """The run settings the image sets (unset ones are left out, for the store's defaults)."""
     settings = {
         "env": tuple(config.get("Env") or ()),

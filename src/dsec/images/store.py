@@ -5,12 +5,14 @@ Layout under the root (plain files only, so the store can live on NFS or 3FS)::
     layers/<hex>/layer.json     layer metadata (digest, format, size, what built it)
     layers/<hex>/layer.erofs    the layer as an EROFS image, or
     layers/<hex>/rootfs/        the layer as a directory (kernels without erofs)
-    images/<name>.json          manifest: layer digests bottom→top, config, source
+    images/<name>.json          manifest: layer digests bottom→top, config, source (a pulled
+                                image's name is its canonical reference, '/' and '@' escaped)
     images/versions/<hex>.json  every version a name pointed at, by image digest: what a
                                 snapshot or a running sandbox was made from, found again
                                 after its name was rebuilt or removed
     nodes/<edge>.json           the layers each node's sandboxes use (node_uses.py)
-    locks/                      flock files: one per layer, one for the whole store
+    locks/                      flock files: one per layer, one per pulled reference, one for
+                                the whole store
     tmp/                        layers under construction, renamed into layers/ when complete
 
 Nothing here is removed on a request's path: removing an image removes its name; its
@@ -39,6 +41,8 @@ from dsec.config import current
 from dsec.images.builder import build_layers, plan_layers
 from dsec.images.mount import kernel_supports, locked
 from dsec.images.oci import import_archive
+from dsec.images.pull import pull_layers
+from dsec.images.reference import is_reference, parse_reference
 from dsec.images.spec import IMAGE_NAME, WORKDIR, ImageSpec, builtin_names, load_spec
 from dsec.protocol.errors import ImageBuildError, ImageNotFound, InvalidRequest
 
@@ -227,8 +231,30 @@ class ImageStore:
             layers, run_config = import_archive(Path(tar_path), self.layers, console)
             return self._save(name, layers, ImageConfig(**run_config), {"oci": str(tar_path)})
 
+    def pull(self, ref: str, platform: str | None = None, console: Console | None = None,
+             missing_only: bool = False) -> Image:
+        """Pull image reference ``ref`` from its registry, stored under its canonical reference
+        (``python:3.11-slim`` → ``docker.io/library/python:3.11-slim``). One pull of a reference
+        at a time (across processes): a concurrent ``missing_only`` pull finds the image the
+        first one stored and fetches nothing."""
+        reference = parse_reference(ref)
+        name = reference.canonical
+        lock = hashlib.sha256(name.encode()).hexdigest()[:32]
+        with locked(self.root / "locks" / f"pull-{lock}.lock"):
+            if missing_only and (image := self._find(name)):
+                return image
+            with locked(self._store_lock, shared=True):
+                layers, run_config, manifest = pull_layers(reference, self.layers, platform, console)
+                return self._save(name, layers, ImageConfig(**run_config),
+                                  {"registry": name, "manifest": manifest, "platform": platform})
+
+    def pullable(self, ref: str) -> bool:
+        """Whether ``ref`` names a registry image (not a builtin spec, not a digest prefix)."""
+        return ref not in builtin_names() and not ref.startswith("sha256:") and is_reference(ref)
+
     def get(self, ref: str) -> Image:
-        """The image named ``ref``, or whose digest starts with ``ref`` (``sha256:ab12...``)."""
+        """The image named ``ref`` (a pulled one also by any spelling of its reference:
+        ``python:3.11-slim``), or whose digest starts with ``ref`` (``sha256:ab12...``)."""
         if ref.startswith("sha256:"):
             matches = [image for image in self.list() if image.digest.startswith(ref)]
             if len(matches) > 1:
@@ -237,7 +263,7 @@ class ImageStore:
                 )
             if matches:
                 return matches[0]
-        elif image := self._find(ref):
+        elif image := self._lookup(ref):
             return image
         known = ", ".join(image.name for image in self.list()) or "none"
         raise ImageNotFound(
@@ -260,7 +286,7 @@ class ImageStore:
         """Remove an image's name. Its layers stay while anything uses them (another image,
         a snapshot, a sandbox on any node) and go with garbage collection after that (gc.py)."""
         image = self.get(ref)
-        (self._images / f"{image.name}.json").unlink()
+        self._manifest(image.name).unlink()
         log.info("removed image %s (its unused layers go with garbage collection)", image.name)
         return image
 
@@ -273,9 +299,9 @@ class ImageStore:
         if path.exists():
             return self._load(path)
         for named in self._images.glob("*.json"):  # named before versions were recorded
-            if (manifest := _manifest(named)) and manifest["digest"] == digest:
+            if (manifest := _read_manifest(named)) and manifest["digest"] == digest:
                 with contextlib.suppress(OSError):  # a store this node only reads
-                    self._record_version(named.stem)
+                    self._record_version(named)
                 return self._load(named)
         raise ImageNotFound(f"no image version {digest} in {self.root}; its name was rebuilt "
                             "or removed and nothing kept it", ref=digest)
@@ -286,13 +312,13 @@ class ImageStore:
         record that cannot be read is skipped (logged): it names nothing."""
         named: dict[str, list[str]] = {}
         for path in self._images.glob("*.json"):
-            if not path.is_symlink() and (manifest := _manifest(path)):
+            if not path.is_symlink() and (manifest := _read_manifest(path)):
                 named[manifest["digest"]] = manifest["layers"]
         versions: dict[str, tuple[float, int, list[str]]] = {}
         for path in self._versions.glob("*.json"):  # none if the directory is not there yet
             if path.is_symlink():
                 continue  # dsec never makes one: not a record
-            if (manifest := _manifest(path)) and path.stem == _hex(manifest["digest"]):
+            if (manifest := _read_manifest(path)) and path.stem == _hex(manifest["digest"]):
                 st = path.stat()
                 versions[manifest["digest"]] = (st.st_mtime, st.st_size, manifest["layers"])
         return named, versions
@@ -314,10 +340,9 @@ class ImageStore:
         exclusive for garbage collection."""
         return self._store_lock
 
-    def _record_version(self, name: str) -> None:
-        """The version the name ``name`` points at, recorded by digest (once; touched again
-        when named again, so its collection grace starts afresh)."""
-        path = self._images / f"{name}.json"
+    def _record_version(self, path: Path) -> None:
+        """The version the name's manifest ``path`` points at, recorded by digest (once;
+        touched again when named again, so its collection grace starts afresh)."""
         manifest = json.loads(path.read_text())
         target = self.version_path(manifest["digest"])
         try:
@@ -326,11 +351,23 @@ class ImageStore:
             self._versions.mkdir(exist_ok=True)
             write_whole(target, json.dumps(manifest, indent=2).encode())
 
+    def _lookup(self, ref: str) -> Image | None:
+        """A stored name first, then a reference's canonical name."""
+        if not is_reference(ref):
+            return self._find(ref)  # refused unless a valid store name
+        if IMAGE_NAME.match(ref) and (image := self._find(ref)):
+            return image
+        return self._find(parse_reference(ref).canonical)
+
+    def _manifest(self, name: str) -> Path:
+        # Names have no '%': escaping '/' and '@' this way cannot make two names collide.
+        return self._images / (name.replace("/", "%2F").replace("@", "%40") + ".json")
+
     def _find(self, name: str) -> Image | None:
         """The named image; a manifest is parsed once per version (it is replaced by rename,
         so its inode and mtime name the version), as sandbox creates look images up often."""
         _check_name(name)
-        path = self._images / f"{name}.json"
+        path = self._manifest(name)
         try:
             st = path.stat()
         except FileNotFoundError:
@@ -345,7 +382,7 @@ class ImageStore:
         digest = image_digest(layers)
         existing = self._find(name)
         if existing and existing.digest == digest and existing.config == config:
-            self._record_version(name)
+            self._record_version(self._manifest(name))
             return existing  # nothing changed: keep the manifest (and its created_at) as it is
         manifest = {
             "name": name,
@@ -355,9 +392,10 @@ class ImageStore:
             "config": asdict(config),
             "source": source,
         }
-        write_whole(self._images / f"{name}.json", json.dumps(manifest, indent=2).encode())
-        self._record_version(name)
-        return self._load(self._images / f"{name}.json")
+        path = self._manifest(name)
+        write_whole(path, json.dumps(manifest, indent=2).encode())
+        self._record_version(path)
+        return self._load(path)
 
     def _load(self, path: Path) -> Image:
         manifest = json.loads(path.read_text())
@@ -388,7 +426,7 @@ class ImageStore:
         return [self._load(path) for path in sorted(self._images.glob("*.json"))]
 
 
-def _manifest(path: Path) -> dict[str, Any] | None:
+def _read_manifest(path: Path) -> dict[str, Any] | None:
     """A manifest's digest and layer digests, checked; None (logged) if it is not one."""
     try:
         manifest = json.loads(path.read_text())
@@ -407,8 +445,10 @@ def _manifest(path: Path) -> dict[str, Any] | None:
 
 
 def _check_name(name: str) -> None:
-    if not IMAGE_NAME.match(name):
-        raise InvalidRequest(f"{name!r} is not a valid image name (letters, digits, '.', '_', ':', '-')")
+    """A store name: letters, digits and ``._:-``, or a pulled image's canonical reference."""
+    if IMAGE_NAME.match(name) or (is_reference(name) and parse_reference(name).canonical == name):
+        return
+    raise InvalidRequest(f"{name!r} is not a valid image name (letters, digits, '.', '_', ':', '-')")
 
 
 def _hex(digest: str) -> str:

@@ -19,9 +19,10 @@ The tree (catch ``DSecError`` for all of them)::
     │                    ProjectExists, DelegationExceeded, ProcessExited, StdinClosed
     ├── SandboxDied (410)               the sandbox ended under the call (details: reason)
     ├── refusals (413, 422, 429, 501, 503): PayloadTooLarge, IdempotencyKeyReused,
-    │       UnsafeArchive, QuotaExceeded, StdinFull, NotSupported, CapacityExhausted,
-    │       ServerUnavailable
+    │       UnsafeArchive, DigestMismatch, QuotaExceeded, StdinFull, NotSupported,
+    │       CapacityExhausted, ServerUnavailable
     ├── PortUnavailable (502)           nothing answers on a sandbox's port (sandbox ports)
+    ├── image registries (502): RegistryError > RegistryUnreachable, RegistryDenied
     ├── fn calls (422): RemoteError (the function raised), ResultRefused (not plain data)
     └── failures (500): SandboxError, ImageBuildError, SnapshotCorrupt; MethodNotAllowed (405)
 
@@ -230,11 +231,40 @@ class IdempotencyKeyReused(DSecError):
 
 
 class UnsafeArchive(DSecError):
-    """An archive that came out of a sandbox would write outside its destination (an absolute
-    name, ``..``, a link out, a device, a member under a symlink) or past its caps (members,
-    bytes). Nothing is written outside the destination; ``details`` name the member."""
+    """An archive that came out of a sandbox, or an image layer from a registry or an archive,
+    would write outside its destination (an absolute name, ``..``, a link out, a device, a
+    member under a symlink) or past its caps (members, bytes). Nothing is written outside the
+    destination; ``details`` name the member (or the layer)."""
 
     code, status = "unsafe_archive", 422
+
+
+class DigestMismatch(DSecError):
+    """Image content (a manifest, a config, a layer blob or its unpacked tar) does not match
+    the digest that names it: refused, and nothing of it was stored (``details``: ``expected``,
+    ``got``)."""
+
+    code, status = "digest_mismatch", 422
+
+
+class RegistryError(DSecError):
+    """An image registry answered a pull with an error or with something dsec does not take
+    (a schema 1 manifest, too many layers, a giant config); ``details["registry"]`` names it."""
+
+    code, status = "registry_error", 502
+
+
+class RegistryUnreachable(RegistryError):
+    """The registry could not be reached (connection refused, DNS, TLS, timeout)."""
+
+    code, status = "registry_unreachable", 502
+
+
+class RegistryDenied(RegistryError):
+    """The registry refused the credentials dsec has for it, or wants some and dsec has none
+    (see docs/IMAGES.md: the docker config file or ``DSEC_REGISTRY_AUTH``)."""
+
+    code, status = "registry_denied", 502
 
 
 class RemoteError(DSecError):
@@ -307,6 +337,10 @@ ERRORS: dict[str, type[DSecError]] = {
         PortUnavailable,
         UnsafeArchive,
         IdempotencyKeyReused,
+        DigestMismatch,
+        RegistryError,
+        RegistryUnreachable,
+        RegistryDenied,
     )
 }
 
