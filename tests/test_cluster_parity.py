@@ -271,6 +271,13 @@ async def test_a_sandbox_port_under_ray(replica: Server) -> None:
                         if taken > 16 << 20:
                             break
                     assert seen(await http.get(f"/v1/sandboxes/{sb.id}/ports/{PORT}/headers"))
+                # floods left after one chunk, more of them than a sandbox may hold open: each
+                # abandoned stream is cancelled on the actor, its connection given back
+                for _ in range(70):
+                    async with http.stream("GET", f"/v1/sandboxes/{sb.id}/ports/{PORT}/flood") as flood:
+                        async for _chunk in flood.aiter_raw():
+                            break
+                assert seen(await http.get(f"/v1/sandboxes/{sb.id}/ports/{PORT}/headers"))
             async with httpx.AsyncClient(timeout=120) as plain:
                 assert seen(await plain.get(await sb.url(PORT) + "headers"))["path"] == "/headers"
         finally:

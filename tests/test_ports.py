@@ -259,6 +259,11 @@ async def test_a_flooding_or_silent_server_does_not_hold_the_api_server(
     async with httpx.AsyncClient(base_url=srv.url, headers=auth(srv), timeout=120) as http:
         for _ in range(70):
             assert seen(await http.get(f"/v1/sandboxes/{sb.id}/ports/{PORT}/headers"))
+        for _ in range(70):  # floods left after one chunk: each gives its connection back
+            async with http.stream("GET", f"/v1/sandboxes/{sb.id}/ports/{PORT}/flood") as flood:
+                async for _chunk in flood.aiter_raw():
+                    break
+        assert seen(await http.get(f"/v1/sandboxes/{sb.id}/ports/{PORT}/headers"))
         rs = await asyncio.gather(*(http.get(f"/v1/sandboxes/{sb.id}/ports/{PORT}/headers")
                                     for _ in range(100)))
     for r in rs:

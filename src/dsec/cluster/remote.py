@@ -9,9 +9,11 @@ checks declare the node dead), and an actor that died answers ``SandboxDied``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
+import ray
 from ray.exceptions import (
     ActorDiedError,
     ActorUnavailableError,
@@ -159,12 +161,18 @@ class RemoteEdge:
         refs = self.member.handle.stream.options(
             num_returns="streaming", _generator_backpressure_num_objects=STREAM_AHEAD).remote(
             method, sandbox_id, *args, **kwargs)
-        while True:
-            try:
-                ref = await self._guarded(sandbox_id, refs.__anext__())
-            except StopAsyncIteration:
-                return
-            yield await self._guarded(sandbox_id, _get(ref))
+        try:
+            while True:
+                try:
+                    ref = await self._guarded(sandbox_id, refs.__anext__())
+                except StopAsyncIteration:
+                    refs = None
+                    return
+                yield await self._guarded(sandbox_id, _get(ref))
+        finally:
+            if refs is not None:  # left early (the client went away): end the actor's side
+                with contextlib.suppress(Exception):  # too, or it would wait on STREAM_AHEAD
+                    ray.cancel(refs)  # holding what it holds; an actor gone has ended it
 
     async def create(self, req: CreateRequest) -> SandboxInfo:
         return await self._guarded("(new)", self._await("create", req))
