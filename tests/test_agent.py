@@ -541,3 +541,95 @@ async def test_pty_output_keeps_only_the_last_max_output_bytes(client):
     out, exit_ = await collect_output(client, id_)
     assert exit_.exit_code == 0 and exit_.stdout_truncated
     assert len(out) <= 64 << 10 and out.endswith(b"END\r\n")
+
+
+# ports (`N`): the agent runs on the host here, so 127.0.0.1 is the host's loopback
+
+
+async def _tcp_server(handle) -> tuple[asyncio.base_events.Server, int]:
+    server = await asyncio.start_server(handle, "127.0.0.1", 0, limit=8 << 20)
+    return server, server.sockets[0].getsockname()[1]
+
+
+async def test_a_port_pipe_carries_bytes_both_ways_then_the_ports_eof(client):
+    async def shout(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while (line := await reader.readline()) != b"bye\n":
+            writer.write(line.upper())
+        writer.write(b"done")
+        writer.close()
+
+    server, port = await _tcp_server(shout)
+    async with server:
+        reader, writer = await client.open_port(port)
+        for n in (1, 70_000, 3 << 20):  # more than one chunk each way
+            writer.write(b"a" * n + b"\n")
+            assert await reader.readexactly(n + 1) == b"A" * n + b"\n"
+        writer.write(b"bye\n")
+        assert await reader.read() == b"done"  # then EOF: the port closed
+        writer.close()
+
+
+async def test_a_port_connection_ends_when_its_client_leaves(client):
+    closed = asyncio.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # the agent's close reaches the port as EOF
+        closed.set()
+        writer.close()
+
+    server, port = await _tcp_server(silent)
+    async with server:
+        _, writer = await client.open_port(port)
+        writer.write(b"partial request")
+        writer.close()
+        await asyncio.wait_for(closed.wait(), 10)
+
+
+async def test_a_closed_or_bad_port_is_refused_and_a_port_needs_the_token(agent, client):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        unused = s.getsockname()[1]  # bound, not listening: refused
+        with pytest.raises(AgentError) as refused:
+            await client.open_port(unused)
+    assert refused.value.errno == "ECONNREFUSED"
+    for bad in (0, 65536, -1):
+        with pytest.raises(AgentError) as invalid:
+            await client.open_port(bad)
+        assert invalid.value.errno == "EINVAL"
+    server, port = await _tcp_server(lambda r, w: w.close())
+    async with server:
+        with pytest.raises(AgentError) as no_token:
+            await AgentClient(agent[1], "x" * 32).open_port(port)
+    assert no_token.value.errno == "EACCES"
+
+
+async def test_a_flooding_port_is_read_only_as_fast_as_its_client_reads(agent, client):
+    sent = 0
+
+    async def flood(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal sent
+        chunk = b"f" * (1 << 20)
+        try:
+            while True:
+                writer.write(chunk)
+                await writer.drain()
+                sent += len(chunk)
+        except ConnectionError:
+            pass
+
+    def rss_kib() -> int:
+        status = Path(f"/proc/{agent[0].pid}/status").read_text()
+        return int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1])
+
+    server, port = await _tcp_server(flood)
+    async with server:
+        before = rss_kib()
+        reader, writer = await client.open_port(port)
+        last, steady = -1, 0
+        while steady < 10:  # the flood stalls: every buffer on the way is full
+            await asyncio.sleep(0.05)
+            steady, last = (steady + 1, last) if sent == last else (0, sent)
+        assert sent < 64 << 20  # socket buffers and the agent's one chunk, not the flood
+        assert rss_kib() - before < 4 << 10
+        assert len(await reader.readexactly(sent // 2)) == sent // 2  # and it flows on
+        writer.close()

@@ -60,7 +60,7 @@ FN_IMAGE = "python-3.11"
 # Settings given by environment only (no serve option), as an operator's unit file would.
 ENV_ONLY = {"DSEC_FN_PRELOAD": "numpy,fractions", "DSEC_E2B_TEMPLATES": "mine=python-3.11",
             "DSEC_SANDBOXFUSION_IMAGE": FN_IMAGE, "DSEC_REGISTRY_HTTP": "registry.invalid:5000",
-            "DSEC_IMAGE_LAYER_MAX_MB": "4096"}
+            "DSEC_IMAGE_LAYER_MAX_MB": "4096", "DSEC_PORT_IDLE_S": "45"}
 
 
 def fn_cgroups(edge: str) -> list[Path]:
@@ -189,6 +189,7 @@ def test_every_setting_reaches_the_ray_edge(replica: Server, ray_cluster: LocalR
     # the environment-only ones arrived too
     assert reported["fn_preload"] == ["numpy", "fractions"]
     assert reported["e2b_templates"] == "mine=python-3.11"
+    assert reported["port_idle_s"] == 45
     assert status["capacity"] == NODE_CAPACITY  # the node's own dsec_capacity
 
 
@@ -241,6 +242,44 @@ async def test_stdin_and_a_terminal_under_ray(replica: Server) -> None:
             result = await term.wait()
             assert result.exit_code == 4 and "43 132" in result.stdout
             assert isinstance(await sb.process(term.id), dsec.AsyncPty)
+        finally:
+            await sb.stop()
+
+
+async def test_a_sandbox_port_under_ray(replica: Server) -> None:
+    """A server in the sandbox, reached through the API replica and the node's edge actor:
+    with the key, with the port's token, a large answer streamed, nothing listening typed."""
+    from test_ports import PORT, auth, seen, serving
+    async with replica.client() as client:
+        sb = await serving(client, replica)
+        try:
+            async with httpx.AsyncClient(base_url=replica.url, headers=auth(replica),
+                                         timeout=120) as http:
+                got = seen(await http.get(f"/v1/sandboxes/{sb.id}/ports/{PORT}/headers",
+                                          headers={"x-api-key": replica.key}))
+                assert got["path"] == "/headers" and "x-api-key" not in got
+                n = (24 << 20) + 7
+                r = await http.get(f"/v1/sandboxes/{sb.id}/ports/{PORT}/big?n={n}")
+                assert r.status_code == 200 and len(r.content) == n
+                r = await http.get(f"/v1/sandboxes/{sb.id}/ports/{PORT + 1}/")
+                assert r.status_code == 502 and r.json()["error"]["code"] == "port_unavailable"
+                # a flood read slowly: the actor runs at most STREAM_AHEAD chunks ahead
+                async with http.stream("GET", f"/v1/sandboxes/{sb.id}/ports/{PORT}/flood") as flood:
+                    taken = 0
+                    async for chunk in flood.aiter_raw():
+                        taken += len(chunk)
+                        if taken > 16 << 20:
+                            break
+                    assert seen(await http.get(f"/v1/sandboxes/{sb.id}/ports/{PORT}/headers"))
+                # floods left after one chunk, more of them than a sandbox may hold open: each
+                # abandoned stream is cancelled on the actor, its connection given back
+                for _ in range(70):
+                    async with http.stream("GET", f"/v1/sandboxes/{sb.id}/ports/{PORT}/flood") as flood:
+                        async for _chunk in flood.aiter_raw():
+                            break
+                assert seen(await http.get(f"/v1/sandboxes/{sb.id}/ports/{PORT}/headers"))
+            async with httpx.AsyncClient(timeout=120) as plain:
+                assert seen(await plain.get(await sb.url(PORT) + "headers"))["path"] == "/headers"
         finally:
             await sb.stop()
 

@@ -355,3 +355,30 @@ def test_connect_wire_and_gateway(e2b_server: Server) -> None:
         dead = http.post("/process.Process/Start", content=envelope(start), headers=headers)
         assert dead.status_code == 502 and dead.json()["message"] == "The sandbox was not found"
         assert http.get("/health", headers=headers).status_code == 502
+
+
+@pytest.mark.parametrize("version", E2B_VERSIONS)
+def test_get_host_reaches_a_server_in_the_sandbox(e2b_server: Server, version: str) -> None:
+    """``get_host(port)`` with httpx: by E2B's routing headers to E2B_SANDBOX_URL, and by the
+    ``Host`` name; the key is required and never reaches the sandbox's server (which reports
+    the headers it got: tests/support/port_server.py)."""
+    port = 18438
+    python = compat_python("e2b", version)
+    run = subprocess.run([str(python), str(DRIVER), "--ports"], capture_output=True, timeout=300,
+                         env={**e2b_env(e2b_server), "DSEC_PORT": str(port),
+                              "DSEC_PORT_SERVER": str(DRIVER.parent / "port_server.py")})
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    o = json.loads(run.stdout)
+    assert "crashed" not in o, o["crashed"]
+    assert o["ports.host"].startswith(f"{port}-{o['ports.id']}.")
+    for way in ("ports.by_headers", "ports.by_host"):
+        got = {k.lower(): v for k, v in o[way]}
+        assert got["host"] == f"localhost:{port}", way
+        assert not {"x-api-key", "authorization", "e2b-sandbox-id", "e2b-sandbox-port"} & set(got)
+        assert e2b_server.key not in json.dumps(o[way])
+    assert dict(o["ports.by_headers"])["path"] == "/headers?q=1"
+    assert o["ports.post"] == "e2b body"
+    assert o["ports.no_key"] == 401 and o["ports.other_key"] == 401
+    status, body = o["ports.closed"]
+    assert status == 502 and body["port"] == port + 1
+    assert body["message"].startswith("The sandbox is running but port is not open")

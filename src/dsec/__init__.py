@@ -28,6 +28,7 @@ from .protocol.errors import (
                               InvalidRequest,
                               NotSupported,
                               PayloadTooLarge,
+                              PortUnavailable,
                               ProcessExited,
                               ProcessNotFound,
                               ProjectExists,
@@ -80,7 +81,7 @@ __all__ = [
     "QuotaExceeded", "DelegationExceeded", "ProjectNotFound", "ProjectExists", "Forbidden",
     "ProjectInfo", "ProjectKey", "Quota",
     "NetworkPolicy",
-    "RemoteError", "ResultRefused", "CodeResult", "UnsafeArchive", "IdempotencyKeyReused",
+    "RemoteError", "ResultRefused", "PortUnavailable", "CodeResult", "UnsafeArchive", "IdempotencyKeyReused",
     "DigestMismatch", "RegistryError", "RegistryUnreachable", "RegistryDenied",
 ]
 __version__ = "0.1.0"

@@ -121,6 +121,8 @@ class Settings:
                                            "before it forks (comma-separated)")
     e2b_templates: str = _setting("", "E2B template mapping added to base=python-3.11: "
                                   "name=image,name=image")
+    port_idle_s: int = _setting(60, "seconds a sandbox's port may send nothing before its "
+                                "connection through the proxy is cut (sb.url)")
     sandboxfusion_image: str = _setting("python-3.11", "image of SandboxFusion's run_code")
     retain_ended_s: int = _setting(7 * 86400, "seconds an ended sandbox's record and events "
                                    "are kept (one a trajectory or snapshot still names is kept "

@@ -349,9 +349,44 @@ def state_scenario() -> None:
     sb.kill()
 
 
+def ports_scenario() -> None:
+    """``get_host(port)`` and a plain HTTP client (httpx), the two ways a request names a
+    sandbox's port at dsec: E2B's ``E2b-Sandbox-Id``/``E2b-Sandbox-Port`` headers to
+    ``E2B_SANDBOX_URL``, or the ``get_host`` name as the ``Host`` header."""
+    import httpx
+
+    port = int(os.environ["DSEC_PORT"])
+    base, key = os.environ["E2B_SANDBOX_URL"], os.environ["E2B_API_KEY"]
+    sb = Sandbox.create(template="base", timeout=300)
+    with open(os.environ["DSEC_PORT_SERVER"], "rb") as f:
+        sb.files.write("/tmp/port_server.py", f.read())
+    sb.commands.run(f"python3 /tmp/port_server.py {port}", background=True)
+    host = sb.get_host(port)
+    observed["ports.host"] = host
+    observed["ports.id"] = sb.sandbox_id
+    named = {"E2b-Sandbox-Id": sb.sandbox_id, "E2b-Sandbox-Port": str(port), "X-API-Key": key}
+    with httpx.Client(base_url=base, timeout=30) as http:
+        deadline = time.monotonic() + 60
+        while http.get("/headers", headers=named).status_code == 502 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        step("ports.by_headers", lambda: http.get("/headers?q=1", headers=named).json())
+        step("ports.by_host", lambda: http.get("/headers", headers={"Host": host,
+                                                                    "X-API-Key": key}).json())
+        step("ports.post", lambda: http.post("/echo", content=b"e2b body", headers=named).text)
+        step("ports.no_key", lambda: http.get("/headers", headers={"Host": host}).status_code)
+        step("ports.other_key", lambda: http.get("/headers", headers={
+            "Host": host, "X-API-Key": "dsk_not_a_key"}).status_code)
+        closed = {**named, "E2b-Sandbox-Port": str(port + 1)}
+        step("ports.closed", lambda: (lambda r: [r.status_code, r.json()])(
+            http.get("/", headers=closed)))
+    sb.kill()
+
+
 def main() -> None:
-    if "--proto" in sys.argv:
-        scenarios: tuple[Callable[[], None], ...] = (proto_scenario,)
+    if "--ports" in sys.argv:
+        scenarios: tuple[Callable[[], None], ...] = (ports_scenario,)
+    elif "--proto" in sys.argv:
+        scenarios = (proto_scenario,)
     elif "--state" in sys.argv:
         scenarios = (state_scenario,)
     else:

@@ -8,7 +8,8 @@ Generic over routes, so routes added later are fuzzed the same way:
 - every 4xx/5xx body must be a typed dsec error (``{"error": {"code", "message", "details"}}``
   with a known code);
 - a 5xx is a failure unless it is a typed refusal that is the API's answer, not a bug
-  (``not_supported``: 501, ``capacity_exhausted``: 503).
+  (``not_supported``: 501, ``capacity_exhausted``: 503, ``port_unavailable``: 502, nothing
+  listens on the fuzzed sandbox port).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dsec.protocol.errors import ERRORS
 
 REAL_IDS = {"sandbox_id": "DSEC_FUZZ_SANDBOX", "process": "DSEC_FUZZ_PROCESS",
             "trajectory": "DSEC_FUZZ_TRAJECTORY"}
-TYPED_REFUSALS = {"not_supported", "capacity_exhausted"}
+TYPED_REFUSALS = {"not_supported", "capacity_exhausted", "port_unavailable"}
 EXEC_TIMEOUT_S = 5
 
 

@@ -266,6 +266,12 @@ struct conn {
     struct proc *attach; /* background process this connection is attached to */
     size_t off;          /* attach: absolute offset of the next log frame to send */
     int file_fd;         /* file read in progress */
+    /* `N`: a TCP connection to a port inside the sandbox, piped raw once `O` is sent.
+     * tun_state: 0 none, 1 connecting, 2 open. up: bytes from the client not yet written to
+     * the port (read only while empty: one PIPE_CHUNK at most); the port's bytes go to out
+     * (read only while out is empty), so the agent holds at most two chunks per tunnel. */
+    int tun, tun_state, tun_eof;
+    struct buf up;
 };
 
 struct proc {
@@ -319,6 +325,9 @@ static void conn_close(struct conn *c)
     c->dead = 1;
     if (c->file_fd >= 0)
         close(c->file_fd);
+    if (c->tun >= 0)
+        close(c->tun);
+    c->tun = -1;
     if (c->proc)
         c->proc->waiter = NULL; /* the process keeps running; its output is dropped */
     if (c->attach)
@@ -1232,6 +1241,93 @@ static int authorized(const struct req *r)
     return !diff;
 }
 
+/* ---------- ports ---------- */
+
+static void conn_write(struct conn *c);
+
+/* `N`: connect to 127.0.0.1:port in the sandbox's own network namespace (a VM's guest), without
+ * blocking: the reply waits for the connect to finish (W_TUN). The client bounds how long. */
+static void do_port(struct conn *c, const struct req *r)
+{
+    long long port;
+    if (get_num(r, "port", 10, 1, 65535, 0, &port) || !port)
+        return reply_err(&c->out, EINVAL, "port must be 1-65535");
+    struct sockaddr_in addr = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port),
+                               .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return reply_errno(&c->out, errno, "socket");
+    if (connect(fd, (struct sockaddr *)&addr, sizeof addr) && errno != EINPROGRESS) {
+        int e = errno;
+        close(fd);
+        return reply_errno(&c->out, e, "connect");
+    }
+    c->tun = fd;
+    c->tun_state = 1;
+}
+
+/* The connect finished: `O` and raw bytes from now on, or `X` and the end. */
+static void tun_connected(struct conn *c)
+{
+    int e = 0;
+    socklen_t len = sizeof e;
+    if (getsockopt(c->tun, SOL_SOCKET, SO_ERROR, &e, &len) || e) {
+        close(c->tun);
+        c->tun = -1;
+        c->tun_state = 0;
+        reply_errno(&c->out, e ? e : errno, "connect");
+    } else {
+        int one = 1;
+        setsockopt(c->tun, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+        c->tun_state = 2;
+        reply_ok(&c->out);
+    }
+    conn_write(c);
+}
+
+/* The port's bytes to the client. At the port's EOF the client's write side is shut once out
+ * is sent (conn_write); the client then closes, which ends the tunnel. */
+static void tun_read(struct conn *c)
+{
+    if (buf_pending(&c->out))
+        return;
+    c->out.len = c->out.off = 0;
+    buf_reserve(&c->out, PIPE_CHUNK);
+    ssize_t n = recv(c->tun, c->out.p, PIPE_CHUNK, 0);
+    if (n > 0)
+        c->out.len = n;
+    else if (n == 0)
+        c->tun_eof = 1;
+    else if (errno != EAGAIN)
+        return conn_close(c);
+    conn_write(c);
+}
+
+static void tun_write(struct conn *c)
+{
+    struct buf *u = &c->up;
+    ssize_t n = send(c->tun, u->p + u->off, buf_pending(u), MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n < 0 && errno != EAGAIN)
+        return conn_close(c);
+    if (n > 0 && (u->off += n) == u->len)
+        u->len = u->off = 0;
+}
+
+/* The client's bytes for the port. The client's EOF ends the tunnel: the edge never
+ * half-closes, so an EOF means it is gone (and a port that never answers is not held). */
+static void tun_client_read(struct conn *c)
+{
+    if (buf_pending(&c->up))
+        return;
+    c->up.len = c->up.off = 0;
+    buf_reserve(&c->up, PIPE_CHUNK);
+    ssize_t n = recv(c->fd, c->up.p, PIPE_CHUNK, 0);
+    if (n == 0 || (n < 0 && errno != EAGAIN))
+        return conn_close(c);
+    if (n > 0)
+        c->up.len = n;
+}
+
 /* ---------- connections ---------- */
 
 static void dispatch(struct conn *c, const struct req *r)
@@ -1251,6 +1347,7 @@ static void dispatch(struct conn *c, const struct req *r)
     case 'K': return do_signal(c, r);
     case 'L': return do_list(c);
     case 'F': return do_file(c, r);
+    case 'N': return do_port(c, r);
     default: return reply_err(&c->out, EINVAL, "unknown request type");
     }
 }
@@ -1323,13 +1420,17 @@ static void conn_write(struct conn *c)
             return conn_close(c);
         o->off += n;
     }
-    if (c->dispatched && !c->proc && !c->attach)
+    if (c->tun_state == 2 && c->tun_eof)
+        shutdown(c->fd, SHUT_WR); /* the port's EOF, passed on */
+    else if (c->dispatched && !c->proc && !c->attach && !c->tun_state)
         conn_close(c); /* reply complete */
 }
 
 static void conn_read(struct conn *c)
 {
     struct buf *in = &c->in;
+    if (c->tun_state == 2)
+        return tun_client_read(c);
     for (;;) {
         if (c->dispatched) { /* only an EOF (client gone) is of interest now */
             char junk[4096];
@@ -1375,6 +1476,7 @@ static void accept_all(int lfd)
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
         c->fd = fd;
         c->file_fd = -1;
+        c->tun = -1;
         c->next = conns;
         conns = c;
     }
@@ -1382,7 +1484,7 @@ static void accept_all(int lfd)
 
 /* ---------- main loop ---------- */
 
-enum { W_LISTEN, W_SIGNAL, W_CONN, W_OUT, W_IN, W_SINK };
+enum { W_LISTEN, W_SIGNAL, W_CONN, W_OUT, W_IN, W_SINK, W_TUN };
 
 struct watch {
     int kind, i;
@@ -1448,6 +1550,7 @@ static void sweep(void)
             *cp = c->next;
             buf_free(&c->in);
             buf_free(&c->out);
+            buf_free(&c->up);
             free(c);
         } else {
             cp = &c->next;
@@ -1479,10 +1582,22 @@ static void handle(struct pollfd *pfd, struct watch *w)
     case W_CONN:
         if (c->dead)
             return;
+        if (c->tun_state && pfd->revents & (POLLHUP | POLLERR))
+            return conn_close(c); /* a tunnel's client is gone */
         if (pfd->revents & (POLLIN | POLLHUP | POLLERR))
             conn_read(c);
         if (!c->dead && pfd->revents & POLLOUT)
             conn_write(c);
+        return;
+    case W_TUN:
+        if (c->dead || c->tun != pfd->fd)
+            return;
+        if (c->tun_state == 1)
+            return tun_connected(c);
+        if (pfd->revents & POLLOUT)
+            tun_write(c);
+        if (!c->dead && pfd->revents & (POLLIN | POLLHUP | POLLERR))
+            tun_read(c);
         return;
     case W_OUT:
         if (p->out[w->i] == pfd->fd)
@@ -1597,8 +1712,18 @@ int main(int argc, char **argv)
         nwatch = 0;
         watch(lfd, POLLIN, W_LISTEN, NULL, 0);
         watch(sig_fd, POLLIN, W_SIGNAL, NULL, 0);
-        for (struct conn *c = conns; c; c = c->next)
-            watch(c->fd, POLLIN | (want_write(c) ? POLLOUT : 0), W_CONN, c, 0);
+        for (struct conn *c = conns; c; c = c->next) {
+            /* a tunnel reads its client only into an empty `up`, and not while connecting
+               (an EOF still shows as POLLHUP) */
+            int in = c->tun_state == 1 || (c->tun_state == 2 && buf_pending(&c->up)) ? 0 : POLLIN;
+            watch(c->fd, in | (want_write(c) ? POLLOUT : 0), W_CONN, c, 0);
+            short tun = c->tun_state == 1 ? POLLOUT
+                        : c->tun_state == 2 ? (buf_pending(&c->out) || c->tun_eof ? 0 : POLLIN) |
+                                                  (buf_pending(&c->up) ? POLLOUT : 0)
+                                            : 0;
+            if (tun) /* unwatched when idle: a port that hung up must not spin the loop */
+                watch(c->tun, tun, W_TUN, c, 0);
+        }
         for (struct proc *p = procs; p; p = p->next) {
             for (int i = 0; i < 2; i++)
                 if (want_read(p, i))

@@ -216,6 +216,33 @@ class AgentClient:
             async for f in frames:
                 yield _event(f)
 
+    async def open_port(self, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A TCP connection to ``127.0.0.1:port`` inside the sandbox, as the agent's raw byte
+        pipe (``N``): what is written goes to the port, what is read came from it (hostile
+        bytes). The caller closes the writer to end it; AgentError ``ECONNREFUSED`` when
+        nothing listens. The agent does not bound the connect: the caller does."""
+        fields: list[tuple[str, Value]] = [("port", port)]
+        if self.token:
+            fields.insert(0, ("token", self.token))
+        try:
+            reader, writer = await self._connect()
+        except OSError as e:
+            raise AgentUnavailable(f"agent at {self.address}: {e}") from e
+        try:
+            self._check_peer(writer)
+            writer.write(encode("N", fields))
+            await writer.drain()
+            frame = await read_frame(reader)
+        except BaseException as e:
+            writer.close()
+            if isinstance(e, (OSError, asyncio.IncompleteReadError)):
+                raise AgentUnavailable(f"agent connection lost: {e!r}") from e
+            raise
+        if frame.type != "O":
+            writer.close()
+            raise AgentError(frame.text("errno", "EPROTO"), frame.text("message", "unexpected reply"))
+        return reader, writer
+
     async def ping(self) -> None:
         await self._call("H")
 

@@ -30,6 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..agent.client import Output
 from ..control.idempotency import REPLAYED_HEADER
 from ..control.plane import ControlPlane
+from ..control.ports import PortTokens
 from ..protocol.errors import DSecError, InvalidRequest, Unauthorized
 from ..protocol.gc_models import GcReport
 from ..protocol.models import (
@@ -53,6 +54,7 @@ from ..trajectory.recorder import Call
 from .dashboard import dashboard_routes
 from .fn_routes import fn_routes
 from .limits import BodyLimit, typed_http_error
+from .port_routes import port_routes
 from .project_routes import project_routes
 from .trajectories import trajectory_routes
 
@@ -318,6 +320,7 @@ def create_app(control: ControlPlane) -> FastAPI:
     app.include_router(project_routes(projects), dependencies=auth)
     app.include_router(dashboard_routes(router, projects, registry, auth))
     app.include_router(fn_routes(router), dependencies=auth)
+    app.include_router(port_routes(router, PortTokens(control.settings.state_dir), authenticated))
     app.add_middleware(CallHeaders)
     app.add_middleware(BodyLimit)
     return app

@@ -460,6 +460,17 @@ class Sandbox:
     def session(self, name: str) -> Session:
         return Session(self, name)
 
+    # ports
+    async def url(self, port: int) -> str:
+        """The URL of ``port`` inside the sandbox, for any HTTP client: ``<server>/v1/ports/
+        <token>/``, where the token opens this port of this sandbox only and dies with it.
+        With the API key instead, the same port is ``<server>/v1/sandboxes/<id>/ports/<port>/``.
+        Requests go through the API server (HTTP only, not WebSocket); a port where nothing
+        listens answers ``PortUnavailable`` (502). Not a trajectory step."""
+        base, _ = await self._t.endpoint()
+        body = await self._t.json("GET", f"/v1/sandboxes/{self.id}/ports/{int(port)}")
+        return base + str(body["path"])
+
     # files
     async def read_file(self, path: str) -> bytes:
         return await self._call("read_file", {"path": path}, _content, params={"path": path})

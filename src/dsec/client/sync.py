@@ -263,6 +263,10 @@ class Sandbox:
         return Session(self._loop, self._async.session(name))
 
     # files
+    def url(self, port: int) -> str:
+        """The URL of ``port`` inside the sandbox with a token for it (see the async twin)."""
+        return self._loop.call(self._async.url(port))
+
     def read_file(self, path: str) -> bytes:
         """The file's bytes (``FileNotFound`` if there is none)."""
         return self._loop.call(self._async.read_file(path))

@@ -9,9 +9,11 @@ checks declare the node dead), and an actor that died answers ``SandboxDied``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
+import ray
 from ray.exceptions import (
     ActorDiedError,
     ActorUnavailableError,
@@ -28,6 +30,10 @@ from ..store.sqlite import LIVE_STATES, SandboxRow, StateStore
 from .members import Member
 
 UNAVAILABLE_GRACE_S = 30.0  # an unreachable actor: how long to wait for Ray's verdict on its node
+# A stream's events the node's actor may produce ahead of the API replica: without a bound a
+# sandbox's output (a flooding port's answer, up to 1 GiB) would pile up in the object store
+# as fast as the sandbox makes it, whatever the client reads.
+STREAM_AHEAD = 16
 
 
 def _unwrap(exc: BaseException) -> BaseException:
@@ -152,14 +158,21 @@ class RemoteEdge:
 
     async def _stream(self, method: str, sandbox_id: str, *args: Any,
                       **kwargs: Any) -> AsyncIterator[Any]:
-        refs = self.member.handle.stream.options(num_returns="streaming").remote(
+        refs = self.member.handle.stream.options(
+            num_returns="streaming", _generator_backpressure_num_objects=STREAM_AHEAD).remote(
             method, sandbox_id, *args, **kwargs)
-        while True:
-            try:
-                ref = await self._guarded(sandbox_id, refs.__anext__())
-            except StopAsyncIteration:
-                return
-            yield await self._guarded(sandbox_id, _get(ref))
+        try:
+            while True:
+                try:
+                    ref = await self._guarded(sandbox_id, refs.__anext__())
+                except StopAsyncIteration:
+                    refs = None
+                    return
+                yield await self._guarded(sandbox_id, _get(ref))
+        finally:
+            if refs is not None:  # left early (the client went away): end the actor's side
+                with contextlib.suppress(Exception):  # too, or it would wait on STREAM_AHEAD
+                    ray.cancel(refs)  # holding what it holds; an actor gone has ended it
 
     async def create(self, req: CreateRequest) -> SandboxInfo:
         return await self._guarded("(new)", self._await("create", req))

@@ -18,6 +18,7 @@ from ..protocol.project_models import ROOT_PROJECT
 from ..store.templates import TemplateStore
 from .auth import Keys
 from .e2b import create_e2b_app, template_mapping
+from .e2b_ports import E2BPorts
 from .e2b_templates import Templates
 from .sandboxfusion import create_sandboxfusion_app
 from .swerex import create_swerex_app
@@ -35,7 +36,8 @@ def mount_compat(app: FastAPI, control: ControlPlane) -> FastAPI:
     templates = Templates(TemplateStore(control.store.url), ImageStore(settings.image_store),
                           template_mapping(settings.e2b_templates), settings.pull,
                           lambda: control.projects.caller() or ROOT_PROJECT)
-    app.mount(E2B_PREFIX, create_e2b_app(control.router, keys, templates))
+    app.mount(E2B_PREFIX, E2BPorts(create_e2b_app(control.router, keys, templates),
+                                   control.router, keys))
     app.mount(SANDBOXFUSION_PREFIX, create_sandboxfusion_app(control.router, keys,
                                                              control.settings.sandboxfusion_image))
     app.mount(SWEREX_PREFIX, create_swerex_app(control.router, keys))

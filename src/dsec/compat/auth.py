@@ -16,11 +16,10 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
-import os
-import secrets
 from pathlib import Path
 from typing import Callable, Mapping
 
+from ..store.secret import load_secret
 from ..store.sqlite import StateStore
 
 
@@ -30,7 +29,7 @@ class Keys:
         """``enter(key id)`` makes a valid key's project the caller's (see control/projects.py)."""
         self.store = store
         self._known: dict[str, str] = {}  # secret -> key id
-        self._secret = _load_secret(state_dir / "compat.secret")
+        self._secret = load_secret(state_dir / "compat.secret")
         self._enter = enter
 
     def valid(self, secret: str | None) -> bool:
@@ -74,17 +73,3 @@ class Keys:
     def sandbox_of_token(token: str | None) -> str | None:
         sandbox_id, dot, _ = (token or "").rpartition(".")
         return sandbox_id if dot else None
-
-
-def _load_secret(path: Path) -> bytes:
-    try:
-        return bytes.fromhex(path.read_text().strip())
-    except (FileNotFoundError, ValueError):
-        pass
-    secret = secrets.token_bytes(32)
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secret.hex() + "\n")
-    os.replace(tmp, path)
-    return secret

@@ -244,12 +244,6 @@ class Envd:
             edge = cast(Edge, self.router.edge_for(sandbox_id))
         except SandboxNotFound:
             raise gone(sandbox_id) from None
-        port = request.headers.get("e2b-sandbox-port", ENVD_PORT)
-        if port != ENVD_PORT:
-            self._running(edge, sandbox_id)
-            raise PlainHttpError(502, {"sandboxId": sandbox_id, "port": port, "code": 502,
-                                       "message": "The sandbox is running but port is not open: "
-                                                  "dsec sandboxes serve no ports yet"})
         return Target(edge, sandbox_id)
 
     @staticmethod

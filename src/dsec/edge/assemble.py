@@ -32,7 +32,7 @@ def build_edge(settings: Settings, store: StateStore, metrics: EdgeMetrics, stat
     default to the settings' (a Ray node brings its own)."""
     config = EdgeConfig(state_dir=state_dir, edge_id=edge_id or settings.edge_id,
                         capacity=settings.capacity if capacity is None else capacity,
-                        warm_pool=settings.warm_pool,
+                        warm_pool=settings.warm_pool, port_idle_s=settings.port_idle_s,
                         shared_snapshots=shared_snapshots(settings), pull=settings.pull,
                         network_services=(settings.network_services
                                           or settings.state_dir / "network-services.toml"))

@@ -71,6 +71,7 @@ from .commands import DEFAULT_CWD, as_user, check_env, exec_argv, sandbox_path
 from .inherit import from_snapshot, inheritance
 from .metrics import EdgeMetrics
 from .pool import Pooled, WarmPool
+from .ports import PortConnections
 from .shared_snapshots import SharedSnapshots
 
 log = logging.getLogger("dsec.edge")
@@ -104,6 +105,7 @@ class EdgeConfig:
     reap_interval_s: float = 0.5
     network_services: Path | None = None  # the operator's service table (TOML)
     shared_snapshots: Path | None = None  # snapshots exported for every node (shared_snapshots.py)
+    port_idle_s: float = 60.0  # a sandbox's port that sends nothing for this long: cut (ports.py)
     pull: str = "never"  # "missing": a create of a registry reference not stored pulls it
 
     def __post_init__(self) -> None:
@@ -141,6 +143,7 @@ class Edge:
         self.uses = NodeUses(images, self.id)  # the layers this node uses, for the image GC
         self.substrates = substrates
         self.metrics = metrics
+        self.ports = PortConnections(config.port_idle_s)
         self.services = ServiceTable(config.network_services)
         metrics.watch(self)
         self.pools = {name: WarmPool(substrate, self.id, config.warm_pool)
@@ -1007,6 +1010,17 @@ class Edge:
 
     async def signal(self, sandbox_id: str, process: str, signal: int) -> None:
         await self._call(sandbox_id, lambda a: a.signal(process, signal), _process_error(process))
+
+    # ports
+    async def proxy_port(self, sandbox_id: str, port: int, request: bytes) -> AsyncIterator[bytes]:
+        """``request`` (an HTTP request's bytes) to ``127.0.0.1:port`` in the sandbox; its
+        answer's bytes as they come (hostile, bounded: edge/ports.py)."""
+        live = await self._awake(sandbox_id)
+        try:
+            async for chunk in self.ports.exchange(sandbox_id, live.agent, port, request):
+                yield chunk
+        except AgentUnavailable as exc:
+            raise await self._agent_failed(live, exc) from None
 
     # files
     async def read_file(self, sandbox_id: str, path: str) -> bytes:

@@ -21,6 +21,7 @@ The tree (catch ``DSecError`` for all of them)::
     ├── refusals (413, 422, 429, 501, 503): PayloadTooLarge, IdempotencyKeyReused,
     │       UnsafeArchive, DigestMismatch, QuotaExceeded, StdinFull, NotSupported,
     │       CapacityExhausted, ServerUnavailable
+    ├── PortUnavailable (502)           nothing answers on a sandbox's port (sandbox ports)
     ├── image registries (502): RegistryError > RegistryUnreachable, RegistryDenied
     ├── fn calls (422): RemoteError (the function raised), ResultRefused (not plain data)
     └── failures (500): SandboxError, ImageBuildError, SnapshotCorrupt; MethodNotAllowed (405)
@@ -289,6 +290,13 @@ class ResultRefused(DSecError):
     code, status = "result_refused", 422
 
 
+class PortUnavailable(DSecError):
+    """Nothing listens on the sandbox's port (or it did not accept in time, or the sandbox has
+    too many port connections open): ``details`` has ``sandbox_id``, ``port`` and ``reason``."""
+
+    code, status = "port_unavailable", 502
+
+
 ERRORS: dict[str, type[DSecError]] = {
     cls.code: cls
     for cls in (
@@ -326,6 +334,7 @@ ERRORS: dict[str, type[DSecError]] = {
         DelegationExceeded,
         RemoteError,
         ResultRefused,
+        PortUnavailable,
         UnsafeArchive,
         IdempotencyKeyReused,
         DigestMismatch,

@@ -149,6 +149,10 @@ OPERATIONS: tuple[Operation, ...] = (
         step="pty", sdk="Sandbox.pty"),
     _op("resize_pty", (PROCESS, Param("cols", int), Param("rows", int)), None,
         f"POST {SANDBOX}/processes/{{process}}/resize", step="resize", sdk="Pty.resize"),
+    # ports: an HTTP request's bytes to a port in the sandbox, its answer's bytes streamed back
+    # (not a trajectory step: a port's traffic is not the agent's actions; control/ports.py)
+    _op("proxy_port", (Param("port", int), Param("request", bytes)), bytes,
+        f"GET {SANDBOX}/ports/{{port}}/{{path:path}}", kind="stream", sdk="Sandbox.url"),
     # files
     _op("read_file", (PATH,), bytes, f"GET {SANDBOX}/files", step="read", sdk="Sandbox.read_file"),
     _op("write_file", (PATH, Param("data", bytes), Param("mode", int, 0o644),

@@ -597,6 +597,10 @@ class Recorder:
 def _recorded(op: Operation) -> Callable[..., Any]:
     """The RecordedEdge's method for ``op``: a trajectory step is answered by the recorder
     (logged, fast-forwarded); any other operation is the edge's own."""
+    if op.step is None and op.kind == "stream":
+        def passed(self: RecordedEdge, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+            return getattr(self._edge, op.method)(*args, **kwargs)
+        return passed
     if op.step is None:
         async def direct(self: RecordedEdge, *args: Any, **kwargs: Any) -> Any:
             return await getattr(self._edge, op.method)(*args, **kwargs)
