@@ -11,11 +11,12 @@ cheapest call of the same size through the same stack:
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncGenerator, Awaitable
+from typing import cast
 
 from rich.console import Console
 
-from dsec.client.aio import Process
+from dsec.client.aio import OutputChunk, Process
 
 from .bench import Sample, compare, one_sandbox, phase
 
@@ -41,6 +42,7 @@ async def stdin_series(console: Console, quick: bool = False) -> list[Sample]:
                 Sample("pty: type a line, read it back", []),
                 lambda: reader.round_trip(f"m{next(counter)}z"), 20, rounds)
         await term.kill()
+        await reader.close()
         throughput = Sample("stdin throughput (MiB/s, not ms)", [])
         with phase(console, "stdin throughput"):
             for _ in range(rounds):
@@ -61,8 +63,12 @@ class _Reader:
 
     def __init__(self, term: Process) -> None:
         self.term = term
-        self.chunks = aiter(term.stream())
+        # the stream's iterator is an async generator: closed here, not collected mid-read
+        self.chunks = cast(AsyncGenerator[OutputChunk, None], aiter(term.stream()))
         self.seen = ""
+
+    async def close(self) -> None:
+        await self.chunks.aclose()
 
     async def round_trip(self, marker: str) -> float:
         t0 = time.perf_counter()
