@@ -411,7 +411,8 @@ ONLY = {"network": "dsec_benchmarks.bench_network:network_series",
         "pause": "dsec_benchmarks.bench_pause:pause_series",
         "stdin": "dsec_benchmarks.bench_stdin:stdin_series",
         "soak": "dsec_benchmarks.bench_soak:soak_series",
-        "pull": "dsec_benchmarks.bench_pull:pull_series"}
+        "pull": "dsec_benchmarks.bench_pull:pull_series",
+        "lazy": "dsec_benchmarks.bench_lazy:lazy_series"}
 
 
 def main(quick: bool = False, json_out: Path | None = None, only_trajectory: bool = False,
