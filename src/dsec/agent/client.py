@@ -175,10 +175,10 @@ class AgentClient:
             raise AgentUnavailable(f"agent socket {self.address} is served by pid {pid}, "
                                    f"not the agent's {self.peer_pid}")
 
-    async def _frames(self, kind: str, fields: Iterable[tuple[str, Value]], until: str,
-                      authenticated: bool = True) -> AsyncGenerator[Frame, None]:
-        """Send one request and yield reply frames up to and including one whose type is in
-        ``until``; an ``X`` reply raises AgentError. The connection is closed on exit."""
+    async def _send(self, kind: str, fields: Iterable[tuple[str, Value]],
+                    authenticated: bool = True) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """Connect to the agent, check who serves its socket and send one request: the open
+        connection (closed here if any of that fails)."""
         if authenticated and self.token:
             fields = [("token", self.token), *fields]
         request = encode(kind, fields)
@@ -190,6 +190,19 @@ class AgentClient:
             self._check_peer(writer)
             writer.write(request)
             await writer.drain()
+        except BaseException as e:
+            writer.close()
+            if isinstance(e, OSError):
+                raise AgentUnavailable(f"agent connection lost: {e!r}") from e
+            raise
+        return reader, writer
+
+    async def _frames(self, kind: str, fields: Iterable[tuple[str, Value]], until: str,
+                      authenticated: bool = True) -> AsyncGenerator[Frame, None]:
+        """Send one request and yield reply frames up to and including one whose type is in
+        ``until``; an ``X`` reply raises AgentError. The connection is closed on exit."""
+        reader, writer = await self._send(kind, fields, authenticated)
+        try:
             while True:
                 frame = await read_frame(reader)
                 if frame.type == "X":
@@ -221,17 +234,8 @@ class AgentClient:
         pipe (``N``): what is written goes to the port, what is read came from it (hostile
         bytes). The caller closes the writer to end it; AgentError ``ECONNREFUSED`` when
         nothing listens. The agent does not bound the connect: the caller does."""
-        fields: list[tuple[str, Value]] = [("port", port)]
-        if self.token:
-            fields.insert(0, ("token", self.token))
+        reader, writer = await self._send("N", [("port", port)])
         try:
-            reader, writer = await self._connect()
-        except OSError as e:
-            raise AgentUnavailable(f"agent at {self.address}: {e}") from e
-        try:
-            self._check_peer(writer)
-            writer.write(encode("N", fields))
-            await writer.drain()
             frame = await read_frame(reader)
         except BaseException as e:
             writer.close()
