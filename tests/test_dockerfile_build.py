@@ -71,14 +71,17 @@ def cli_build(state: Path, context: Path, name: str, *args: str) -> subprocess.C
 async def build_here(state: Path, context: Path, name: str, dockerfile: str,
                      options: BuildOptions | None = None) -> DockerfileBuild:
     settings = Settings.load(state_dir=state)
-    install(settings)
     first, _, rest = dockerfile.partition("\n")
     dockerfile = f"{first}\nARG NONCE\n{rest}"
     options = options or BuildOptions()
     options.build_args["NONCE"] = name
     (context / "Dockerfile").write_text(dockerfile)
-    async with builder_edge(settings) as edge:
-        return await build_dockerfile(edge, dockerfile, context, name, options)
+    install(settings)  # as the CLI's build does; this test process's other tests read the
+    try:               # environment's settings, so it is given back after
+        async with builder_edge(settings) as edge:
+            return await build_dockerfile(edge, dockerfile, context, name, options)
+    finally:
+        install(None)
 
 
 async def run_in(server: Server, image: str, command: str) -> dsec.ExecResult:

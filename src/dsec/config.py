@@ -197,8 +197,9 @@ def env_name(setting: str) -> str:
 _installed: Settings | None = None
 
 
-def install(settings: Settings) -> None:
-    """Make ``settings`` this process's (a server, or a Ray edge actor)."""
+def install(settings: Settings | None) -> None:
+    """Make ``settings`` this process's (a server, or a Ray edge actor); None: the
+    environment's again."""
     global _installed
     _installed = settings
 
