@@ -109,6 +109,10 @@ class Settings:
                                               "are")
     image_layer_max_mb: int = _setting(32768, "most MiB one image layer may unpack to (its "
                                        "tar and its files' sizes); a bigger one is refused")
+    image_layer_staging_mb: int = _setting(8192, "most MiB of a pulled or imported layer's "
+                                           "files unpacked in memory (a tmpfs) on their way "
+                                           "to EROFS; a bigger layer is refused; 0 unpacks on "
+                                           "the store's disk instead (several times slower)")
     cache: Path = _setting(Path("/var/cache/dsec"), "build cache: the agent, the sandbox "
                            "tree, VM kernels and snapshots")
     shared_snapshots: Path | None = _setting(None, "a directory every node reaches: snapshots "

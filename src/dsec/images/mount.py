@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _MNT_DETACH = 2
+_MS_NOSUID, _MS_NODEV = 2, 4
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 # Every upper must stay a self-contained diff (it becomes a layer, or a snapshot): no
 # metadata-only copy-ups or directory redirects pointing into the lower layers.
@@ -71,6 +72,13 @@ def overlay_mount(lowerdirs: Sequence[Path], upper: Path, work: Path, target: Pa
     data = overlay_options(lowerdirs, upper, work).encode()
     if _libc.mount(b"overlay", os.fsencode(target), b"overlay", 0, data) != 0:
         raise _os_error(f"mount overlay on {target}")
+
+
+def tmpfs_mount(target: Path, size_bytes: int) -> None:
+    """Mount a tmpfs of at most ``size_bytes`` at ``target`` (nosuid, nodev)."""
+    data = f"size={size_bytes},mode=0755".encode()
+    if _libc.mount(b"tmpfs", os.fsencode(target), b"tmpfs", _MS_NOSUID | _MS_NODEV, data) != 0:
+        raise _os_error(f"mount tmpfs on {target}")
 
 
 def unmount(target: Path, lazy: bool = False) -> None:

@@ -1,14 +1,15 @@
 """Pull an image from an OCI distribution registry into the layer store.
 
 Why it is short: the registry client (registry.py) verifies every byte, and the per-layer
-conversion is the archive import's (``oci.extract_layer``). What is left is the order: resolve
+conversion is the archive import's (``oci.unpacking``). What is left is the order: resolve
 the reference to one manifest (picking the platform from an index), fetch and verify the config,
 then for each layer ask the store for its key (parent + diff_id): a layer already stored —
 by an earlier pull, or an archive import of the same image — is neither downloaded nor converted.
-A missing one is downloaded into its scratch directory, checked against its digest, and only
-then extracted and committed; layers do this in parallel (their keys are known up front).
-Nothing is named until every layer is in; a failure leaves at most complete, verified layers
-(reused by the next try) and no image.
+A missing one streams from the registry straight into its unpacking (gunzip and tar while
+it downloads, in its scratch directory, which may be a tmpfs: LayerStore.ensure) and is committed
+only once the blob's digest, the gzip stream and the diff_id have all been checked; layers do
+this in parallel (their keys are known up front). Nothing is named until every layer is in; a
+failure leaves at most complete, verified layers (reused by the next try) and no image.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from typing import TYPE_CHECKING, Any
 from dsec.config import current
 from dsec.images.builder import BuildProgress
 from dsec.images.oci import (
-    extract_layer,
     oci_layer_key,
     pick_manifest,
     run_config,
+    unpacking,
     workdir_layer,
 )
 from dsec.images.registry import INDEX_TYPES, MAX_DOCUMENT, Registry, check_descriptor
@@ -108,7 +109,8 @@ def _layer(store: LayerStore, key: str, descriptor: dict[str, Any], diff_id: str
     started = time.monotonic()
     layer, fresh = store.ensure(key, {"section": "oci", "diff_id": diff_id,
                                       "blob": descriptor.get("digest")},
-                                partial(_fetch_layer, registry, descriptor, diff_id, show))
+                                partial(_fetch_layer, registry, descriptor, diff_id, show),
+                                in_memory=True)
     show("stored" if fresh else "already stored")
     progress.finished(label, layer, time.monotonic() - started if fresh else None)
     return layer
@@ -121,11 +123,7 @@ def _fetch_layer(registry: Registry, descriptor: dict[str, Any], diff_id: str,
         raise NotSupported(f"{registry.ref}: layers of type {media_type!r} are not supported "
                            "(dsec takes tar and tar+gzip layers)")
     total = descriptor.get("size", 0)
-    blob = scratch / "blob"
-    with open(blob, "w+b") as out:
-        registry.blob(descriptor, out, current().image_layer_max_mb << 20,
+    with unpacking(diff_id, scratch) as unpacker:  # finished only once the blob's digest matched
+        registry.blob(descriptor, unpacker.write, current().image_layer_max_mb << 20,
                       lambda done: show(f"{done / 1e6:.1f} / {total / 1e6:.1f} MB"))
-        out.seek(0)
         show("converting")
-        extract_layer(out, diff_id, scratch)
-    blob.unlink()

@@ -5,7 +5,8 @@ Why our own (small) client: a pull needs four things — manifest and index nego
 the registry names), streaming blobs through redirects to blob storage, and a sha256 check of
 every byte before anything is used. The registry is as untrusted as a sandbox: every document
 is size-capped before it is parsed, every blob is checked against its digest while it streams
-to a temporary file, and credentials go only to the registry itself or to an HTTPS token realm.
+(into a layer being unpacked, which the store commits only after the check), and credentials
+go only to the registry itself or to an HTTPS token realm.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import re
 from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import httpx
 
@@ -159,9 +160,10 @@ class Registry:
             raise DigestMismatch(f"{self.ref}: blob {digest} has digest {got}", expected=digest, got=got)
         return self._json(data, f"blob {digest}")
 
-    def blob(self, descriptor: Any, out: IO[bytes], max_size: int,
+    def blob(self, descriptor: Any, write: Callable[[bytes], object], max_size: int,
              progress: Callable[[int], None] = lambda done: None) -> None:
-        """Stream a blob into ``out``; ``DigestMismatch`` unless its bytes match the descriptor."""
+        """Stream a blob to ``write`` as it comes; then ``DigestMismatch`` unless its bytes
+        matched the descriptor (the caller must not use what it was given before this returns)."""
         digest, size = check_descriptor(descriptor, max_size, self.ref)
         hasher, done = hashlib.sha256(), 0
         with self._get(f"blobs/{digest}") as response:
@@ -172,7 +174,7 @@ class Registry:
                         raise DigestMismatch(f"{self.ref}: blob {digest} is longer than its "
                                              f"{size} bytes", expected=digest, got="longer")
                     hasher.update(chunk)
-                    out.write(chunk)
+                    write(chunk)
                     progress(done)
             except httpx.TransportError as exc:
                 raise RegistryUnreachable(f"{self.ref}: blob {digest} download failed: {exc}",
