@@ -33,11 +33,14 @@ import pytest
 
 import dsec
 from conftest import TEST_ROOT, Server, free_port, make_server, stop_server
+from dsec.images.mount import mountpoints, tmpfs_mount
+from dsec.images.oci import extract_layer
 from dsec.images.store import ImageStore
 from dsec.protocol.errors import (
     DigestMismatch,
     ImageNotFound,
     InvalidRequest,
+    NotSupported,
     RegistryDenied,
     RegistryUnreachable,
     UnsafeArchive,
@@ -375,7 +378,7 @@ def test_unreachable_registry(store: ImageStore, no_credentials: Path) -> None:
 def test_corrupted_blob_is_a_digest_mismatch_and_stores_nothing(
         what: str, tmp_path: Path, registry: Registry, store: ImageStore, no_credentials: Path) -> None:
     """The registry serves altered bytes (its storage was tampered with): a layer, the config,
-    or the manifest of a by-digest pull. The download is refused before anything is unpacked."""
+    or the manifest of a by-digest pull. Refused, and nothing of it stored."""
     layer = _layer_tar([("file.txt", b"the real content\n", 0o644)])
     manifest = registry.push(_archive(tmp_path, "c", [layer]), f"tests/corrupt-{what}:1")
     blobs = {"layer": registry.layer_blobs(f"tests/corrupt-{what}:1")[0],
@@ -390,6 +393,84 @@ def test_corrupted_blob_is_a_digest_mismatch_and_stores_nothing(
         store.pull(ref)
     assert _leftovers(store) == ([], [])
     assert os.listdir(store.root / "layers") == []
+
+
+def test_blob_whose_digest_fails_only_after_a_complete_unpack_stores_nothing(
+        tmp_path: Path, registry: Registry, store: ImageStore, no_credentials: Path) -> None:
+    """Layers unpack while they download, so a blob's digest is known only once it is all
+    unpacked. The registry serves another valid gzip of the same tar (shorter, so the whole of
+    it streams): it unpacks completely and matches its diff_id; only the blob's digest is
+    wrong. Nothing may be stored, and no staging tmpfs may stay mounted."""
+    tar = _layer_tar([("file.txt", secrets.token_hex(100_000).encode(), 0o644)])
+    served, other = gzip.compress(tar, compresslevel=1), gzip.compress(tar, compresslevel=9)
+    assert len(other) < len(served) and gzip.decompress(other) == tar
+    registry.put_image("tests/late-mismatch:1", _config([served]), [served],
+                       "application/vnd.oci.image.layer.v1.tar+gzip")
+    registry.layer_blobs("tests/late-mismatch:1")[0].write_bytes(other)
+    with pytest.raises(DigestMismatch, match="has digest"):
+        store.pull(f"{registry.host}/tests/late-mismatch:1")
+    assert _leftovers(store) == ([], [])
+    assert os.listdir(store.root / "layers") == []
+    assert not [m for m in mountpoints() if m.is_relative_to(store.root)]
+
+
+def test_layer_bigger_than_its_staging_tmpfs_is_refused_and_unpacks_on_disk_with_0(
+        tmp_path: Path, registry: Registry, no_credentials: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layers unpack in a tmpfs of DSEC_IMAGE_LAYER_STAGING_MB: one that does not fit is a typed
+    refusal naming the setting (never a silent move to disk); 0 unpacks on the store's disk."""
+    store = ImageStore(tmp_path / "store", layer_format="erofs")
+    layer = gzip.compress(_layer_tar([("big", secrets.token_bytes(3 << 20), 0o644)]), compresslevel=1)
+    registry.put_image("tests/staging:1", _config([layer]), [layer],
+                       "application/vnd.oci.image.layer.v1.tar+gzip")
+    monkeypatch.setenv("DSEC_IMAGE_LAYER_STAGING_MB", "1")
+    with pytest.raises(UnsafeArchive, match="DSEC_IMAGE_LAYER_STAGING_MB"):
+        store.pull(f"{registry.host}/tests/staging:1")
+    assert _leftovers(store) == ([], [])
+    assert not [m for m in mountpoints() if m.is_relative_to(store.root)]
+    monkeypatch.setenv("DSEC_IMAGE_LAYER_STAGING_MB", "0")
+    image = store.pull(f"{registry.host}/tests/staging:1")
+    assert image.layers[0].format == "erofs" and _leftovers(store)[0] == []
+
+
+def test_a_dead_pullers_staging_tmpfs_is_unmounted_by_the_next_build(tmp_path: Path) -> None:
+    """A puller killed mid-layer leaves its scratch directory with the tmpfs still mounted;
+    the next build of that layer (under its lock) unmounts and removes it."""
+    store = ImageStore(tmp_path / "store", layer_format="erofs")
+    digest = "sha256:" + "ab" * 32
+    stale = store.root / "tmp" / f"{'ab' * 32}.dead"
+    (stale / "rootfs").mkdir(parents=True)
+    tmpfs_mount(stale / "rootfs", 1 << 20)
+    (stale / "rootfs" / "half-unpacked").write_bytes(b"x")
+
+    def build(scratch: Path) -> None:
+        (scratch / "rootfs" / "file").write_bytes(b"layer\n")
+
+    layer, fresh = store.layers.ensure(digest, {}, build, in_memory=True)
+    assert fresh and layer.format == "erofs"
+    assert not stale.exists() and os.listdir(store.root / "tmp") == []
+    assert not [m for m in mountpoints() if m.is_relative_to(store.root)]
+
+
+@pytest.mark.parametrize("case", ["two-members", "trailing-garbage", "truncated", "zstd"])
+def test_gzip_streams_as_python_reads_them(case: str, tmp_path: Path) -> None:
+    """The streamed gunzip (ISA-L) takes what Python's gzip module takes: several members in a
+    row; a stream with garbage after its end or cut short is corrupt (DigestMismatch), zstd is
+    NotSupported."""
+    tar = _layer_tar([("a.txt", b"a" * 100_000, 0o644), ("b.txt", b"b\n", 0o644)])
+    diff_id = "sha256:" + hashlib.sha256(tar).hexdigest()
+    blob = {"two-members": gzip.compress(tar[:70_000]) + gzip.compress(tar[70_000:]),
+            "trailing-garbage": gzip.compress(tar) + b"garbage!",
+            "truncated": gzip.compress(tar)[:-9],
+            "zstd": b"\x28\xb5\x2f\xfd" + tar}[case]
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    if case == "two-members":
+        extract_layer(io.BytesIO(blob), diff_id, scratch)
+        assert (scratch / "rootfs" / "a.txt").read_bytes() == b"a" * 100_000
+        return
+    with pytest.raises(NotSupported if case == "zstd" else DigestMismatch):
+        extract_layer(io.BytesIO(blob), diff_id, scratch)
 
 
 @pytest.mark.parametrize("kind", ["basic", "token"])

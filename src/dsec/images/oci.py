@@ -193,6 +193,7 @@ def pick_manifest(manifests: list[dict[str, Any]], platform_: str | None = None)
 _TAR = ("tar", "-x", "-p", "--numeric-owner", "--xattrs", "--xattrs-include=*", "-f", "-", "-C")
 _GZIP_WBITS = 31  # zlib's "a gzip member"
 _GZIP_ERROR = cast("type[Exception]", isal_zlib.error)  # a class; the stubs say an instance
+_FULL = 64 << 10  # less free space than this where tar failed: the layer did not fit
 _PIECE = 1 << 20  # at most this much gunzipped at once: a gzip bomb inflates 1000-fold
 
 
@@ -341,9 +342,10 @@ class LayerUnpacker:
     def _refused(self) -> UnsafeArchive:
         self._errors.seek(0)
         message = self._errors.read().decode(errors="replace").strip()
-        if "No space left on device" in message:
-            message += (" (the layer's files do not fit its unpacking space: "
-                        "DSEC_IMAGE_LAYER_STAGING_MB, or the image store's disk)")
+        space = os.statvfs(self._rootfs)
+        if space.f_bavail * space.f_frsize < _FULL or space.f_favail == 0:
+            message += (" (the layer's files do not fit where they are unpacked: a tmpfs of "
+                        "DSEC_IMAGE_LAYER_STAGING_MB, or the image store's disk if that is 0)")
         return UnsafeArchive(f"layer {self.diff_id} cannot be extracted safely (tar exit "
                              f"{self._tar.returncode}): {message[-2000:]}", layer=self.diff_id)
 
