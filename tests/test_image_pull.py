@@ -33,7 +33,8 @@ import pytest
 
 import dsec
 from conftest import TEST_ROOT, Server, free_port, make_server, stop_server
-from dsec.images.mount import mountpoints, tmpfs_mount
+from dsec.images.gc import UnusedLayers
+from dsec.images.mount import locked, mountpoints, tmpfs_mount
 from dsec.images.oci import extract_layer
 from dsec.images.store import ImageStore
 from dsec.protocol.errors import (
@@ -449,6 +450,22 @@ def test_a_dead_pullers_staging_tmpfs_is_unmounted_by_the_next_build(tmp_path: P
     layer, fresh = store.layers.ensure(digest, {}, build, in_memory=True)
     assert fresh and layer.format == "erofs"
     assert not stale.exists() and os.listdir(store.root / "tmp") == []
+    assert not [m for m in mountpoints() if m.is_relative_to(store.root)]
+
+
+async def test_a_dead_pullers_staging_tmpfs_goes_at_the_next_collection(tmp_path: Path) -> None:
+    """A layer nobody builds again: the collector unmounts and removes its dead builder's
+    scratch directory (lock free), and leaves one whose build is running (lock held)."""
+    store = ImageStore(tmp_path / "store", layer_format="erofs")
+    dead, running = (store.root / "tmp" / f"{c * 64}.scratch" for c in "cd")
+    for scratch in (dead, running):
+        (scratch / "rootfs").mkdir(parents=True)
+        tmpfs_mount(scratch / "rootfs", 1 << 20)
+    with locked(store.root / "locks" / f"{'d' * 64}.lock"):
+        await UnusedLayers(store, set, grace_s=0).collect(time.time(), dry_run=False)
+        assert not dead.exists() and (running / "rootfs").is_dir()
+    store.layers.sweep_scratch()
+    assert os.listdir(store.root / "tmp") == []
     assert not [m for m in mountpoints() if m.is_relative_to(store.root)]
 
 

@@ -258,12 +258,15 @@ async def test_what_a_dead_collector_moved_aside_goes_at_the_next_collection(
     aside = store.root / "tmp" / f"{'ab' * 32}.gc.dead"
     (aside / "rootfs").mkdir(parents=True)
     (aside / "rootfs" / "f").write_text("x")
-    building = store.root / "tmp" / f"{'cd' * 32}.k3j2h1x0"  # a build's scratch: not ours
+    building = store.root / "tmp" / f"{'cd' * 32}.k3j2h1x0"  # a running build's scratch
     building.mkdir()
     await collector(store).collect(time.time(), dry_run=True)
     assert aside.exists()
-    await collector(store).collect(time.time(), dry_run=False)
+    with locked(store.root / "locks" / f"{'cd' * 32}.lock"):  # its builder holds its lock
+        await collector(store).collect(time.time(), dry_run=False)
     assert not aside.exists() and building.exists()
+    await collector(store).collect(time.time(), dry_run=False)  # the builder died
+    assert not building.exists()
 
 
 async def test_a_pulled_images_name_keeps_its_layers_and_its_removal_frees_them(

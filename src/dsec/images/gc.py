@@ -18,7 +18,8 @@ lock is given back. A build that picked up a layer holds the lock until its mani
 written; an edge, until its node record names the layer. Two collectors (a lapsed lease, or
 two deployments on one store) take turns on the lock and a rename happens once: each layer
 is removed and counted once. A collector that dies between the rename and the removal
-leaves ``tmp/<hex>.gc.*``, removed by the next one.
+leaves ``tmp/<hex>.gc.*``, removed by the next one; a builder that dies leaves its scratch
+directory (with a pull's staging tmpfs mounted), removed by the next collection.
 
 Trust: what is removed is named only by the store's own directory listing (a 64-hex
 directory under ``layers/``, never a link) and its records; nothing a sandbox makes is read.
@@ -62,6 +63,7 @@ class UnusedLayers:
         if not dry_run:
             for path in self.images.layers.taken_out():  # a dead collector's
                 await asyncio.to_thread(shutil.rmtree, path, True)
+            await asyncio.to_thread(self.images.layers.sweep_scratch)  # dead builders'
         if not dry_run and (garbage.layers or garbage.versions):
             garbage = await asyncio.to_thread(self._remove, now)
         return [Removed(kind="layers", count=len(garbage.layers), bytes=sum(garbage.layers.values())),

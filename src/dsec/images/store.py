@@ -194,6 +194,25 @@ class LayerStore:
         """Layers a collector moved aside and did not remove (it died): theirs to remove."""
         return [p for p in self._tmp.glob("*.gc.*") if not p.is_symlink()]
 
+    def sweep_scratch(self) -> int:
+        """Remove the scratch directories of builders that died (their staging tmpfs too, which
+        would otherwise hold memory until the same layer is built again): those whose layer
+        lock is free. A build in progress holds its lock and is left alone. How many went."""
+        swept = 0
+        for path in self._tmp.iterdir():
+            hexdigest, dot, rest = path.name.partition(".")
+            if (not dot or rest.startswith("gc.") or not DIGEST.fullmatch(f"sha256:{hexdigest}")
+                    or path.is_symlink() or not path.is_dir()):
+                continue  # a collector's (taken_out) or no scratch directory of ours
+            try:
+                with locked(self._locks / f"{hexdigest}.lock", wait_s=0):
+                    if path.exists():
+                        _remove_scratch(path)
+                        swept += 1
+            except TimeoutError:
+                continue  # being built
+        return swept
+
     def _commit(self, digest: str, scratch: Path, source: dict[str, Any]) -> Layer:
         out = scratch / "out"
         out.mkdir()
