@@ -14,6 +14,7 @@ Layout under the root (plain files only, so the store can live on NFS or 3FS)::
     locks/                      flock files: one per layer, one per pulled reference, one for
                                 the whole store
     tmp/                        layers under construction, renamed into layers/ when complete
+                                (a pull's or import's unpacked files: a tmpfs on tmp/<hex>.*/rootfs)
 
 Nothing here is removed on a request's path: removing an image removes its name; its
 layers and versions go with garbage collection (gc.py), when nothing uses them any more.
@@ -194,11 +195,10 @@ class LayerStore:
         """Layers a collector moved aside and did not remove (it died): theirs to remove."""
         return [p for p in self._tmp.glob("*.gc.*") if not p.is_symlink()]
 
-    def sweep_scratch(self) -> int:
+    def sweep_scratch(self) -> None:
         """Remove the scratch directories of builders that died (their staging tmpfs too, which
         would otherwise hold memory until the same layer is built again): those whose layer
-        lock is free. A build in progress holds its lock and is left alone. How many went."""
-        swept = 0
+        lock is free. A build in progress holds its lock and is left alone."""
         for path in self._tmp.iterdir():
             hexdigest, dot, rest = path.name.partition(".")
             if (not dot or rest.startswith("gc.") or not DIGEST.fullmatch(f"sha256:{hexdigest}")
@@ -208,10 +208,8 @@ class LayerStore:
                 with locked(self._locks / f"{hexdigest}.lock", wait_s=0):
                     if path.exists():
                         _remove_scratch(path)
-                        swept += 1
             except TimeoutError:
                 continue  # being built
-        return swept
 
     def _commit(self, digest: str, scratch: Path, source: dict[str, Any]) -> Layer:
         out = scratch / "out"
