@@ -412,7 +412,8 @@ ONLY = {"network": "dsec_benchmarks.bench_network:network_series",
         "stdin": "dsec_benchmarks.bench_stdin:stdin_series",
         "soak": "dsec_benchmarks.bench_soak:soak_series",
         "pull": "dsec_benchmarks.bench_pull:pull_series",
-        "lazy": "dsec_benchmarks.bench_lazy:lazy_series"}
+        "lazy": "dsec_benchmarks.bench_lazy:lazy_series",
+        "connect": "dsec_benchmarks.bench_connect:connect_series"}
 
 
 def main(quick: bool = False, json_out: Path | None = None, only_trajectory: bool = False,

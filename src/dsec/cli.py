@@ -649,7 +649,7 @@ def project_quota(name: str, sandboxes: int | None, cpu: float | None,
               help="only the trajectory series (log overhead, fast-forward)")
 @click.option("--only", type=click.Choice(["fn", "microvm", "vm", "cluster", "projects",
                                            "network", "state", "pause", "stdin", "soak",
-                                           "pull", "lazy"]),
+                                           "pull", "lazy", "connect"]),
               default=None,
               help="run one series alone: fn (call latency and throughput), microvm or vm "
                    "(against containers), cluster (a local Ray cluster against one node), "
@@ -659,7 +659,8 @@ def project_quota(name: str, sandboxes: int | None, cpu: float | None,
                    "process, a terminal's round trip, stdin throughput), soak (server "
                    "resources over many create/run/stop cycles, retention set short), pull "
                    "(a registry pull and conversion against skopeo copy to a directory), lazy "
-                   "(bytes a sandbox reads of a 1 GiB image; cold and warm first create)")
+                   "(bytes a sandbox reads of a 1 GiB image; cold and warm first create), "
+                   "connect (dsec's Connect server and codec against the connectrpc library)")
 @click.option("--sizes", default="100", help="cluster series: burst sizes, comma-separated")
 @click.option("--cycles", type=click.IntRange(min=10), default=None,
               help="soak series: create/run/stop cycles (default 20000; --quick 200)")

@@ -178,6 +178,27 @@ async def test_a_compressed_envelope(http: httpx.AsyncClient) -> None:
     assert flags == 2 and json.loads(end)["error"]["code"] == "internal"
 
 
+BOMB = gzip.compress(b"{" + b" " * (65 << 20) + b"}")  # 65 MiB of JSON in about 64 KiB
+
+
+async def test_a_gzip_bomb_is_refused_before_it_unpacks(http: httpx.AsyncClient) -> None:
+    assert len(BOMB) < 1 << 17
+    answer = await http.post(STAT, content=BOMB, headers={"content-type": "application/json",
+                                                          "content-encoding": "gzip"})
+    assert answer.status_code == 429 and answer.json()["code"] == "resource_exhausted"
+    answer = await http.post(START, content=envelope(1, BOMB), headers={
+        "content-type": "application/connect+json", "connect-content-encoding": "gzip"})
+    (flags, end), = envelopes(answer.content)
+    assert flags == 2 and json.loads(end)["error"]["code"] == "resource_exhausted"
+
+
+@pytest.mark.parametrize("body", [gzip.compress(b'{"path": "/z"}')[:-12], b"\x1f\x8b\x08garbage"])
+async def test_truncated_or_bad_gzip_is_invalid_argument(http: httpx.AsyncClient, body: bytes) -> None:
+    answer = await http.post(STAT, content=body, headers={"content-type": "application/json",
+                                                          "content-encoding": "gzip"})
+    assert answer.status_code == 400 and answer.json()["code"] == "invalid_argument"
+
+
 async def test_errors_in_a_stream_end_it_under_http_200(http: httpx.AsyncClient) -> None:
     messages, end = await stream_json(http, {"process": {"cmd": "fail"}})
     assert len(messages) == 2 and end == {"error": {"code": "aborted", "message": "went away"}}
