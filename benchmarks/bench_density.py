@@ -172,9 +172,11 @@ async def _answers(sb: AsyncSandbox) -> float:
 
 
 async def _stop_all(created: Created, stops: Sample) -> float:
-    """Stop every sandbox of ``created``, timing each; seconds for all."""
-    t0 = time.perf_counter()
-    stops.add(await gated(created.sandboxes, lambda sb: _timed(sb.stop())))
+    """Stop every sandbox of ``created``, timing each (their rate by tenth in ``stops``' row);
+    seconds for all."""
+    t0, done_at = time.perf_counter(), []
+    stops.add(await gated(created.sandboxes, lambda sb: _timed_at(sb.stop(), done_at)))
+    stops.extra["per_second_by_tenth"] = by_tenth(done_at, t0)
     created.sandboxes = []
     return time.perf_counter() - t0
 
@@ -195,6 +197,26 @@ def _rate(name: str, n: int, seconds: float, baseline: Sample | None = None) -> 
     return Sample(name, [n / seconds], baseline=baseline, extra=dict(count=n, seconds=seconds))
 
 
+def by_tenth(done_at: list[float], start: float) -> list[float]:
+    """Per second over each tenth of the calls, in the order they ended (``done_at``: their
+    end times): how the rate changes as the node fills (or empties)."""
+    ends = sorted(done_at)
+    rates, last = [], start
+    for k in range(1, 11):
+        chunk = ends[len(ends) * (k - 1) // 10:len(ends) * k // 10]
+        if chunk:
+            rates.append(len(chunk) / max(chunk[-1] - last, 1e-9))
+            last = chunk[-1]
+    return rates
+
+
+async def _timed_at(call: Awaitable[object], done_at: list[float]) -> float:
+    """``_timed``, also noting when the call ended."""
+    ms = await _timed(call)
+    done_at.append(time.perf_counter())
+    return ms
+
+
 async def density_series(console: Console, quick: bool = False,
                          count: int | None = None) -> list[Sample]:
     n = count or (20 if quick else 3000)
@@ -213,15 +235,19 @@ async def density_series(console: Console, quick: bool = False,
             mem0, rss0, fds0 = mem_available_kb(), host.rss_kb(), host.fds()
             procs0, loops0 = host_processes(), host_loops()
 
+            done_at: list[float] = []
+
             async def create(_: int) -> float:
                 t0 = time.perf_counter()
                 created.sandboxes.append(await created.client.create(image=IMAGE, ttl_s=7200))
-                return (time.perf_counter() - t0) * 1000
+                done_at.append(time.perf_counter())
+                return (done_at[-1] - t0) * 1000
 
             with phase(console, f"density: {n} creates, {CONCURRENCY} at a time"):
                 t0 = time.perf_counter()
                 creates.add(await gated(range(n), create))
                 create_s = time.perf_counter() - t0
+            creates.extra["per_second_by_tenth"] = by_tenth(done_at, t0)
             made = len(created.sandboxes)
             await asyncio.sleep(SETTLE_S)
             per_host = dict(
@@ -245,7 +271,7 @@ async def density_series(console: Console, quick: bool = False,
                        _leftovers(left)]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    creates.extra = dict(count=n, concurrency=CONCURRENCY, created=made)
+    creates.extra.update(count=n, concurrency=CONCURRENCY, created=made)
     return samples
 
 

@@ -3,7 +3,13 @@ per sandbox is, what counts as a leftover, and that failures (never figures) fai
 
 import pytest
 from dsec_benchmarks.bench import Sample, failed
-from dsec_benchmarks.bench_density import _leftovers, excess, meminfo_kb, per_sandbox_mb
+from dsec_benchmarks.bench_density import (
+    _leftovers,
+    by_tenth,
+    excess,
+    meminfo_kb,
+    per_sandbox_mb,
+)
 
 MEMINFO = "MemTotal:       24684012 kB\nMemFree:        15919748 kB\nMemAvailable:   20578644 kB\n"
 
@@ -45,3 +51,11 @@ def test_a_slow_figure_never_fails_a_series_a_failure_does() -> None:
     broken = Sample("exec", [1.0])
     broken.add([RuntimeError("did not answer")])
     assert failed([slow, broken]) == [broken]
+
+
+def test_rate_by_tenth_follows_the_calls_as_they_ended() -> None:
+    ends = [0.1 * i for i in range(1, 11)] + [1.0 + 1.0 * i for i in range(1, 11)]
+    rates = by_tenth(list(reversed(ends)), 0.0)  # the order they were noted in does not matter
+    assert rates[:5] == pytest.approx([10.0] * 5) and rates[5:] == pytest.approx([1.0] * 5)
+    assert by_tenth([1.0, 2.0], 0.0) == [1.0, 1.0]  # fewer calls than tenths: one rate each
+    assert by_tenth([], 0.0) == []
