@@ -36,7 +36,7 @@ from rich.table import Table
 
 from dsec.client.aio import DSecClient
 from dsec.client.aio import Sandbox as AsyncSandbox
-from dsec.images.mount import LayerMounter, overlay_mount, unmount
+from dsec.images.mount import LayerMounter, overlay_mount, unmount_or_detach
 from dsec.images.store import ImageStore
 from dsec.substrates.host import spawn
 from dsec.substrates.host.cgroups import remove_parent_if_unused
@@ -178,7 +178,7 @@ class BareCrun:
 
     async def _remove(self, cid: str, d: Path) -> None:
         await spawn.run(["crun", "--root", str(self.state), "delete", "--force", cid])
-        unmount(d / "rootfs")
+        unmount_or_detach(d / "rootfs")  # as dsec: a dying process may hold it a moment
         shutil.rmtree(d, ignore_errors=True)
 
 
