@@ -270,9 +270,18 @@ async def density_series(console: Console, quick: bool = False,
                        _rate("stops per second (not ms)", len(stops.values_ms), stop_s),
                        _leftovers(left)]
     finally:
+        _keep_log_if_failed(console, state, samples)
         shutil.rmtree(root, ignore_errors=True)
     creates.extra.update(count=n, concurrency=CONCURRENCY, created=made)
     return samples
+
+
+def _keep_log_if_failed(console: Console, state: Path, samples: list[Sample]) -> None:
+    """The server's log, copied out of the state dir (removed next) when the series failed."""
+    if (not samples or any(s.failures for s in samples)) and (state / "server.log").exists():
+        kept = Path(f"/tmp/dsec-bench-{state.parent.name}-{state.name}-server.log")
+        shutil.copyfile(state / "server.log", kept)
+        console.print(f"[red]the series failed: its server's log is kept in {kept}[/red]")
 
 
 def _leftovers(left: dict[str, int]) -> Sample:
