@@ -247,7 +247,18 @@ async def bench_server(state: Path, *args: str) -> AsyncIterator[Created]:
     finally:
         proc.terminate()
         proc.wait()
-        LayerMounter(state / "layers").unmount_all()  # a server leaves its layers mounted
+        await _unmount_layers(state / "layers")
+
+
+async def _unmount_layers(layers: Path, tries: int = 100) -> None:
+    """A server leaves its layers mounted; a stopped sandbox's overlay, detached while one of
+    its processes was still exiting, holds its layers a moment longer (EBUSY): retried, so
+    no layer mount outlives the run (two quick runs left one so)."""
+    for _ in range(tries):
+        if not LayerMounter(layers).unmount_all():
+            return
+        await asyncio.sleep(0.1)
+    raise RuntimeError(f"layers under {layers} still busy after {tries / 10:.0f}s")
 
 
 @asynccontextmanager
