@@ -649,7 +649,8 @@ def project_quota(name: str, sandboxes: int | None, cpu: float | None,
               help="only the trajectory series (log overhead, fast-forward)")
 @click.option("--only", type=click.Choice(["fn", "microvm", "vm", "cluster", "projects",
                                            "network", "state", "pause", "stdin", "soak",
-                                           "pull", "lazy", "connect"]),
+                                           "pull", "lazy", "connect", "density",
+                                           "throughput"]),
               default=None,
               help="run one series alone: fn (call latency and throughput), microvm or vm "
                    "(against containers), cluster (a local Ray cluster against one node), "
@@ -660,21 +661,31 @@ def project_quota(name: str, sandboxes: int | None, cpu: float | None,
                    "resources over many create/run/stop cycles, retention set short), pull "
                    "(a registry pull and conversion against skopeo copy to a directory), lazy "
                    "(bytes a sandbox reads of a 1 GiB image; cold and warm first create), "
-                   "connect (dsec's Connect server and codec against the connectrpc library)")
+                   "connect (dsec's Connect server and codec against the connectrpc library), "
+                   "density (N idle containers: create rate, memory each, an exec in each, "
+                   "stops, leftovers), throughput (create_many of N against bare crun starts; "
+                   "stops). Without --only: the latency series, then throughput and density")
 @click.option("--sizes", default="100", help="cluster series: burst sizes, comma-separated")
 @click.option("--cycles", type=click.IntRange(min=10), default=None,
               help="soak series: create/run/stop cycles (default 20000; --quick 200)")
+@click.option("--count", type=click.IntRange(min=1), default=None,
+              help="density series: idle sandboxes (default 3000; --quick 20); throughput: "
+                   "sandboxes of the create_many (default 1000; --quick 50)")
 def bench(quick: bool, json_out: Path | None, only_trajectory: bool, only: str | None,
-          sizes: str, cycles: int | None) -> None:
-    """Run the benchmark against bare crun and print the figures (see docs/BENCHMARKS.md)."""
+          sizes: str, cycles: int | None, count: int | None) -> None:
+    """Run the benchmark against bare crun and print the figures (see docs/BENCHMARKS.md).
+    Exits non-zero when a series had failures (never on a figure)."""
     if cycles is not None and only != "soak":
         raise click.UsageError("--cycles is an option of --only soak")
+    if count is not None and only not in ("density", "throughput"):
+        raise click.UsageError("--count is an option of --only density and --only throughput")
     if only == "fn":
         return _benchmark("bench_fn").main(quick=quick, json_out=json_out)
     if only in ("microvm", "vm"):
         return _benchmark("bench_vm").main(only, quick=quick, json_out=json_out)
     _benchmark("bench").main(quick=quick, json_out=json_out, only_trajectory=only_trajectory,
-                             only=only, sizes=[int(n) for n in sizes.split(",")], cycles=cycles)
+                             only=only, sizes=[int(n) for n in sizes.split(",")], cycles=cycles,
+                             count=count)
 
 
 def _benchmark(name: str) -> Any:

@@ -21,6 +21,12 @@ from .control.compose import embedded
 from .control.plane import ControlPlane
 from .store.sqlite import StateStore
 
+# Seconds the server keeps an idle HTTP connection open: well above the SDK's (httpx's) 5 s
+# idle expiry, so the client always drops an idle connection first. With both at 5 s (uvicorn's
+# default), a client reusing a connection just as the server's timer closed it got a
+# ReadError (ServerUnavailable): 19 calls of a 3,000-sandbox density run on a loaded node.
+KEEP_ALIVE_S = 75
+
 
 def local_key(settings: Settings, store: StateStore) -> str:
     """The key for clients on this host, kept root-only in the state directory: what lets
@@ -65,8 +71,10 @@ def serve(settings: Settings) -> None:
     if host is None:
         settings.socket_path.unlink(missing_ok=True)
         uv = uvicorn.Config(app, uds=str(settings.socket_path), log_level="warning",
-                            timeout_graceful_shutdown=5, **logging_config)
+                            timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S,
+                            **logging_config)
     else:
         uv = uvicorn.Config(app, host=host, port=port, log_level="warning",
-                            timeout_graceful_shutdown=5, **logging_config)
+                            timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S,
+                            **logging_config)
     uvicorn.Server(uv).run()

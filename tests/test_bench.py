@@ -1,0 +1,31 @@
+"""``dsec bench`` as CI runs it: a tiny density series through the real command (a private
+server, real containers) answers in every sandbox, leaves nothing behind and exits 0; the
+JSON rows carry the figures and no failure."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from dsec.images.store import ImageStore
+
+
+def test_density_smoke_reports_no_failures(images: ImageStore, tmp_path: Path) -> None:
+    out = tmp_path / "density.json"
+    done = subprocess.run([sys.executable, "-m", "dsec", "bench", "--only", "density", "--quick",
+                           "--count", "3", "--json", str(out)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {row["name"]: row for row in json.loads(out.read_text())}
+    assert all(row["failures"] == 0 for row in rows.values())
+    assert rows["echo in each of the 3: answers"]["n"] == 3
+    assert rows["leftovers after every stop (count, not ms)"]["p50"] == 0
+    assert rows["create, 3 kept idle, 64 at a time"]["created"] == 3
+
+
+def test_count_belongs_to_density_and_throughput() -> None:
+    done = subprocess.run([sys.executable, "-m", "dsec", "bench", "--only", "soak", "--count", "3"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--count is an option of" in done.stderr
