@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -443,7 +444,8 @@ def image_build(spec: str | None, dockerfile: Path | None, name: str | None,
                 build_args: tuple[str, ...], allow: tuple[str, ...], disk_mb: int,
                 memory_mb: int) -> None:
     """Build SPEC (a TOML file, or a built-in name such as python-3.11), or with -f a
-    Dockerfile (each RUN, COPY and WORKDIR step in a dsec container sandbox)."""
+    Dockerfile (each RUN, COPY and WORKDIR step in a dsec container sandbox; with DSEC_URL
+    set, on that server, the context directory sent as a tar)."""
     if dockerfile is not None:
         _dockerfile_build(dockerfile, Path(spec or "."), name, build_args, allow, disk_mb,
                           memory_mb)
@@ -478,6 +480,20 @@ def _dockerfile_build(dockerfile: Path, context: Path, name: str | None,
             network = NetworkPolicy(services=services, allow=rules)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--allow") from None
+    if os.environ.get("DSEC_URL"):  # pointed at a server: built there (POST /v1/images/build)
+        async def on_server() -> Any:
+            async with DSecClient() as client:
+                return await client.build_image(
+                    name, context, dockerfile=dockerfile, build_args=args, network=network,
+                    disk_mb=disk_mb, memory_mb=memory_mb,
+                    on_log=lambda line: console.print(line, markup=False, highlight=False))
+        try:
+            built = asyncio.run(on_server())
+        except DSecError as exc:
+            _fail(exc)
+        console.print(f"{built.steps_run} steps run, {built.steps_cached} cached")
+        click.echo(f"{built.image} {built.digest}")
+        return
     options = BuildOptions(network=network, build_args=args, disk_mb=disk_mb, memory_mb=memory_mb)
 
     async def build() -> Any:
