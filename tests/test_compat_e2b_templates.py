@@ -175,6 +175,9 @@ def test_hostile_uploads_are_refused(server: Server, image: str) -> None:
             time.sleep(0.2)
             status = http.get(f"/templates/{template}/builds/{made['buildID']}/status").json()
         assert status["status"] == "error" and "'..'" in status["reason"]["message"], status
+        with httpx.Client(base_url=f"{server.url}/e2b", headers={"X-API-Key": theirs}) as them:
+            status_url = f"/templates/{template}/builds/{made['buildID']}/status"
+            assert them.get(status_url).status_code == 404  # the build's logs are mine
         assert not Path("/escaped-upload.txt").exists()
         assert not (server.state_dir / "e2b-uploads" / template).exists()  # gone with the build
         plain.close()

@@ -19,13 +19,13 @@ import secrets
 import subprocess
 import sys
 import tarfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import dsec
-from conftest import DEST_PORTS, Server, free_port, make_server, stop_server
+from conftest import DEST_PORTS, Server, free_port, own_server
 from dsec.images.store import ImageStore
 from dsec.network.testbed import Destination
 from test_projects import unique
@@ -33,18 +33,8 @@ from test_projects import unique
 pytestmark = pytest.mark.usefixtures("images")
 
 
-@pytest.fixture(scope="module")
-def srv(images: ImageStore) -> Iterator[Server]:
-    """On every address of the host (a RUN step could try any of them to reach it)."""
-    server = make_server("--host", "0.0.0.0", "--port", str(free_port()), "--warm-pool", "0").start()
-    yield server
-    stop_server(server)
-
-
-@pytest.fixture
-async def admin(srv: Server) -> AsyncIterator[dsec.DSecClient]:
-    async with srv.client() as client:
-        yield client
+# on every address of the host (a RUN step could try any of them to reach it)
+srv, client = own_server("--host", "0.0.0.0", "--port", str(free_port()), "--warm-pool", "0")
 
 
 @pytest.fixture
@@ -90,27 +80,27 @@ CMD ["cat", "stamp.txt"]
 
 
 async def test_build_streams_progress_then_runs_and_is_cached(
-        admin: dsec.DSecClient, srv: Server, tmp_path: Path, name: str) -> None:
+        client: dsec.DSecClient, srv: Server, tmp_path: Path, name: str) -> None:
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "hello.txt").write_text("hello\n")
     (tmp_path / "Dockerfile").write_text(dockerfile(name, PROJECT))
     lines: list[str] = []
-    built = await admin.build_image(name, tmp_path, on_log=lines.append)
+    built = await client.build_image(name, tmp_path, on_log=lines.append)
     assert (built.image, built.steps_run, built.steps_cached) == (name, 3, 0)  # admin: as named
     assert built.digest == ImageStore().get(name).digest
     assert any("line 6: RUN" in line for line in lines), lines
     assert any(line == "  │ step-output" for line in lines), lines  # a RUN's output, streamed
-    r = await run_in(admin, built.image, "pwd; cat stamp.txt")
+    r = await run_in(client, built.image, "pwd; cat stamp.txt")
     assert r.stdout.splitlines()[0] == "/srv/app"
     stamp = r.stdout.splitlines()[1]
     assert stamp.startswith("built hello ")
 
     def blocking() -> dsec.ImageBuilt:  # the blocking client, the same call
-        with dsec.Client(srv.url, srv.key, autostart=False) as client:
-            return client.build_image(name, tmp_path)
+        with dsec.Client(srv.url, srv.key, autostart=False) as blocking_client:
+            return blocking_client.build_image(name, tmp_path)
     again = await asyncio.to_thread(blocking)
     assert (again.steps_run, again.steps_cached, again.digest) == (0, 3, built.digest)
-    assert (await run_in(admin, name, "cat stamp.txt")).stdout.strip() == stamp  # not run again
+    assert (await run_in(client, name, "cat stamp.txt")).stdout.strip() == stamp  # not run again
 
 
 async def test_cli_builds_on_the_server_it_is_pointed_at(srv: Server, tmp_path: Path,
@@ -137,9 +127,9 @@ async def test_cli_builds_on_the_server_it_is_pointed_at(srv: Server, tmp_path: 
     ("FROM debian-minbase AS a\nFROM a\n", dsec.NotSupported),
 ])
 async def test_a_bad_dockerfile_is_a_4xx_and_nothing_is_built(
-        admin: dsec.DSecClient, name: str, text: str, error: type[Exception]) -> None:
+        client: dsec.DSecClient, name: str, text: str, error: type[Exception]) -> None:
     with pytest.raises(error):
-        await admin.build_image(name, dockerfile=text)
+        await client.build_image(name, dockerfile=text)
     with pytest.raises(dsec.ImageNotFound):
         ImageStore().get(name)
 
@@ -169,24 +159,24 @@ def test_a_malformed_build_request_is_a_typed_400(srv: Server) -> None:
     [member("hard", type=tarfile.LNKTYPE, linkname="/etc/passwd")],
     [member("dev", type=tarfile.CHRTYPE, devmajor=1, devminor=3)],
 ], ids=["dotdot", "absolute", "through-symlink", "symlink-out", "hardlink-out", "device"])
-async def test_hostile_context_tars_are_refused(admin: dsec.DSecClient, name: str,
+async def test_hostile_context_tars_are_refused(client: dsec.DSecClient, name: str,
                                                 tmp_path: Path, context: list) -> None:
     with pytest.raises(dsec.UnsafeArchive):
-        await admin.build_image(name, tar_of(*context),
+        await client.build_image(name, tar_of(*context),
                                 dockerfile=dockerfile(name, "COPY . /ctx/\n"))
     with pytest.raises(dsec.ImageNotFound):
         ImageStore().get(name)
     assert not Path("/escaped.txt").exists() and not Path("/abs-escape.txt").exists()
 
 
-async def test_a_context_bomb_is_refused(admin: dsec.DSecClient, name: str) -> None:
+async def test_a_context_bomb_is_refused(client: dsec.DSecClient, name: str) -> None:
     """A sparse member claiming a TiB from a tiny tar, and a member count bomb."""
     sparse, data = member("bomb", b"x")
     sparse.pax_headers = {"GNU.sparse.map": "0,1", "GNU.sparse.size": str(1 << 40)}
     many = tar_of(*(member(f"f{i}", b"") for i in range(100_001)))
     for bomb in (tar_of((sparse, data)), many):
         with pytest.raises(dsec.UnsafeArchive):
-            await admin.build_image(name, bomb, dockerfile=dockerfile(name, "COPY . /ctx/\n"))
+            await client.build_image(name, bomb, dockerfile=dockerfile(name, "COPY . /ctx/\n"))
     with pytest.raises(dsec.ImageNotFound):
         ImageStore().get(name)
 
@@ -194,28 +184,28 @@ async def test_a_context_bomb_is_refused(admin: dsec.DSecClient, name: str) -> N
 @pytest.mark.parametrize("copy", ["COPY /etc/passwd /x", "COPY ../../../etc/passwd /x",
                                   "COPY link /x"])
 async def test_copy_of_a_host_file_outside_the_context_is_refused(
-        admin: dsec.DSecClient, name: str, copy: str) -> None:
+        client: dsec.DSecClient, name: str, copy: str) -> None:
     context = tar_of(member("link", type=tarfile.SYMTYPE, linkname="inside.txt"),
                      member("inside.txt", b"fine\n"))
     body = copy + "\nRUN cat /x\n"
     if copy == "COPY link /x":  # a source that is a link inside the context: its file
         lines: list[str] = []
-        built = await admin.build_image(name, context, dockerfile=dockerfile(name, body),
+        built = await client.build_image(name, context, dockerfile=dockerfile(name, body),
                                         on_log=lines.append)
         assert built.steps_run == 2 and "  │ fine" in lines
         return
     with pytest.raises(dsec.InvalidRequest, match="build context"):
-        await admin.build_image(name, context, dockerfile=dockerfile(name, body))
+        await client.build_image(name, context, dockerfile=dockerfile(name, body))
     with pytest.raises(dsec.ImageNotFound):
         ImageStore().get(name)
 
 
 async def test_run_output_with_escapes_and_floods_is_bounded_plain_text(
-        admin: dsec.DSecClient, name: str) -> None:
+        client: dsec.DSecClient, name: str) -> None:
     flood = ("RUN printf 'evil\\033]52;c;aGk=\\a\\033[2J\\r\\n'; "
              "head -c 3000000 /dev/zero | tr '\\0' 'y' | fold -w 1000\n")
     lines: list[str] = []
-    built = await admin.build_image(name, dockerfile=dockerfile(name, flood), on_log=lines.append)
+    built = await client.build_image(name, dockerfile=dockerfile(name, flood), on_log=lines.append)
     assert built.steps_run == 1
     assert all(c.isprintable() for line in lines for c in line)  # no escapes, no \r
     assert any(line.startswith("  │ evil") for line in lines)
@@ -225,7 +215,7 @@ async def test_run_output_with_escapes_and_floods_is_bounded_plain_text(
     failing = "RUN printf 'bad\\033[31mred\\n'; head -c 200000 /dev/zero | tr '\\0' z; exit 7\n"
     name += "-failing"
     with pytest.raises(dsec.ImageBuildError) as caught:
-        await admin.build_image(name, dockerfile=dockerfile(name, failing))
+        await client.build_image(name, dockerfile=dockerfile(name, failing))
     assert caught.value.details["exit_code"] == 7 and caught.value.details["line"] == 3
     assert len(caught.value.details["output"]) <= 4096  # a bounded tail
     assert "\x1b" not in caught.value.message
@@ -233,13 +223,13 @@ async def test_run_output_with_escapes_and_floods_is_bounded_plain_text(
         ImageStore().get(name)
 
 
-async def test_a_projects_build_is_its_own(srv: Server, admin: dsec.DSecClient,
+async def test_a_projects_build_is_its_own(srv: Server, client: dsec.DSecClient,
                                           name: str) -> None:
     keys = []
     for prefix in ("build-mine", "build-theirs"):
         project = unique(prefix)
-        await admin.projects().create(project, sandboxes=4, cpu=8, memory_mb=4096)
-        keys.append((project, (await admin.projects().create_key(project, "sdk")).key))
+        await client.projects().create(project, sandboxes=4, cpu=8, memory_mb=4096)
+        keys.append((project, (await client.projects().create_key(project, "sdk")).key))
     (mine, my_key), (theirs, their_key) = keys
     text = dockerfile(name, "RUN echo secret-of-mine > /mine.txt\n")
     async with dsec.DSecClient(srv.url, my_key, autostart=False) as me, \
@@ -262,7 +252,7 @@ async def test_a_projects_build_is_its_own(srv: Server, admin: dsec.DSecClient,
 
 
 async def test_run_reaches_neither_the_api_server_nor_the_network_without_an_allow(
-        admin: dsec.DSecClient, srv: Server, name: str, dest: Destination) -> None:
+        client: dsec.DSecClient, srv: Server, name: str, dest: Destination) -> None:
     port = srv.args[srv.args.index("--port") + 1]
     # the host's address, the sandbox's gateway (the host side of its link), a metadata-style
     # address: none is the API server's to a build step, allowed or not
@@ -276,13 +266,13 @@ async def test_run_reaches_neither_the_api_server_nor_the_network_without_an_all
              "then echo reached $target; else echo refused $target; fi; done "
              "| tee /probe.txt\n")
     offline = dockerfile(name, probe)
-    built = await admin.build_image(name, dockerfile=offline)
-    r = await run_in(admin, built.image, "cat /probe.txt")
+    built = await client.build_image(name, dockerfile=offline)
+    r = await run_in(client, built.image, "cat /probe.txt")
     assert "reached" not in r.stdout and r.stdout.count("refused") == 4, r.stdout
-    allowed = await admin.build_image(
+    allowed = await client.build_image(
         name, dockerfile=offline.replace("/probe.txt", "/probe2.txt"),
         network={"allow": [f"{dest.address}:{DEST_PORTS[0]}"]})
-    r = await run_in(admin, allowed.image, "cat /probe2.txt")
+    r = await run_in(client, allowed.image, "cat /probe2.txt")
     assert f"reached {dest.address}/{DEST_PORTS[0]}" in r.stdout, r.stdout
     assert r.stdout.count("reached") == 1, r.stdout  # the API server stays out of reach
     assert f"refused /{port}" not in r.stdout  # the gateway was found (routed when allowed)

@@ -480,32 +480,26 @@ def _dockerfile_build(dockerfile: Path, context: Path, name: str | None,
             network = NetworkPolicy(services=services, allow=rules)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--allow") from None
-    if os.environ.get("DSEC_URL"):  # pointed at a server: built there (POST /v1/images/build)
-        async def on_server() -> Any:
+    options = BuildOptions(network=network, build_args=args, disk_mb=disk_mb, memory_mb=memory_mb)
+
+    async def build() -> tuple[str, str, int, int]:
+        if os.environ.get("DSEC_URL"):  # pointed at a server: built there (POST /v1/images/build)
             async with DSecClient() as client:
-                return await client.build_image(
+                built = await client.build_image(
                     name, context, dockerfile=dockerfile, build_args=args, network=network,
                     disk_mb=disk_mb, memory_mb=memory_mb,
                     on_log=lambda line: console.print(line, markup=False, highlight=False))
-        try:
-            built = asyncio.run(on_server())
-        except DSecError as exc:
-            _fail(exc)
-        console.print(f"{built.steps_run} steps run, {built.steps_cached} cached")
-        click.echo(f"{built.image} {built.digest}")
-        return
-    options = BuildOptions(network=network, build_args=args, disk_mb=disk_mb, memory_mb=memory_mb)
-
-    async def build() -> Any:
+            return built.image, built.digest, built.steps_run, built.steps_cached
         async with builder_edge(Settings.load()) as edge:
-            return await build_dockerfile(edge, dockerfile.read_text(), context, name, options,
-                                          say=console.print)
+            result = await build_dockerfile(edge, dockerfile.read_text(), context, name, options,
+                                            say=console.print)
+        return result.image.name, result.image.digest, result.ran, result.cached
     try:
-        result = asyncio.run(build())
+        image, digest, ran, cached = asyncio.run(build())
     except DSecError as exc:
         _fail(exc)
-    console.print(f"{result.ran} steps run, {result.cached} cached")
-    click.echo(f"{result.image.name} {result.image.digest}")
+    console.print(f"{ran} steps run, {cached} cached")
+    click.echo(f"{image} {digest}")
 
 
 @image.command("ls")
