@@ -103,12 +103,12 @@ async def test_build_streams_progress_then_runs_and_is_cached(
     assert (await run_in(client, name, "cat stamp.txt")).stdout.strip() == stamp  # not run again
 
 
-async def test_cli_builds_on_the_server_it_is_pointed_at(srv: Server, tmp_path: Path,
+async def test_cli_builds_on_the_server_with_server(srv: Server, tmp_path: Path,
                                                         name: str) -> None:
     (tmp_path / "Dockerfile").write_text(dockerfile(name, "RUN echo from-the-cli > /cli.txt\n"))
     proc = subprocess.run(
         [sys.executable, "-m", "dsec", "image", "build", "-f", str(tmp_path / "Dockerfile"),
-         str(tmp_path), "--name", name],
+         str(tmp_path), "--name", name, "--server"],
         env={**os.environ, "DSEC_URL": srv.url, "DSEC_API_KEY": srv.key, "COLUMNS": "400",
              "DSEC_STATE_DIR": str(tmp_path / "no-local-state")},
         capture_output=True, text=True, timeout=900)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -440,15 +439,18 @@ def image() -> None:
 @click.option("--disk-mb", default=4096, show_default=True, help="each step's disk (its layer "
               "can hold no more)")
 @click.option("--memory-mb", default=2048, show_default=True)
+@click.option("--server", "on_server", is_flag=True,
+              help="with -f: build on the server the SDK reaches (DSEC_URL and DSEC_API_KEY, "
+                   "else this host's local server), the context sent as a tar")
 def image_build(spec: str | None, dockerfile: Path | None, name: str | None,
                 build_args: tuple[str, ...], allow: tuple[str, ...], disk_mb: int,
-                memory_mb: int) -> None:
+                memory_mb: int, on_server: bool) -> None:
     """Build SPEC (a TOML file, or a built-in name such as python-3.11), or with -f a
-    Dockerfile (each RUN, COPY and WORKDIR step in a dsec container sandbox; with DSEC_URL
-    set, on that server, the context directory sent as a tar)."""
+    Dockerfile (each RUN, COPY and WORKDIR step in a dsec container sandbox; with --server,
+    on the server, the context directory sent as a tar)."""
     if dockerfile is not None:
         _dockerfile_build(dockerfile, Path(spec or "."), name, build_args, allow, disk_mb,
-                          memory_mb)
+                          memory_mb, on_server)
         return
     if spec is None:
         raise click.UsageError("give a SPEC, or -f Dockerfile")
@@ -463,7 +465,7 @@ def image_build(spec: str | None, dockerfile: Path | None, name: str | None,
 
 def _dockerfile_build(dockerfile: Path, context: Path, name: str | None,
                       build_args: tuple[str, ...], allow: tuple[str, ...], disk_mb: int,
-                      memory_mb: int) -> None:
+                      memory_mb: int, on_server: bool) -> None:
     from .edge.assemble import builder_edge
     from .edge.dockerbuild import BuildOptions, build_dockerfile
     from .protocol.models import Network, NetworkPolicy
@@ -483,7 +485,7 @@ def _dockerfile_build(dockerfile: Path, context: Path, name: str | None,
     options = BuildOptions(network=network, build_args=args, disk_mb=disk_mb, memory_mb=memory_mb)
 
     async def build() -> tuple[str, str, int, int]:
-        if os.environ.get("DSEC_URL"):  # pointed at a server: built there (POST /v1/images/build)
+        if on_server:  # built there (POST /v1/images/build), as client.build_image
             async with DSecClient() as client:
                 built = await client.build_image(
                     name, context, dockerfile=dockerfile, build_args=args, network=network,
