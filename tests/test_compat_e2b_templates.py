@@ -27,6 +27,7 @@ from support.compat_venvs import compat_python
 from test_compat_e2b import E2B_VERSIONS, _project_keys, e2b_env
 from test_image_pull import Registry, pytestmark, registry  # noqa: F401 (the module's fixture)
 from test_images import _busybox_layers, _layer_tar, make_oci_archive
+from test_integrations import HARBOR, PYENV
 from test_projects import unique
 
 E2B_VERSION = E2B_VERSIONS[-1]  # the newest of the matrix; the main cases run in each version
@@ -267,3 +268,22 @@ def test_hostile_build_bodies_are_typed_4xx_and_leave_nothing_ready(server: Serv
             assert http.get(f"/templates/{made['templateID']}/builds/{made['buildID']}/status",
                             params={"logsOffset": "-1"}).status_code == 400
             assert http.get(f"/templates/aliases/{name}").status_code == 404
+
+
+def test_harbors_e2b_environment_builds_its_template_and_runs(server: Server,
+                                                               tmp_path: Path) -> None:
+    """harbor's own E2B environment, unmodified: its template from a task's Dockerfile (RUN,
+    COPY, ENV, WORKDIR, and harbor's own RUN steps as root), built through dsec's Dockerfile
+    build, then a sandbox of it running a command."""
+    found = sorted(PYENV.glob("3.1[2-9].*/bin/python3"))
+    if not found:
+        pytest.skip(f"harbor needs Python >= 3.12; none under {PYENV}")
+    python = compat_python("harbor", HARBOR, base=found[0],  # harbor[e2b]: its extra, pinned
+                           also=(f"e2b=={E2B_VERSION}", "dockerfile-parse==2.0.1"))
+    done = subprocess.run([str(python), str(DRIVER.parent / "harbor_e2b_driver.py"),
+                           str(tmp_path)], env=e2b_env(server), capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    out = json.loads(done.stdout)
+    assert "start" not in out, out
+    assert out["exec"] == [f"built by a RUN step\ntask {out['task']}\n/app\n/app\n", "", 0], out

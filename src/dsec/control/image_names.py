@@ -21,7 +21,8 @@ PREFIX = "p."
 def built_name(name: str, project: str | None) -> str:
     """The store name of an image ``project`` builds as ``name`` (admin: ``name`` itself)."""
     full = name if project is None else f"{PREFIX}{project}.{name}"
-    if not IMAGE_NAME.match(full) or (project is not None and name.startswith(PREFIX)):
+    if (not IMAGE_NAME.fullmatch(name) or not IMAGE_NAME.fullmatch(full)
+            or (project is not None and name.startswith(PREFIX))):
         raise InvalidRequest(f"{name!r} is not a valid image name (letters, digits, '.', '_', "
                              f"':', '-', with its project's prefix at most 128; not starting "
                              f"with '{PREFIX}', the projects' prefix)")
