@@ -274,7 +274,8 @@ def test_harbors_e2b_environment_builds_its_template_and_runs(server: Server,
                                                                tmp_path: Path) -> None:
     """harbor's own E2B environment, unmodified: its template from a task's Dockerfile (RUN,
     COPY, ENV, WORKDIR, and harbor's own RUN steps as root), built through dsec's Dockerfile
-    build, then a sandbox of it running a command."""
+    build, then a sandbox of it running a command; then harbor's Trial (oracle agent,
+    verifier) on a task whose environment is a Dockerfile with a RUN step: rewarded."""
     found = sorted(PYENV.glob("3.1[2-9].*/bin/python3"))
     if not found:
         pytest.skip(f"harbor needs Python >= 3.12; none under {PYENV}")
@@ -287,3 +288,4 @@ def test_harbors_e2b_environment_builds_its_template_and_runs(server: Server,
     out = json.loads(done.stdout)
     assert "start" not in out, out
     assert out["exec"] == [f"built by a RUN step\ntask {out['task']}\n/app\n/app\n", "", 0], out
+    assert out["trial"] == {"exception": None, "rewards": {"reward": 1.0}}, out["trial"]

@@ -2,7 +2,9 @@
 own E2B environment (``harbor.environments.e2b:E2BEnvironment``, unmodified) against dsec's E2B
 front. It builds its template from a task's Dockerfile (RUN and COPY steps, and harbor's own
 RUN steps that record the image's env and user), starts a sandbox of it, runs a command,
-stops. What each step observed is printed as JSON (``{"raised": name, ...}``).
+stops; then harbor's own Trial (oracle agent, verifier) runs a task whose environment is a
+Dockerfile with a RUN step, on that environment. What each step observed is printed as JSON
+(``{"raised": name, ...}``).
 
 Argument: a scratch directory. E2B_API_URL / E2B_SANDBOX_URL / E2B_API_KEY point at dsec."""
 
@@ -17,7 +19,10 @@ from typing import Any
 
 from harbor.environments.factory import EnvironmentFactory
 from harbor.models.task.config import EnvironmentConfig
+from harbor.models.trial.config import AgentConfig, TaskConfig, TrialConfig
+from harbor.models.trial.config import EnvironmentConfig as TrialEnvironment
 from harbor.models.trial.paths import TrialPaths
+from harbor.trial.trial import Trial
 
 IMPORT_PATH = "harbor.environments.e2b:E2BEnvironment"
 DOCKERFILE = """\
@@ -27,6 +32,40 @@ RUN mkdir -p /app && echo "built by a RUN step" > /app/built.txt
 COPY task.txt /app/task.txt
 WORKDIR /app
 """
+
+
+TASK_TOML = """schema_version = "1.4"
+[agent]
+timeout_sec = 120.0
+[verifier]
+timeout_sec = 120.0
+[environment]
+workdir = "/app"
+"""
+TASK_DOCKERFILE = "FROM debian-minbase\nRUN mkdir -p /app && echo 42 > /app/input.txt\nWORKDIR /app\n"
+SOLVE = "#!/bin/bash\ncp /app/input.txt /app/answer.txt\n"
+TEST = ('#!/bin/bash\nif [ "$(cat /app/answer.txt)" = 42 ]; then echo 1; else echo 0; fi '
+        "> /logs/verifier/reward.txt\n")
+
+
+async def trial(scratch: Path) -> dict[str, Any]:
+    """harbor's Trial on the E2B environment: template built from the task's Dockerfile, the
+    oracle agent's solve.sh, the verifier's test.sh and the download of its reward."""
+    task = scratch / "task" / f"answer-{os.urandom(3).hex()}"
+    for sub in ("environment", "solution", "tests"):
+        (task / sub).mkdir(parents=True)
+    (task / "task.toml").write_text(TASK_TOML)
+    (task / "environment" / "Dockerfile").write_text(TASK_DOCKERFILE)
+    (task / "instruction.md").write_text("Copy /app/input.txt to /app/answer.txt.\n")
+    (task / "solution" / "solve.sh").write_text(SOLVE)
+    (task / "tests" / "test.sh").write_text(TEST)
+    config = TrialConfig(task=TaskConfig(path=task), trials_dir=scratch / "trials",
+                         trial_name="answer__e2b", agent=AgentConfig(name="oracle"),
+                         environment=TrialEnvironment(import_path=IMPORT_PATH))
+    result = await (await Trial.create(config)).run()
+    return {"exception": None if result.exception_info is None
+            else result.exception_info.model_dump(mode="json"),
+            "rewards": None if result.verifier_result is None else result.verifier_result.rewards}
 
 
 async def main(scratch: Path) -> dict[str, Any]:
@@ -51,6 +90,7 @@ async def main(scratch: Path) -> dict[str, Any]:
         out["exec"] = [r.stdout, r.stderr, r.return_code]
     finally:
         await env.stop(delete=True)
+    out["trial"] = await trial(scratch)
     return out
 
 

@@ -4,9 +4,10 @@ Every route authenticates with an API key (``Authorization: Bearer dsk_...``), f
 owning edge from the sandbox id, and maps ``DSecError`` to ``{"error": {...}}`` with the
 error's status. Streams (exec output, process attach) are NDJSON: one JSON event per line,
 ``{"type": "stdout"|"stderr", "data": <base64>}`` (an image build's: ``{"type": "log",
-"message": ...}``), then ``{"type": "result", "result": ...}`` or ``{"type": "error", ...}``. Calls on a sandbox attached to a trajectory carry
-their step (``X-DSec-Step``) and are logged and fast-forwarded by ``dsec.trajectory.recorder``,
-which ``Router.edge_for`` puts in front of the edge.
+"message": ...}``), then ``{"type": "result", "result": ...}`` or ``{"type": "error", ...}``.
+Calls on a sandbox attached to a trajectory carry their step (``X-DSec-Step``) and are logged
+and fast-forwarded by ``dsec.trajectory.recorder``, which ``Router.edge_for`` puts in front of
+the edge.
 
 The sandbox routes are those of the table of operations (``dsec.protocol.ops``: method and
 path); tests/unit/test_operations.py checks that each of its operations has its route here.

@@ -198,7 +198,8 @@ async def build_dockerfile(edge: Edge, dockerfile: str, context: Path, name: str
     the result ``name``. A failing step raises ``ImageBuildError`` (exit code, output tail)."""
     options = options or BuildOptions()
     build = _Build(edge, context, name, options, say)
-    await build.parent(base_image(dockerfile, options.build_args))  # its ENV is substituted in the instructions after FROM
+    # the FROM image first: its ENV is substituted in the instructions after FROM
+    await build.parent(base_image(dockerfile, options.build_args))
     parent_env = dict(kv.partition("=")[::2] for kv in build.config.env)
     instructions = parse(dockerfile, options.build_args, parent_env)
     steps: list[StepReport] = []
