@@ -74,11 +74,11 @@ async def main(scratch: Path) -> dict[str, Any]:
     env_dir.mkdir(parents=True)
     (env_dir / "Dockerfile").write_text(DOCKERFILE)
     (env_dir / "task.txt").write_text(f"task {name}\n")
-    trial = TrialPaths(trial_dir=scratch / name / "trial")
-    trial.mkdir()
+    paths = TrialPaths(trial_dir=scratch / name / "trial")
+    paths.mkdir()
     env = EnvironmentFactory.create_environment_from_import_path(
         IMPORT_PATH, environment_dir=env_dir, environment_name=name,
-        session_id=f"{name}__e2b", trial_paths=trial,
+        session_id=f"{name}__e2b", trial_paths=paths,
         task_env_config=EnvironmentConfig(cpus=1, memory_mb=512, workdir="/app"))
     out: dict[str, Any] = {"task": name}
     try:
