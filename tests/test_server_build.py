@@ -245,10 +245,14 @@ async def test_a_projects_build_is_its_own(srv: Server, client: dsec.DSecClient,
             await them.run_code("bash", "cat /mine.txt", image=built.image)
         with pytest.raises(dsec.InvalidRequest):  # nor a name in my namespace
             await them.build_image(f"p.{mine}.{name}", dockerfile=text)
+        with pytest.raises(dsec.QuotaExceeded):  # a build holds its step sandbox's share
+            await them.build_image(name, dockerfile=text, cpu=16)
         theirs_built = await them.build_image(name, dockerfile=dockerfile(
             name, "RUN echo theirs > /mine.txt\n"))
         assert theirs_built.image == f"p.{theirs}.{name}"  # same name, their own image
         assert (await run_in(me, built.image, "cat /mine.txt")).stdout == "secret-of-mine\n"
+    used = (await client.projects().get(theirs)).used
+    assert (used.sandboxes, used.memory_mb) == (0, 0)  # the builds' holds went back
 
 
 async def test_run_reaches_neither_the_api_server_nor_the_network_without_an_allow(

@@ -11,6 +11,7 @@ calls. Calls on a sandbox attached to a trajectory go through the trajectory rec
 from __future__ import annotations
 
 import builtins
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -165,8 +166,8 @@ class Router:
         """A Dockerfile build on the least loaded edge serving containers: its Dockerfile
         checked first (a bad one is InvalidRequest, nothing started), a project key's image
         named in its project's namespace and built only from images it may see
-        (control/image_names.py). Its step sandboxes are the edge's, not held against the
-        project's quota (docs/IMAGES.md)."""
+        (control/image_names.py), one sandbox of the request's cpu and memory held against
+        the project's quota while it runs (its steps run one at a time)."""
         project = self._caller()
         base = base_image(req.dockerfile, req.build_args)
         check_visible(base, project)
@@ -174,9 +175,11 @@ class Router:
 
         async def chosen(edge: Any) -> Any:
             return edge
-        edge = await self.directory.place("container", base, chosen)
-        async for event in edge.build_image(req, context):
-            yield event
+        with (self.access.holding_one(req.cpu, req.memory_mb) if self.access is not None
+              else contextlib.nullcontext()):
+            edge = await self.directory.place("container", base, chosen)
+            async for event in edge.build_image(req, context):
+                yield event
 
     # snapshots: a snapshot is its parent sandbox's project's, on its parent's edge
     def _snapshots(self) -> StateStore:
