@@ -468,18 +468,14 @@ def _dockerfile_build(dockerfile: Path, context: Path, name: str | None,
                       memory_mb: int, on_server: bool) -> None:
     from .edge.assemble import builder_edge
     from .edge.dockerbuild import BuildOptions, build_dockerfile
-    from .protocol.models import Network, NetworkPolicy
+    from .protocol.build import allow_network
     if not name:
         raise click.UsageError("--name is required with -f")
     if any("=" not in arg for arg in build_args):
         raise click.UsageError("--build-arg takes NAME=VALUE")
     args = dict(arg.partition("=")[::2] for arg in build_args)
-    services = {a: True for a in allow if ":" not in a and "/" not in a and not a[0].isdigit()}
-    rules = [a for a in allow if a not in services]
-    network: Network = "none"
     try:
-        if allow:
-            network = NetworkPolicy(services=services, allow=rules)
+        network = allow_network(allow)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--allow") from None
     options = BuildOptions(network=network, build_args=args, disk_mb=disk_mb, memory_mb=memory_mb)

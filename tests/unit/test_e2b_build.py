@@ -13,7 +13,9 @@ import pytest
 from dsec.compat.e2b_build import Uploads, dockerfile
 from dsec.control.image_names import built_name, check_visible
 from dsec.images.dockerfile import parse
+from dsec.protocol.build import allow_network
 from dsec.protocol.errors import ImageNotFound, InvalidRequest, UnsafeArchive
+from dsec.protocol.models import NetworkPolicy
 
 HASH = "0" * 64
 
@@ -93,3 +95,14 @@ def test_a_projects_images_are_its_own() -> None:
         check_visible("p.team-b.env", "team-a")
     with pytest.raises(ImageNotFound):
         check_visible("p.team-ab.env", "team-a")
+
+
+def test_allow_items_become_the_run_steps_egress() -> None:
+    """``--allow`` and ``DSEC_E2B_BUILD_ALLOW`` (comma-split): names are services, the rest
+    raw rules; nothing is no network."""
+    assert allow_network([]) == "none" and allow_network(["", " "]) == "none"
+    policy = allow_network(["pypi", " 10.1.2.3:443", "10.0.0.0/8"])
+    assert isinstance(policy, NetworkPolicy)
+    assert policy.services == {"pypi": True} and policy.allow == ["10.1.2.3:443", "10.0.0.0/8"]
+    with pytest.raises(ValueError):
+        allow_network(["300.1.2.3:99999"])

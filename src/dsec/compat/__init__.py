@@ -14,6 +14,7 @@ from fastapi import FastAPI
 
 from ..control.plane import ControlPlane
 from ..images.store import ImageStore
+from ..protocol.build import allow_network
 from ..protocol.project_models import ROOT_PROJECT
 from ..store.templates import TemplateStore
 from .auth import Keys
@@ -37,7 +38,8 @@ def mount_compat(app: FastAPI, control: ControlPlane) -> FastAPI:
     templates = Templates(TemplateStore(control.store.url), ImageStore(settings.image_store),
                           template_mapping(settings.e2b_templates), settings.pull,
                           lambda: control.projects.caller() or ROOT_PROJECT,
-                          control.router.build_image, Uploads(settings.state_dir / "e2b-uploads"))
+                          control.router.build_image, Uploads(settings.state_dir / "e2b-uploads"),
+                          allow_network(settings.e2b_build_allow.split(",")))
     app.mount(E2B_PREFIX, E2BPorts(create_e2b_app(control.router, keys, templates),
                                    control.router, keys))
     app.mount(SANDBOXFUSION_PREFIX, create_sandboxfusion_app(control.router, keys,

@@ -24,7 +24,8 @@ directory). A build with RUN or COPY steps is a Dockerfile build through the ser
 builder (``Router.build_image``, on an edge; e2b_build.py translates the steps and the
 uploaded files): its log lines are the build's logs, a failing step fails the build with
 its line and output, and its image (``p.PROJECT.e2b-...``, the project's own) is what the
-template names. RUN steps have no network (no egress policy comes with an E2B build).
+template names. RUN steps have the server's ``DSEC_E2B_BUILD_ALLOW`` egress (services of its
+table, raw rules; none by default): an E2B build request carries no policy of its own.
 
 ``Sandbox.create(template=...)`` asks ``Templates.resolve``: the caller's project's template
 of that alias (or id), else the server's static mapping (``DSEC_E2B_TEMPLATES``), else the
@@ -52,6 +53,7 @@ from rich.console import Console
 from ..images.store import ImageStore
 from ..protocol.build import BuildLog, ImageBuildRequest, ImageBuilt
 from ..protocol.errors import DSecError, ImageNotFound, InvalidRequest
+from ..protocol.models import Network
 from ..store.templates import TemplateRow, TemplateStore
 from .e2b_build import Uploads, dockerfile
 
@@ -109,11 +111,12 @@ Builder = Callable[[ImageBuildRequest, bytes], AsyncIterator[BuildLog | ImageBui
 class Templates:
     def __init__(self, store: TemplateStore, images: ImageStore, static: dict[str, str],
                  pull: str, project: Callable[[], str], build: Builder,
-                 uploads: Uploads) -> None:
+                 uploads: Uploads, network: Network = "none") -> None:
         """``static``: the server's template → image mapping; ``pull``: the server's pull
         policy (``missing`` lets a build pull a registry reference); ``project``: the caller's;
         ``build``: the server's Dockerfile build (``Router.build_image``); ``uploads``: where
-        COPY steps' files wait for their build."""
+        COPY steps' files wait for their build; ``network``: RUN steps' egress (the server's
+        ``DSEC_E2B_BUILD_ALLOW``)."""
         self.store = store
         self.images = images
         self.static = static
@@ -121,6 +124,7 @@ class Templates:
         self.project = project
         self.build = build
         self.uploads = uploads
+        self.network = network
         self._builds: set[asyncio.Task[None]] = set()
 
     # create
@@ -321,7 +325,8 @@ class Templates:
         context = await asyncio.to_thread(self.uploads.context, row.template_id,
                                           [h for h in hashes if h])
         req = ImageBuildRequest(name=f"e2b-{row.template_id}-{row.build_id[:8]}", dockerfile=text,
-                                cpu=row.cpu_count, memory_mb=max(row.memory_mb, 512))
+                                network=self.network, cpu=row.cpu_count,
+                                memory_mb=max(row.memory_mb, 512))
         flushed, built = time.monotonic(), None
         async for event in self.build(req, context):
             if isinstance(event, ImageBuilt):

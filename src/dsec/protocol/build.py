@@ -5,9 +5,11 @@ E2B template builds, which translate their steps into the same request."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from pydantic import Field
 
-from .models import Network, _Model, _Request
+from .models import Network, NetworkPolicy, _Model, _Request
 
 MAX_DOCKERFILE_BYTES = 1 << 20
 
@@ -38,3 +40,14 @@ class ImageBuilt(_Model):
     digest: str
     steps_run: int
     steps_cached: int
+
+
+def allow_network(allow: Iterable[str]) -> Network:
+    """RUN steps' egress from ``--allow`` items (the CLI's, ``DSEC_E2B_BUILD_ALLOW``'s): a name
+    is a service of the server's table (``pypi``), anything else a raw rule (``host:port``,
+    CIDR); none: no network. ValueError for a bad rule."""
+    items = [item.strip() for item in allow if item.strip()]
+    if not items:
+        return "none"
+    services = {a: True for a in items if ":" not in a and "/" not in a and not a[0].isdigit()}
+    return NetworkPolicy(services=services, allow=[a for a in items if a not in services])
