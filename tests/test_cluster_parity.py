@@ -10,8 +10,8 @@ project quota (embedded and cluster alike); and what a dead edge's fn substrate 
 host (template cgroups, its directory) is removed when the node's new edge starts.
 
 The E2B front's snapshots and fork and its templates (built with the real SDK), snapshot quotas and TTLs, mini-swe-agent's agent loop
-through dsec.integrations, and swe-rex's RemoteRuntime through the SWE-ReX front run on the Ray
-edge too.
+through dsec.integrations, swe-rex's RemoteRuntime through the SWE-ReX front, and a
+Dockerfile build through the server (``Client.build_image``) run on the Ray edge too.
 
 A VM leftover is not made here: booting a VM under TCG takes minutes on this host.
 """
@@ -505,6 +505,36 @@ def test_e2b_template_under_ray(replica: Server) -> None:
     assert ran == {"stdout": "from-template\n/tmp\n", "exit_code": 0}
     assert [t["status"] for t in listed["templates"] if t["aliases"] == [name]] == ["ready"]
     assert deleted == 204 and gone == [False, False]
+
+
+@pytest.mark.parametrize("where", ["embedded", "ray"])
+def test_a_dockerfile_build_through_the_server(where: str, request: pytest.FixtureRequest,
+                                               tmp_path: Path) -> None:
+    """``Client.build_image`` on an edge (under Ray: the edge actor's stream), its progress
+    streamed, a project key's image in its namespace, a failing step typed, then run.
+    (Synchronous: the cluster's fixtures start outside an event loop.)"""
+    server: Server = request.getfixturevalue("embedded" if where == "embedded" else "replica")
+    project, name = unique("build"), unique("parity-build")
+    (tmp_path / "in.txt").write_text(f"{name}\n")
+    text = "FROM debian-minbase\nCOPY in.txt /in.txt\nRUN cat /in.txt > /out.txt && echo ran\n"
+
+    async def build() -> str:
+        async with server.client() as admin:
+            await admin.projects().create(project, sandboxes=4, cpu=8, memory_mb=4096)
+            key = (await admin.projects().create_key(project, "sdk")).key
+        async with dsec.DSecClient(server.url, key, autostart=False) as client:
+            lines: list[str] = []
+            built = await client.build_image(name, tmp_path, dockerfile=text, on_log=lines.append)
+            assert (built.image, built.steps_run) == (f"p.{project}.{name}", 2)
+            assert "  │ ran" in lines
+            async with await client.create(image=built.image, ttl_s=120) as sb:
+                assert (await sb.run("cat /out.txt")).stdout == f"{name}\n"
+            with pytest.raises(dsec.ImageBuildError) as failed:
+                await client.build_image(name + "-bad",
+                                         dockerfile="FROM debian-minbase\nRUN exit 9\n")
+            assert failed.value.details["exit_code"] == 9
+            return built.image
+    ImageStore().remove(asyncio.run(build()))
 
 
 def test_mini_swe_agent_under_ray(replica: Server, tmp_path: Path) -> None:

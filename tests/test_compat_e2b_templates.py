@@ -1,16 +1,20 @@
 """E2B templates: the real ``e2b`` SDK's ``Template`` (in its compat virtualenv) drives a real
 dsec server, building from images pushed to a real OCI registry on loopback (Debian's
 ``docker-registry``, the fixture of test_image_pull.py): exists, build (logs, env, workdir),
-create from the template, list, delete; builds dsec cannot do yet (RUN, COPY) and bad
-references fail with the SDK's own exceptions and leave nothing ready; another project's key
+create from the template, list, delete; RUN and COPY steps (files uploaded by the SDK) built
+through the server's Dockerfile build; failing steps, hostile uploads and bad references fail
+with the SDK's own exceptions and leave nothing ready; another project's key
 sees, uses and deletes nothing; hostile names are refused with nothing stored."""
 
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import subprocess
+import tarfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +27,7 @@ from support.compat_venvs import compat_python
 from test_compat_e2b import E2B_VERSIONS, _project_keys, e2b_env
 from test_image_pull import Registry, pytestmark, registry  # noqa: F401 (the module's fixture)
 from test_images import _busybox_layers, _layer_tar, make_oci_archive
+from test_integrations import HARBOR, PYENV
 from test_projects import unique
 
 E2B_VERSION = E2B_VERSIONS[-1]  # the newest of the matrix; the main cases run in each version
@@ -108,18 +113,75 @@ def test_a_dockerfile_of_metadata_steps_and_a_template_of_a_template_build(
 
 
 @pytest.mark.parametrize("version", E2B_VERSIONS)
-@pytest.mark.parametrize("step", ["run", "copy"])
-def test_steps_that_need_the_dockerfile_build_are_refused(server: Server, image: str,
-                                                          step: str, version: str) -> None:
-    name = unique(f"tpl-{step}")
-    built, exists, listed = drive(server, [["build", name, image, step], ["exists", name], ["list"]],
-                                  version=version)
-    assert built["raised"] in ("BuildException", "FileUploadException"), built
-    assert "needs" not in built["message"] or "Dockerfile build" in built["message"]
-    assert f"{step.upper()} steps are not supported yet" in built["message"]
-    assert "dsec's Dockerfile build" in built["message"]
+def test_run_and_copy_steps_build_an_image_through_the_dockerfile_build(
+        server: Server, image: str, version: str) -> None:
+    """RUN and COPY (the SDK uploads the files to the link the server answers, then the build
+    runs through the server's one Dockerfile builder); a failing RUN fails the build with its
+    output and leaves nothing ready."""
+    name = unique("tpl-steps")
+    built, ran, failed, exists, listed = drive(server, [
+        ["build", name, image, "steps"],
+        ["run", name, "cat /data/x; cat /data/size; pwd; echo $TPL_GREETING"],
+        ["build", name + "-bad", image, "failing"], ["exists", name + "-bad"], ["list"]],
+        version=version)
+    assert "raised" not in built, built
+    assert any("step-output" in line for line in built["logs"]), built["logs"]
+    assert any("RUN" in line for line in built["logs"])  # each step's progress
+    size = DRIVER.stat().st_size
+    assert ran == {"stdout": f"built-from-template\n{size}\n/data\nfrom-template\n",
+                   "exit_code": 0}, ran
+    assert failed["raised"] == "BuildException", failed
+    assert "exited with 5" in failed["message"] and "about-to-fail" in failed["message"]
+    assert "\x1b" not in failed["message"]
     assert exists == [False, False]
-    assert [t["status"] for t in listed["templates"] if t["aliases"] == [name]] == ["error"]
+    assert [t["status"] for t in listed["templates"] if t["aliases"] == [name + "-bad"]] == ["error"]
+
+
+def test_hostile_uploads_are_refused(server: Server, image: str) -> None:
+    """An upload link is the build's own: no token, a forged one, one for another hash or
+    another project's key get nothing stored; a tar with escapes fails the build, nothing
+    ready, nothing written outside."""
+    (_, mine), (_, theirs) = asyncio.run(_project_keys(server, 0))
+    files_hash = "a" * 64
+    with httpx.Client(base_url=f"{server.url}/e2b", headers={"X-API-Key": mine}) as http:
+        made = http.post("/v3/templates", json={"name": unique("tpl-up")}).json()
+        template = made["templateID"]
+        answer = http.get(f"/templates/{template}/files/{files_hash}")
+        assert answer.status_code == 201, answer.text  # E2B's
+        link = answer.json()
+        assert link["present"] is False and link["url"].startswith(f"{server.url}/e2b/templates/")
+        assert http.get(f"/templates/{template}/files/not-a-hash").status_code == 400
+        with httpx.Client(base_url=f"{server.url}/e2b", headers={"X-API-Key": theirs}) as them:
+            assert them.get(f"/templates/{template}/files/{files_hash}").status_code == 404
+        token = link["url"].partition("token=")[2]
+        plain = httpx.Client()  # the SDK PUTs without its key
+        for url in (link["url"].partition("?")[0], link["url"] + "0",
+                    link["url"].replace(files_hash, "b" * 64),
+                    link["url"].replace(token, "default." + token.partition(".")[2])):
+            assert plain.put(url, content=b"x").status_code == 403, url
+        assert http.get(f"/templates/{template}/files/{files_hash}").json()["present"] is False
+        evil = io.BytesIO()
+        with tarfile.open(fileobj=evil, mode="w") as tar:
+            info = tarfile.TarInfo("../../escaped-upload.txt")
+            info.size = 2
+            tar.addfile(info, io.BytesIO(b"x\n"))
+        assert plain.put(link["url"], content=evil.getvalue()).status_code == 201
+        assert http.get(f"/templates/{template}/files/{files_hash}").json()["present"] is True
+        steps = {"fromImage": image.rsplit(":", 1)[0] + ":1", "steps": [
+            {"type": "COPY", "args": [".", "/data/"], "filesHash": files_hash}]}
+        assert http.post(f"/v2/templates/{template}/builds/{made['buildID']}",
+                         json=steps).status_code == 202
+        status = {"status": "building"}
+        while status["status"] in ("waiting", "building"):
+            time.sleep(0.2)
+            status = http.get(f"/templates/{template}/builds/{made['buildID']}/status").json()
+        assert status["status"] == "error" and "'..'" in status["reason"]["message"], status
+        with httpx.Client(base_url=f"{server.url}/e2b", headers={"X-API-Key": theirs}) as them:
+            status_url = f"/templates/{template}/builds/{made['buildID']}/status"
+            assert them.get(status_url).status_code == 404  # the build's logs are mine
+        assert not Path("/escaped-upload.txt").exists()
+        assert not (server.state_dir / "e2b-uploads" / template).exists()  # gone with the build
+        plain.close()
 
 
 def test_a_bad_reference_fails_the_build_and_leaves_nothing_ready(server: Server,
@@ -180,7 +242,8 @@ def test_hostile_build_bodies_are_typed_4xx_and_leave_nothing_ready(server: Serv
             assert answer.status_code == 400 and answer.json()["code"] == 400, (body, answer.text)
         names = {unique("tpl-h"): steps for steps in (
             "{}", '{"fromImage": "x", "steps": "RUN"}',
-            '{"fromImage": "x", "steps": [{"type": "RUN", "args": ["id"]}]}',
+            '{"fromImage": "x", "steps": [{"type": "RUN", "args": []}]}',
+            '{"fromImage": "x", "steps": [{"type": "COPY", "args": ["a", "/b"]}]}',
             '{"fromImage": "x", "steps": [{"type": "ENV", "args": ["A"]}]}',
             '{"fromImage": "x", "steps": [{"type": "WORKDIR", "args": [1]}]}',
             '{"fromImage": "x", "steps": [{"type": "SHELL", "args": []}]}',
@@ -205,3 +268,24 @@ def test_hostile_build_bodies_are_typed_4xx_and_leave_nothing_ready(server: Serv
             assert http.get(f"/templates/{made['templateID']}/builds/{made['buildID']}/status",
                             params={"logsOffset": "-1"}).status_code == 400
             assert http.get(f"/templates/aliases/{name}").status_code == 404
+
+
+def test_harbors_e2b_environment_builds_its_template_and_runs(server: Server,
+                                                               tmp_path: Path) -> None:
+    """harbor's own E2B environment, unmodified: its template from a task's Dockerfile (RUN,
+    COPY, ENV, WORKDIR, and harbor's own RUN steps as root), built through dsec's Dockerfile
+    build, then a sandbox of it running a command; then harbor's Trial (oracle agent,
+    verifier) on a task whose environment is a Dockerfile with a RUN step: rewarded."""
+    found = sorted(PYENV.glob("3.1[2-9].*/bin/python3"))
+    if not found:
+        pytest.skip(f"harbor needs Python >= 3.12; none under {PYENV}")
+    python = compat_python("harbor", HARBOR, base=found[0],  # harbor[e2b]: its extra, pinned
+                           also=(f"e2b=={E2B_VERSION}", "dockerfile-parse==2.0.1"))
+    done = subprocess.run([str(python), str(DRIVER.parent / "harbor_e2b_driver.py"),
+                           str(tmp_path)], env=e2b_env(server), capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    out = json.loads(done.stdout)
+    assert "start" not in out, out
+    assert out["exec"] == [f"built by a RUN step\ntask {out['task']}\n/app\n/app\n", "", 0], out
+    assert out["trial"] == {"exception": None, "rewards": {"reward": 1.0}}, out["trial"]

@@ -33,7 +33,7 @@ import pytest
 
 import dsec
 from conftest import Server, make_server, make_tcp_server, stop_server
-from dsec.client.archive import extract
+from dsec.protocol.archive import extract
 from dsec.store.idempotency import IdempotencyStore
 from dsec.store.local_postgres import LocalPostgres
 from support.compat_venvs import compat_python

@@ -13,6 +13,7 @@ from .client.aio import Replay as AsyncReplay
 from .client.aio import Sandbox as AsyncSandbox
 from .client.aio import Session as AsyncSession
 from .client.sync import Client, OutputStream, Process, Pty, Replay, Sandbox, Session
+from .protocol.build import ImageBuilt
 from .protocol.errors import (
                               CapacityExhausted,
                               CheckpointNotFound,
@@ -81,7 +82,7 @@ __all__ = [
     "QuotaExceeded", "DelegationExceeded", "ProjectNotFound", "ProjectExists", "Forbidden",
     "ProjectInfo", "ProjectKey", "Quota",
     "NetworkPolicy",
-    "RemoteError", "ResultRefused", "PortUnavailable", "CodeResult", "UnsafeArchive", "IdempotencyKeyReused",
+    "RemoteError", "ResultRefused", "PortUnavailable", "CodeResult", "ImageBuilt", "UnsafeArchive", "IdempotencyKeyReused",
     "DigestMismatch", "RegistryError", "RegistryUnreachable", "RegistryDenied",
 ]
 __version__ = "0.1.0"

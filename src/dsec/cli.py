@@ -439,14 +439,18 @@ def image() -> None:
 @click.option("--disk-mb", default=4096, show_default=True, help="each step's disk (its layer "
               "can hold no more)")
 @click.option("--memory-mb", default=2048, show_default=True)
+@click.option("--server", "on_server", is_flag=True,
+              help="with -f: build on the server the SDK reaches (DSEC_URL and DSEC_API_KEY, "
+                   "else this host's local server), the context sent as a tar")
 def image_build(spec: str | None, dockerfile: Path | None, name: str | None,
                 build_args: tuple[str, ...], allow: tuple[str, ...], disk_mb: int,
-                memory_mb: int) -> None:
+                memory_mb: int, on_server: bool) -> None:
     """Build SPEC (a TOML file, or a built-in name such as python-3.11), or with -f a
-    Dockerfile (each RUN, COPY and WORKDIR step in a dsec container sandbox)."""
+    Dockerfile (each RUN, COPY and WORKDIR step in a dsec container sandbox; with --server,
+    on the server, the context directory sent as a tar)."""
     if dockerfile is not None:
         _dockerfile_build(dockerfile, Path(spec or "."), name, build_args, allow, disk_mb,
-                          memory_mb)
+                          memory_mb, on_server)
         return
     if spec is None:
         raise click.UsageError("give a SPEC, or -f Dockerfile")
@@ -461,35 +465,39 @@ def image_build(spec: str | None, dockerfile: Path | None, name: str | None,
 
 def _dockerfile_build(dockerfile: Path, context: Path, name: str | None,
                       build_args: tuple[str, ...], allow: tuple[str, ...], disk_mb: int,
-                      memory_mb: int) -> None:
+                      memory_mb: int, on_server: bool) -> None:
     from .edge.assemble import builder_edge
     from .edge.dockerbuild import BuildOptions, build_dockerfile
-    from .protocol.models import Network, NetworkPolicy
+    from .protocol.build import allow_network
     if not name:
         raise click.UsageError("--name is required with -f")
     if any("=" not in arg for arg in build_args):
         raise click.UsageError("--build-arg takes NAME=VALUE")
     args = dict(arg.partition("=")[::2] for arg in build_args)
-    services = {a: True for a in allow if ":" not in a and "/" not in a and not a[0].isdigit()}
-    rules = [a for a in allow if a not in services]
-    network: Network = "none"
     try:
-        if allow:
-            network = NetworkPolicy(services=services, allow=rules)
+        network = allow_network(allow)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--allow") from None
     options = BuildOptions(network=network, build_args=args, disk_mb=disk_mb, memory_mb=memory_mb)
 
-    async def build() -> Any:
+    async def build() -> tuple[str, str, int, int]:
+        if on_server:  # built there (POST /v1/images/build), as client.build_image
+            async with DSecClient() as client:
+                built = await client.build_image(
+                    name, context, dockerfile=dockerfile, build_args=args, network=network,
+                    disk_mb=disk_mb, memory_mb=memory_mb,
+                    on_log=lambda line: console.print(line, markup=False, highlight=False))
+            return built.image, built.digest, built.steps_run, built.steps_cached
         async with builder_edge(Settings.load()) as edge:
-            return await build_dockerfile(edge, dockerfile.read_text(), context, name, options,
-                                          say=console.print)
+            result = await build_dockerfile(edge, dockerfile.read_text(), context, name, options,
+                                            say=console.print)
+        return result.image.name, result.image.digest, result.ran, result.cached
     try:
-        result = asyncio.run(build())
+        image, digest, ran, cached = asyncio.run(build())
     except DSecError as exc:
         _fail(exc)
-    console.print(f"{result.ran} steps run, {result.cached} cached")
-    click.echo(f"{result.image.name} {result.image.digest}")
+    console.print(f"{ran} steps run, {cached} cached")
+    click.echo(f"{image} {digest}")
 
 
 @image.command("ls")

@@ -125,6 +125,8 @@ class Settings:
                                            "before it forks (comma-separated)")
     e2b_templates: str = _setting("", "E2B template mapping added to base=python-3.11: "
                                   "name=image,name=image")
+    e2b_build_allow: str = _setting("", "egress of E2B template builds' RUN steps: services of "
+                                    "the table or raw rules, comma-separated (default none)")
     port_idle_s: int = _setting(60, "seconds a sandbox's port may send nothing before its "
                                 "connection through the proxy is cut (sb.url)")
     sandboxfusion_image: str = _setting("python-3.11", "image of SandboxFusion's run_code")

@@ -36,6 +36,14 @@ def build(name: str, image: str, extra: str = "", workdir: str = "/data") -> Any
         template = template.run_cmd("echo hi > /data/x")
     elif extra == "copy":
         template = template.copy(os.path.basename(__file__), "/data/")  # context: this dir
+    elif extra == "steps":  # RUN and COPY (the files uploaded), as users write templates
+        template = (template.run_cmd(["echo built-$TPL_GREETING > /data/x",
+                                      f"echo step-output-{name}"])  # its own: not cached
+                    .copy(os.path.basename(__file__), "/data/copied/")
+                    .run_cmd("wc -c < /data/copied/compat_e2b_template_driver.py > /data/size",
+                             user="root"))
+    elif extra == "failing":
+        template = template.run_cmd(f"echo about-to-fail {name}; printf 'esc\\033[2J\\n'; exit 5")
     elif extra == "template":  # ``image`` names a template: its env and workdir carry over
         template = Template().from_template(image)
     elif extra == "dockerfile":

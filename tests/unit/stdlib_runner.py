@@ -4,8 +4,8 @@ interpreters::
 
     ~/.pyenv/versions/3.10.13/bin/python tests/unit/stdlib_runner.py
 
-``dsec`` and ``dsec.client`` are registered as bare packages over ``src/`` so that importing
-``dsec.client.archive`` loads only that module and ``dsec.protocol.errors`` (no SDK, no
+``dsec`` and ``dsec.protocol`` are registered as bare packages over ``src/`` so that importing
+``dsec.protocol.archive`` loads only that module and ``dsec.protocol.errors`` (no SDK, no
 pydantic). Each ``test_*`` function gets a fresh temporary directory as its ``tmp_path``.
 """
 
@@ -31,7 +31,7 @@ def bare_package(name: str, path: Path) -> None:
 
 def main() -> int:
     bare_package("dsec", SRC / "dsec")
-    bare_package("dsec.client", SRC / "dsec" / "client")
+    bare_package("dsec.protocol", SRC / "dsec" / "protocol")
     sys.path.insert(0, str(HERE))
     failed = passed = 0
     for module_name in MODULES:

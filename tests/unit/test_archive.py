@@ -1,4 +1,4 @@
-"""The SDK's archive extractor (``dsec.client.archive``) against tars a hostile sandbox would
+"""The SDK's archive extractor (``dsec.protocol.archive``) against tars a hostile sandbox would
 make, crafted here with the stdlib ``tarfile``: every one is refused with ``UnsafeArchive`` and
 leaves nothing outside the destination; an honest tree (links, modes) comes out intact.
 
@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from dsec.client.archive import extract
+from dsec.protocol.archive import extract
 from dsec.protocol.errors import DSecError, UnsafeArchive
 
 

@@ -4,10 +4,13 @@ image until it is ready itself, a stale build cannot write over a newer one."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from dsec.compat.e2b_build import Uploads
 from dsec.compat.e2b_templates import TemplateError, Templates, split_name
 from dsec.images.store import ImageStore
 from dsec.store.templates import TemplateStore
@@ -49,7 +52,8 @@ def test_a_build_whose_server_stopped_is_reported_failed(tmp_path: Path) -> None
     """A build left ``building`` (its server stopped mid-pull) stops being polled forever:
     once its heartbeat is stale, its status is an error saying so, and it is not ready."""
     store = TemplateStore(tmp_path / "state.db")
-    templates = Templates(store, ImageStore(tmp_path / "images"), {}, "never", lambda: "p")
+    templates = Templates(store, ImageStore(tmp_path / "images"), {}, "never", lambda: "p",
+                          no_build, Uploads(tmp_path / "uploads"))
     row = store.request("p", "tpl", "tpl-1", "b1", ["default"], 2, 512)
     row.status = "building"
     store.update(row)
@@ -61,3 +65,7 @@ def test_a_build_whose_server_stopped_is_reported_failed(tmp_path: Path) -> None
     with pytest.raises(TemplateError) as other:
         templates.status("tpl-1", "b2", 0)
     assert other.value.status == 404
+
+
+def no_build(*_: Any) -> AsyncIterator[Any]:
+    raise AssertionError("no build here")

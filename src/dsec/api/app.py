@@ -3,10 +3,11 @@
 Every route authenticates with an API key (``Authorization: Bearer dsk_...``), finds the
 owning edge from the sandbox id, and maps ``DSecError`` to ``{"error": {...}}`` with the
 error's status. Streams (exec output, process attach) are NDJSON: one JSON event per line,
-``{"type": "stdout"|"stderr", "data": <base64>}``, then ``{"type": "result", "result": ...}``
-or ``{"type": "error", "error": ...}``. Calls on a sandbox attached to a trajectory carry
-their step (``X-DSec-Step``) and are logged and fast-forwarded by ``dsec.trajectory.recorder``,
-which ``Router.edge_for`` puts in front of the edge.
+``{"type": "stdout"|"stderr", "data": <base64>}`` (an image build's: ``{"type": "log",
+"message": ...}``), then ``{"type": "result", "result": ...}`` or ``{"type": "error", ...}``.
+Calls on a sandbox attached to a trajectory carry their step (``X-DSec-Step``) and are logged
+and fast-forwarded by ``dsec.trajectory.recorder``, which ``Router.edge_for`` puts in front of
+the edge.
 
 The sandbox routes are those of the table of operations (``dsec.protocol.ops``: method and
 path); tests/unit/test_operations.py checks that each of its operations has its route here.
@@ -28,9 +29,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..agent.client import Output
+from ..compat.multipart import form_parts
 from ..control.idempotency import REPLAYED_HEADER
 from ..control.plane import ControlPlane
 from ..control.ports import PortTokens
+from ..protocol.build import BuildLog, ImageBuildRequest, ImageBuilt
 from ..protocol.errors import DSecError, InvalidRequest, Unauthorized
 from ..protocol.gc_models import GcReport
 from ..protocol.models import (
@@ -316,6 +319,15 @@ def create_app(control: ControlPlane) -> FastAPI:
         await router.edge_for(sandbox_id, call).upload_tar(sandbox_id, path, await request.body())
         return Response(status_code=204)
 
+    @app.post("/v1/images/build", dependencies=auth, response_class=StreamingResponse)
+    async def build_image(request: Request) -> StreamingResponse:
+        """A Dockerfile build (docs/IMAGES.md). multipart/form-data: a ``request`` part (an
+        ``ImageBuildRequest`` as JSON) and a ``context`` part (a plain tar, may be absent);
+        NDJSON log lines, then the result."""
+        req, context = _build_parts(request.headers.get("content-type", ""),
+                                    await request.body())
+        return await _ndjson(router.build_image(req, context))
+
     app.include_router(trajectory_routes(router, store, authenticated), dependencies=auth)
     app.include_router(project_routes(projects), dependencies=auth)
     app.include_router(dashboard_routes(router, projects, registry, auth))
@@ -348,7 +360,17 @@ class CallHeaders:
         await self.app(scope, receive, send_with_headers)
 
 
-async def _ndjson(events: AsyncIterator[Output | ExecResult]) -> StreamingResponse:
+def _build_parts(content_type: str, body: bytes) -> tuple[ImageBuildRequest, bytes]:
+    try:
+        parts = {part.name: part.content for part in form_parts(content_type, body)}
+        req = ImageBuildRequest.model_validate_json(parts["request"])
+    except (ValueError, KeyError) as exc:  # pydantic's ValidationError is a ValueError
+        raise InvalidRequest("a build is multipart/form-data: a 'request' part (JSON: name, "
+                             f"dockerfile, ...) and a 'context' part (a tar): {exc}"[:2000]) from None
+    return req, parts.get("context", b"")
+
+
+async def _ndjson(events: AsyncIterator[Any]) -> StreamingResponse:
     """Stream events as NDJSON. The first event is awaited before the response starts, so an
     unknown sandbox or a bad request is still an ordinary HTTP error."""
     iterator = aiter(events)
@@ -385,9 +407,11 @@ def _json_safe(value: Any) -> Any:
     return _json_safe(str(value))
 
 
-def _event_line(event: Output | ExecResult) -> bytes:
+def _event_line(event: Output | ExecResult | BuildLog | ImageBuilt) -> bytes:
     if isinstance(event, Output):
         body: dict[str, Any] = {"type": "stdout" if event.fd == 1 else "stderr", "data": b64(event.data)}
+    elif isinstance(event, BuildLog):
+        body = {"type": "log", "message": event.message}
     else:
         body = {"type": "result", "result": event.model_dump()}
     return json.dumps(body).encode() + b"\n"

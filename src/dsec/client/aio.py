@@ -13,6 +13,7 @@ import asyncio
 import base64
 import builtins
 import io
+import os
 import tarfile
 import time
 import uuid
@@ -32,6 +33,8 @@ from typing import (
 import httpx
 from pydantic import BaseModel, ValidationError
 
+from ..protocol import archive
+from ..protocol.build import ImageBuildRequest, ImageBuilt
 from ..protocol.digest import StepRequest, step_request
 from ..protocol.errors import (
     CommandTimeout,
@@ -65,8 +68,9 @@ from ..protocol.models import (
 )
 from ..protocol.ops import BY_METHOD
 from ..protocol.outcome import decode, output_chunks
-from . import archive
+from . import build as builds
 from . import fn as fn_calls
+from .build import Context as BuildContext
 from .projects import Projects
 from .trajectory import Attachment, Checkpoint, OnDivergence, check_on_divergence
 from .transport import Transport, retrying
@@ -522,7 +526,7 @@ class Sandbox:
                        max_bytes: int = archive.DEFAULT_MAX_BYTES,
                        max_members: int = archive.DEFAULT_MAX_MEMBERS) -> None:
         """Copy the contents of ``remote_dir`` into ``local_dir``. The archive is sandbox-made:
-        each member is checked and created under ``local_dir`` only (see ``client/archive.py``);
+        each member is checked and created under ``local_dir`` only (see ``protocol/archive.py``);
         ``UnsafeArchive`` if one would land outside, or past ``max_bytes``/``max_members``."""
         data = await self._call("download_tar", {"path": remote_dir}, _content,
                                 params={"path": remote_dir})
@@ -886,6 +890,25 @@ class AsyncClient:
         ``dry_run``: what would be, removing nothing). See docs/RETENTION.md."""
         return GcReport.model_validate(await self._t.json(
             "POST", "/v1/admin/gc", params={"dry_run": "true" if dry_run else "false"}))
+
+    # images
+    async def build_image(self, name: str, context: BuildContext = None, *,
+                          dockerfile: str | os.PathLike[str] | None = None,
+                          build_args: dict[str, str] | None = None, network: Any = "none",
+                          disk_mb: int = 4096, memory_mb: int = 2048, cpu: float = 1.0,
+                          on_log: Callable[[str], Any] | None = None) -> ImageBuilt:
+        """Build a Dockerfile on the server, each RUN, COPY and WORKDIR step in a sandbox of
+        the image so far (docs/IMAGES.md); its ``ImageBuilt.image`` is the name to create
+        sandboxes of (a project key's build: ``p.PROJECT.NAME``). ``context``: a directory
+        (sent whole as a tar) or a tar's bytes; ``dockerfile``: a path, or the text itself
+        (default: the context's ``Dockerfile``); ``network``: RUN steps' egress, as a
+        sandbox's (``{"pypi": True}``; default none); ``on_log``: each line of progress.
+        A failing step raises ``ImageBuildError`` (its line, exit code, output tail)."""
+        text = builds.dockerfile_text(dockerfile, context)
+        req = _validated(ImageBuildRequest, name=name, dockerfile=text,
+                         build_args=build_args or {}, network=network, disk_mb=disk_mb,
+                         memory_mb=memory_mb, cpu=cpu)
+        return await builds.build(self._t, req, builds.context_tar(context), on_log)
 
     # fn substrate: calls into pre-warmed, jailed workers (see docs/FN.md)
     async def call(self, fn: Callable[..., V], *args: Any, substrate: str = "fn",

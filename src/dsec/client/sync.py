@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import os
 import threading
 from collections.abc import (
     AsyncIterable,
@@ -28,6 +29,8 @@ from typing import (
     TypeVar,
 )
 
+from ..protocol import archive
+from ..protocol.build import ImageBuilt
 from ..protocol.errors import DSecError
 from ..protocol.fn import DEFAULT_IMAGE, CodeResult, Language
 from ..protocol.gc_models import GcReport
@@ -40,8 +43,9 @@ from ..protocol.models import (
     StepRecord,
     TrajectoryInfo,
 )
-from . import aio, archive
+from . import aio
 from .aio import CommandResult, CreateOptions, OutputChunk
+from .build import Context as BuildContext
 from .projects import SyncProjects
 from .trajectory import Checkpoint, OnDivergence
 
@@ -537,6 +541,17 @@ class Client:
         return self._loop.call(self._async.run_code(
             language, code, stdin=stdin, image=image, timeout_s=timeout_s,
             max_output_bytes=max_output_bytes, substrate=substrate))
+
+    def build_image(self, name: str, context: BuildContext = None, *,
+                    dockerfile: str | os.PathLike[str] | None = None,
+                    build_args: dict[str, str] | None = None, network: Any = "none",
+                    disk_mb: int = 4096, memory_mb: int = 2048, cpu: float = 1.0,
+                    on_log: Callable[[str], Any] | None = None) -> ImageBuilt:
+        """Build a Dockerfile on the server (see ``AsyncClient.build_image``); ``on_log`` is
+        called from the client's event loop thread."""
+        return self._loop.call(self._async.build_image(
+            name, context, dockerfile=dockerfile, build_args=build_args, network=network,
+            disk_mb=disk_mb, memory_mb=memory_mb, cpu=cpu, on_log=on_log))
 
     def map(self, fn: Callable[..., V], items: Iterable[Any], *, concurrency: int = 16,
             substrate: str = "fn", image: str = DEFAULT_IMAGE,

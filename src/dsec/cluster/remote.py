@@ -22,6 +22,7 @@ from ray.exceptions import (
 )
 
 from ..edge.edge import sandbox_info
+from ..protocol.build import BuildLog, ImageBuildRequest, ImageBuilt
 from ..protocol.errors import DSecError, SandboxDied, SandboxError, SandboxNotFound
 from ..protocol.fn import CodeResult, RunCodeRequest
 from ..protocol.models import CreateRequest, SandboxInfo
@@ -156,19 +157,24 @@ class RemoteEdge:
     async def _await(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return await self.member.handle.call.remote(method, *args, **kwargs)
 
-    async def _stream(self, method: str, sandbox_id: str, *args: Any,
+    def _stream(self, method: str, sandbox_id: str, *args: Any,
+                **kwargs: Any) -> AsyncIterator[Any]:
+        return self._events(sandbox_id, method, sandbox_id, *args, **kwargs)
+
+    async def _events(self, label: str, method: str, *args: Any,
                       **kwargs: Any) -> AsyncIterator[Any]:
+        """The actor's stream ``method(*args)``; ``label``: what a death is reported of."""
         refs = self.member.handle.stream.options(
             num_returns="streaming", _generator_backpressure_num_objects=STREAM_AHEAD).remote(
-            method, sandbox_id, *args, **kwargs)
+            method, *args, **kwargs)
         try:
             while True:
                 try:
-                    ref = await self._guarded(sandbox_id, refs.__anext__())
+                    ref = await self._guarded(label, refs.__anext__())
                 except StopAsyncIteration:
                     refs = None
                     return
-                yield await self._guarded(sandbox_id, _get(ref))
+                yield await self._guarded(label, _get(ref))
         finally:
             if refs is not None:  # left early (the client went away): end the actor's side
                 with contextlib.suppress(Exception):  # too, or it would wait on STREAM_AHEAD
@@ -185,6 +191,10 @@ class RemoteEdge:
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         return await self._guarded("(snapshot)", self._await("delete_snapshot", snapshot_id))
+
+    def build_image(self, req: ImageBuildRequest,
+                    context: bytes) -> AsyncIterator[BuildLog | ImageBuilt]:
+        return self._events("(image build)", "build_image", req, context)
 
 
 async def _get(ref: Any) -> Any:

@@ -14,10 +14,12 @@ from fastapi import FastAPI
 
 from ..control.plane import ControlPlane
 from ..images.store import ImageStore
+from ..protocol.build import allow_network
 from ..protocol.project_models import ROOT_PROJECT
 from ..store.templates import TemplateStore
 from .auth import Keys
 from .e2b import create_e2b_app, template_mapping
+from .e2b_build import Uploads
 from .e2b_ports import E2BPorts
 from .e2b_templates import Templates
 from .sandboxfusion import create_sandboxfusion_app
@@ -35,7 +37,9 @@ def mount_compat(app: FastAPI, control: ControlPlane) -> FastAPI:
     settings = control.settings
     templates = Templates(TemplateStore(control.store.url), ImageStore(settings.image_store),
                           template_mapping(settings.e2b_templates), settings.pull,
-                          lambda: control.projects.caller() or ROOT_PROJECT)
+                          lambda: control.projects.caller() or ROOT_PROJECT,
+                          control.router.build_image, Uploads(settings.state_dir / "e2b-uploads"),
+                          allow_network(settings.e2b_build_allow.split(",")))
     app.mount(E2B_PREFIX, E2BPorts(create_e2b_app(control.router, keys, templates),
                                    control.router, keys))
     app.mount(SANDBOXFUSION_PREFIX, create_sandboxfusion_app(control.router, keys,

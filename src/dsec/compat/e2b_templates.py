@@ -6,7 +6,8 @@ Routes (``e2b-dev/infra`` ``spec/openapi.yml``, what the SDK 2.x calls):
 - ``GET /templates/aliases/{alias}``: ``Template.exists`` / ``alias_exists`` (200 when the
   caller's project has a template of that alias with a ready image, else 404)
 - ``POST /v3/templates``: ``Template.build``'s first call: a template id and a build id
-- ``GET /templates/{id}/files/{hash}``: the upload link a COPY step asks for: refused (400)
+- ``GET /templates/{id}/files/{hash}``: the upload link a COPY step asks for (``present``,
+  ``url``), and ``PUT`` there: the step's files as a tar (e2b_build.py: token, storage)
 - ``POST /v2/templates/{id}/builds/{build id}``: the build's steps; answered 202, built in
   the background
 - ``GET /templates/{id}/builds/{build id}/status``: status and logs (``logsOffset``)
@@ -19,11 +20,12 @@ is pulled into the image store when the server pulls: ``--pull missing``; the pu
 lines are the build's logs) or ``fromTemplate`` (another template of the project); ENV,
 WORKDIR and USER steps and the start/ready commands are kept as the template's metadata
 (ENV and WORKDIR apply to its sandboxes: their environment and envd's default working
-directory). RUN and COPY steps need dsec's Dockerfile build, which is not there yet: such a
-build is refused (400, the SDK's ``BuildException`` / ``FileUploadException``) and marked
-failed, never reported ready. **The Dockerfile build plugs in at one place,**
-``Templates._image``: given the base image and the steps, it returns the image to name; today
-it returns the base image and refuses steps that would need a layer.
+directory). A build with RUN or COPY steps is a Dockerfile build through the server's one
+builder (``Router.build_image``, on an edge; e2b_build.py translates the steps and the
+uploaded files): its log lines are the build's logs, a failing step fails the build with
+its line and output, and its image (``p.PROJECT.e2b-...``, the project's own) is what the
+template names. RUN steps have the server's ``DSEC_E2B_BUILD_ALLOW`` egress (services of its
+table, raw rules; none by default): an E2B build request carries no policy of its own.
 
 ``Sandbox.create(template=...)`` asks ``Templates.resolve``: the caller's project's template
 of that alias (or id), else the server's static mapping (``DSEC_E2B_TEMPLATES``), else the
@@ -40,17 +42,20 @@ import re
 import secrets
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from rich.console import Console
 
 from ..images.store import ImageStore
+from ..protocol.build import BuildLog, ImageBuildRequest, ImageBuilt
 from ..protocol.errors import DSecError, ImageNotFound, InvalidRequest
+from ..protocol.models import Network
 from ..store.templates import TemplateRow, TemplateStore
+from .e2b_build import Uploads, dockerfile
 
 log = logging.getLogger("dsec.compat.e2b")
 
@@ -59,6 +64,8 @@ ALIAS = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}")
 TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 METADATA_STEPS = {"ENV", "WORKDIR", "USER"}
 LAYER_STEPS = {"RUN", "COPY"}  # what needs the Dockerfile build
+MAX_LOG_ENTRIES = 20_000  # of one build (RUN output is capped by the build itself)
+FLUSH_S = 0.5  # a build's new log lines are written this often
 MAX_STEPS = 512
 HEARTBEAT_S = 10  # a running build touches its record this often
 STALE_S = 120  # a build not touched for this long is reported failed: its server stopped
@@ -98,16 +105,26 @@ def split_name(name: str) -> tuple[str, str | None]:
     return alias, tag if sep else None
 
 
+Builder = Callable[[ImageBuildRequest, bytes], AsyncIterator[BuildLog | ImageBuilt]]
+
+
 class Templates:
     def __init__(self, store: TemplateStore, images: ImageStore, static: dict[str, str],
-                 pull: str, project: Callable[[], str]) -> None:
+                 pull: str, project: Callable[[], str], build: Builder,
+                 uploads: Uploads, network: Network = "none") -> None:
         """``static``: the server's template → image mapping; ``pull``: the server's pull
-        policy (``missing`` lets a build pull a registry reference); ``project``: the caller's."""
+        policy (``missing`` lets a build pull a registry reference); ``project``: the caller's;
+        ``build``: the server's Dockerfile build (``Router.build_image``); ``uploads``: where
+        COPY steps' files wait for their build; ``network``: RUN steps' egress (the server's
+        ``DSEC_E2B_BUILD_ALLOW``)."""
         self.store = store
         self.images = images
         self.static = static
         self.pull = pull
         self.project = project
+        self.build = build
+        self.uploads = uploads
+        self.network = network
         self._builds: set[asyncio.Task[None]] = set()
 
     # create
@@ -151,19 +168,39 @@ class Templates:
         return {"templateID": row.template_id, "buildID": row.build_id, "public": False,
                 "names": [alias], "aliases": [alias], "tags": tags}
 
-    def refuse_upload(self, template_id: str) -> NoReturn:
-        """A COPY step's upload link: the build it belongs to fails here, with the reason."""
+    def upload_link(self, template_id: str, files_hash: str, base_url: str) -> dict[str, Any]:
+        """Where a COPY step's files go (a link with a token: the SDK PUTs them without its
+        key), or ``present`` when this build has them already."""
         row = self._row(template_id)
-        if row.status == "waiting":  # the build asking, not a finished one
-            self._fail(row, _needs_build("COPY"))
-        raise TemplateError(400, _needs_build("COPY"))
+        if row.status != "waiting":
+            raise TemplateError(409, f"template '{template_id}' has no build waiting for files")
+        present = self._checked(self.uploads.present, template_id, files_hash)
+        token = self.uploads.token(row.project, template_id, files_hash)
+        return {"present": present,
+                "url": f"{base_url}/templates/{template_id}/files/{files_hash}?token={token}"}
+
+    def upload(self, template_id: str, files_hash: str, token: str, data: bytes) -> None:
+        project = self.uploads.project_of(token, template_id, files_hash)
+        row = None if project is None else self.store.by_id(project, template_id)
+        if row is None:
+            raise TemplateError(403, "invalid upload link (ask GET /templates/{id}/files/{hash})")
+        if row.status != "waiting":
+            raise TemplateError(409, f"template '{template_id}' has no build waiting for files")
+        self._checked(self.uploads.put, template_id, files_hash, data)
+
+    @staticmethod
+    def _checked(call: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return call(*args)
+        except InvalidRequest as exc:
+            raise TemplateError(400, exc.message) from None
 
     def trigger(self, template_id: str, build_id: str, body: dict[str, Any]) -> None:
         row = self._row(template_id, build_id)
         if row.status != "waiting":
             raise TemplateError(409, f"build {build_id} was already started")
         try:
-            steps = _steps(body)
+            steps, hashes = _steps(body)
             if body.get("fromImageRegistry"):
                 raise TemplateError(400, "registry credentials in a template are not supported: "
                                          "give the server DSEC_REGISTRY_AUTH (docs/IMAGES.md)")
@@ -175,7 +212,7 @@ class Templates:
             raise
         row.status = "building"
         self.store.update(row)
-        task = asyncio.create_task(self._build(row, body, steps))
+        task = asyncio.create_task(self._build(row, body, steps, hashes))
         self._builds.add(task)
         task.add_done_callback(self._builds.discard)
 
@@ -223,12 +260,13 @@ class Templates:
         self.store.update(row)
 
     async def _build(self, row: TemplateRow, body: dict[str, Any],
-                     steps: list[tuple[str, list[str]]]) -> None:
+                     steps: list[tuple[str, list[str]]], hashes: list[str | None]) -> None:
         heartbeat = asyncio.create_task(self._heartbeat(row))
         try:
-            await self._run_build(row, body, steps)
+            await self._run_build(row, body, steps, hashes)
         finally:
             heartbeat.cancel()
+            await asyncio.to_thread(self.uploads.drop, row.template_id)
 
     async def _heartbeat(self, row: TemplateRow) -> None:
         """A running build says so: one whose server stopped is seen stale (``status``)."""
@@ -237,11 +275,14 @@ class Templates:
             await asyncio.to_thread(self.store.touch, row.project, row.alias, row.build_id)
 
     async def _run_build(self, row: TemplateRow, body: dict[str, Any],
-                         steps: list[tuple[str, list[str]]]) -> None:
+                         steps: list[tuple[str, list[str]]], hashes: list[str | None]) -> None:
         try:
             base, settings = await self._base(row, body)
             row.settings = {**settings, **_metadata(steps, settings, body)}
-            row.image = self._image(base, steps)
+            image = base
+            if any(kind in LAYER_STEPS for kind, _ in steps):
+                image = await self._image(row, base, steps, hashes, settings.get("user"))
+            row.image = image  # only a finished build names an image (a failed one: none)
         except DSecError as exc:
             self._fail(row, exc.message)
             return
@@ -276,11 +317,29 @@ class Templates:
         row.logs.append(_entry(f"pulled {image.name} ({image.digest[:19]})"))
         return image.name, {}
 
-    def _image(self, base: str, steps: list[tuple[str, list[str]]]) -> str:
-        """The image the build names: here the Dockerfile build (``dsec image build``) takes
-        the base and the RUN/COPY steps, once it exists. Without it, a build whose steps need
-        a layer never gets this far (``_steps`` refuses it)."""
-        return base
+    async def _image(self, row: TemplateRow, base: str, steps: list[tuple[str, list[str]]],
+                     hashes: list[str | None], user: str | None) -> str:
+        """The image of the steps on ``base``: a Dockerfile build through the server's
+        builder, its log lines written to the build's logs as they come."""
+        text = dockerfile(base, steps, hashes, user)
+        context = await asyncio.to_thread(self.uploads.context, row.template_id,
+                                          [h for h in hashes if h])
+        req = ImageBuildRequest(name=f"e2b-{row.template_id}-{row.build_id[:8]}", dockerfile=text,
+                                network=self.network, cpu=row.cpu_count,
+                                memory_mb=max(row.memory_mb, 512))
+        flushed, built = time.monotonic(), None
+        async for event in self.build(req, context):
+            if isinstance(event, ImageBuilt):
+                built = event
+            elif len(row.logs) < MAX_LOG_ENTRIES:
+                row.logs.append(_entry(event.message))
+                if time.monotonic() - flushed > FLUSH_S:
+                    await asyncio.to_thread(self.store.update, row)
+                    flushed = time.monotonic()
+        assert built is not None  # the builder's stream ends with its result or raises
+        row.logs.append(_entry(f"built {built.image} ({built.steps_run} steps run, "
+                               f"{built.steps_cached} cached)"))
+        return built.image
 
 
 class _Lines(io.StringIO):
@@ -297,29 +356,34 @@ class _Lines(io.StringIO):
         return len(text)
 
 
-def _steps(body: dict[str, Any]) -> list[tuple[str, list[str]]]:
+def _steps(body: dict[str, Any]) -> tuple[list[tuple[str, list[str]]], list[str | None]]:
+    """The steps (kind, args), checked by shape, and each one's files hash (COPY's)."""
     steps = body.get("steps") or []
     if not isinstance(steps, list) or len(steps) > MAX_STEPS:
         raise TemplateError(400, f"steps must be a list of at most {MAX_STEPS}")
-    out = []
+    out, hashes = [], []
     for step in steps:
         kind = step.get("type") if isinstance(step, dict) else None
         args = step.get("args") or [] if isinstance(step, dict) else None
         if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
             raise TemplateError(400, "a step's args must be a list of strings")
-        if kind in LAYER_STEPS:
-            raise TemplateError(400, _needs_build(str(kind)))
-        if kind not in METADATA_STEPS:
+        files_hash = step.get("filesHash") if isinstance(step, dict) else None
+        if kind == "COPY" and not (isinstance(files_hash, str) and 2 <= len(args) <= 4):
+            raise TemplateError(400, "COPY takes src, dest[, user[, mode]] and a filesHash")
+        if kind == "RUN" and not 1 <= len(args) <= 2:
+            raise TemplateError(400, "RUN takes a command[, user]")
+        if kind not in METADATA_STEPS | LAYER_STEPS:
             raise TemplateError(400, f"unknown template step {kind!r}")
         if kind in ("WORKDIR", "USER") and len(args) != 1:
             raise TemplateError(400, f"{kind} takes one argument")
         if kind == "ENV" and len(args) % 2:
             raise TemplateError(400, "ENV takes name, value pairs")
         out.append((str(kind), args))
+        hashes.append(files_hash if kind == "COPY" else None)
     for key in ("startCmd", "readyCmd"):
         if body.get(key) is not None and not isinstance(body[key], str):
             raise TemplateError(400, f"{key} must be a string")
-    return out
+    return out, hashes
 
 
 def _metadata(steps: list[tuple[str, list[str]]], base: dict[str, Any],
@@ -332,7 +396,7 @@ def _metadata(steps: list[tuple[str, list[str]]], base: dict[str, Any],
             env.update(zip(args[::2], args[1::2], strict=True))
         elif kind == "WORKDIR":
             out["workdir"] = _absolute(args[0], out.get("workdir") or base.get("workdir"))
-        else:
+        elif kind == "USER":
             out["user"] = args[0]
     out["env"] = env
     for key, name in (("startCmd", "start_cmd"), ("readyCmd", "ready_cmd")):
@@ -347,12 +411,6 @@ def _absolute(path: str, current: str | None) -> str:
     if "\0" in path or len(path) > 4096:
         raise InvalidRequest("WORKDIR must be a path")
     return path
-
-
-def _needs_build(kind: str) -> str:
-    return (f"{kind} steps are not supported yet: they need dsec's Dockerfile build (dsec image "
-            "build); dsec builds templates from an image (from_image, from_template) with ENV, "
-            "WORKDIR and USER steps (docs/COMPAT.md)")
 
 
 def _entry(message: str, level: str = "info") -> dict[str, Any]:
@@ -392,9 +450,17 @@ def add_template_routes(app: FastAPI, templates: Templates,
         return JSONResponse(templates.request(await read_json(request)), status_code=202)
 
     @app.get("/templates/{template_id}/files/{files_hash}")
-    async def upload_link(template_id: str, files_hash: str, request: Request) -> Response:
+    async def upload_link(template_id: str, files_hash: str, request: Request) -> JSONResponse:
         authenticate(request)
-        templates.refuse_upload(template_id)
+        base = str(request.base_url).rstrip("/") + request.scope.get("root_path", "")
+        return JSONResponse(templates.upload_link(template_id, files_hash, base), status_code=201)
+
+    @app.put("/templates/{template_id}/files/{files_hash}")
+    async def upload(template_id: str, files_hash: str, request: Request) -> Response:
+        """The upload link's target: no API key (the SDK sends none), its token instead."""
+        templates.upload(template_id, files_hash, request.query_params.get("token", ""),
+                         await request.body())
+        return Response(status_code=201)
 
     @app.post("/v2/templates/{template_id}/builds/{build_id}")
     async def trigger(template_id: str, build_id: str, request: Request) -> Response:

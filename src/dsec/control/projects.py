@@ -20,6 +20,7 @@ projects under them, change its descendants' quotas (never its own) and make key
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import time
 from contextvars import ContextVar
@@ -167,6 +168,17 @@ class Projects:
         result = await self._holding(project, reservation, call)  # gives it back if it fails
         self.store.release(reservation)
         return result
+
+    @contextlib.contextmanager
+    def holding_one(self, cpu: float, memory_mb: int) -> Iterator[None]:
+        """Hold one sandbox with ``cpu`` and ``memory_mb`` of the caller's project for the
+        block (a Dockerfile build: one step sandbox at a time); QuotaExceeded when it has no
+        room, before the block runs."""
+        _, reservation = self._reserve(cpu, memory_mb)
+        try:
+            yield
+        finally:
+            self.store.release(reservation)
 
     def _reserve(self, cpu: float, memory_mb: int) -> tuple[str, str]:
         """(the caller's project, a reservation of one sandbox, ``cpu`` and ``memory_mb`` of

@@ -11,13 +11,16 @@ calls. Calls on a sandbox attached to a trajectory go through the trajectory rec
 from __future__ import annotations
 
 import builtins
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from ..edge.edge import Edge, snapshot_info
 from ..edge.inherit import from_snapshot
+from ..images.dockerfile import base_image
+from ..protocol.build import BuildLog, ImageBuildRequest, ImageBuilt
 from ..protocol.errors import (
     CapacityExhausted,
     NotSupported,
@@ -33,6 +36,7 @@ from ..trajectory.log import TrajectoryLog
 from ..trajectory.recorder import Call, RecordedEdge, Recorder
 from .directory import EdgeDirectory
 from .idempotency import Idempotency
+from .image_names import built_name, check_visible
 
 if TYPE_CHECKING:
     from .projects import Projects
@@ -108,10 +112,14 @@ class Router:
             return req
         return from_snapshot(req, self.visible_snapshot(req.snapshot), self._snapshots())
 
+    def _caller(self) -> str | None:
+        return None if self.access is None else self.access.caller()
+
     async def place(self, req: CreateRequest) -> SandboxInfo:
         """Start a sandbox on an edge that takes it, once the caller's project quota admits it
         with the limits it will have (a snapshot's child: those it inherits)."""
         req = self.effective(req)
+        check_visible(req.image, self._caller())
         if self.access is not None:
             return await self.access.admit(req, self._place)
         return await self._place(req)
@@ -145,11 +153,33 @@ class Router:
         return await self._fn_call(req.image, lambda edge: edge.run_code(req))
 
     async def _fn_call(self, image: str, call: Callable[[Any], Awaitable[Any]]) -> Any:
+        check_visible(image, self._caller())
+
         async def placed() -> Any:
             return await self.directory.place("fn", image, call)
         if self.access is not None:
             return await self.access.admit_call(placed)
         return await placed()
+
+    async def build_image(self, req: ImageBuildRequest,
+                          context: bytes) -> AsyncIterator[BuildLog | ImageBuilt]:
+        """A Dockerfile build on the least loaded edge serving containers: its Dockerfile
+        checked first (a bad one is InvalidRequest, nothing started), a project key's image
+        named in its project's namespace and built only from images it may see
+        (control/image_names.py), one sandbox of the request's cpu and memory held against
+        the project's quota while it runs (its steps run one at a time)."""
+        project = self._caller()
+        base = base_image(req.dockerfile, req.build_args)
+        check_visible(base, project)
+        req = req.model_copy(update={"name": built_name(req.name, project)})
+
+        async def chosen(edge: Any) -> Any:
+            return edge
+        with (self.access.holding_one(req.cpu, req.memory_mb) if self.access is not None
+              else contextlib.nullcontext()):
+            edge = await self.directory.place("container", base, chosen)
+            async for event in edge.build_image(req, context):
+                yield event
 
     # snapshots: a snapshot is its parent sandbox's project's, on its parent's edge
     def _snapshots(self) -> StateStore:

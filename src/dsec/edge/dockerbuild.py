@@ -21,6 +21,11 @@ Cache: a layer's digest is its cache key, ``layer_key(parent image digest, instr
 + the env, workdir, user and ARG values it ran with + the COPY tar's digest)``; a key whose
 layer is stored is a hit and runs nothing. Intermediate layers belong to no name once the
 build is over: the image GC collects those nothing uses (images/gc.py).
+
+Two callers: the command line's builder edge (a context directory on this host), and the
+server's ``build_image`` operation (``build_events``: a context tar uploaded by the client,
+extracted with the SDK's checked extractor (protocol/archive.py) into a scratch directory,
+then the same build, its progress streamed as ``BuildLog`` lines with RUN output capped).
 """
 
 from __future__ import annotations
@@ -30,17 +35,22 @@ import base64
 import contextlib
 import posixpath
 import secrets
-from collections.abc import Callable
+import tempfile
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from rich.text import Text
 
 from ..agent.client import Output
 from ..agent.tools import TAR
 from ..images.build_context import context_copy
 from ..images.builder import layer_key
-from ..images.dockerfile import Instruction, pairs, parse, sources_and_dest
+from ..images.dockerfile import Instruction, base_image, pairs, parse, sources_and_dest
 from ..images.store import Image, ImageConfig, Layer, image_digest
+from ..protocol import archive
+from ..protocol.build import BuildLog, ImageBuildRequest, ImageBuilt
 from ..protocol.errors import DSecError, ImageBuildError, ImageNotFound, InvalidRequest
 from ..protocol.models import CreateRequest, ExecRequest, ExecResult, Network
 
@@ -48,6 +58,8 @@ if TYPE_CHECKING:
     from .edge import Edge
 
 TAIL_BYTES = 4096  # of a failing step's output, in its error
+MAX_LOG_BYTES = 1 << 20  # of RUN output streamed by one server build; the rest is dropped
+OUTPUT_MARK = "  │ "  # starts a line of a step's output in the build's log
 
 
 @dataclass
@@ -166,7 +178,7 @@ class _Build:
                 tail += event.data
                 del tail[:-TAIL_BYTES]
                 for text in event.data.decode(errors="replace").splitlines():
-                    self.say(f"[dim]  │ {_printable(text)}[/dim]")
+                    self.say(f"[dim]{OUTPUT_MARK}{_printable(text)}[/dim]")
             else:
                 result = event
         assert result is not None
@@ -185,9 +197,9 @@ async def build_dockerfile(edge: Edge, dockerfile: str, context: Path, name: str
     """Build the Dockerfile text ``dockerfile`` with ``context`` as its build context and name
     the result ``name``. A failing step raises ``ImageBuildError`` (exit code, output tail)."""
     options = options or BuildOptions()
-    first = next(i for i in parse(dockerfile, options.build_args) if i.keyword == "FROM")
     build = _Build(edge, context, name, options, say)
-    await build.parent(first.args)  # its ENV is substituted in the instructions after FROM
+    # the FROM image first: its ENV is substituted in the instructions after FROM
+    await build.parent(base_image(dockerfile, options.build_args))
     parent_env = dict(kv.partition("=")[::2] for kv in build.config.env)
     instructions = parse(dockerfile, options.build_args, parent_env)
     steps: list[StepReport] = []
@@ -202,6 +214,52 @@ async def build_dockerfile(edge: Edge, dockerfile: str, context: Path, name: str
         with contextlib.suppress(ImageNotFound):
             await asyncio.to_thread(edge.images.remove, build.scratch_name)
     return DockerfileBuild(image, steps)
+
+
+async def build_events(edge: Edge, req: ImageBuildRequest,
+                       context: bytes) -> AsyncIterator[BuildLog | ImageBuilt]:
+    """``build_dockerfile`` of a server build: ``context`` (a plain tar, the client's) is
+    extracted by the checked extractor (no names out of the directory, links resolved inside,
+    no devices, bytes capped at the tar's own size: only sparse members could claim more)
+    into a scratch directory; the build's progress comes as ``BuildLog`` lines (RUN output
+    capped at ``MAX_LOG_BYTES`` per build), then the ``ImageBuilt``. Leaving the iteration
+    early (the client went away) cancels the build: its step sandbox stops, nothing is named."""
+    options = BuildOptions(network=req.network, build_args=dict(req.build_args),
+                           disk_mb=req.disk_mb, memory_mb=req.memory_mb, cpu=req.cpu)
+    logs: asyncio.Queue[BuildLog | None] = asyncio.Queue()
+    budget = MAX_LOG_BYTES
+
+    def say(markup: str) -> None:
+        nonlocal budget
+        text = Text.from_markup(markup).plain
+        if text.startswith(OUTPUT_MARK):
+            if budget <= 0:
+                return
+            budget -= len(text)
+            if budget <= 0:
+                text = f"{OUTPUT_MARK}(output past {MAX_LOG_BYTES >> 20} MiB is not shown)"
+        logs.put_nowait(BuildLog(message=text))
+
+    with tempfile.TemporaryDirectory(prefix="dsec-context-") as scratch:
+        directory = Path(scratch, "context")
+        directory.mkdir()
+        if context:  # none: a build of RUN steps only
+            await asyncio.to_thread(archive.extract, context, directory,
+                                    max_bytes=max(len(context), 1 << 20))
+        build = asyncio.create_task(build_dockerfile(edge, req.dockerfile, directory, req.name,
+                                                     options, say))
+        build.add_done_callback(lambda _: logs.put_nowait(None))
+        try:
+            while (line := await logs.get()) is not None:
+                yield line
+            done = build.result()
+        finally:
+            if not build.done():
+                build.cancel()
+                with contextlib.suppress(asyncio.CancelledError, DSecError):
+                    await build
+    yield ImageBuilt(image=done.image.name, digest=done.image.digest, steps_run=done.ran,
+                     steps_cached=done.cached)
 
 
 async def _apply(build: _Build, ins: Instruction, report: StepReport) -> None:

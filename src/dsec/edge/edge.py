@@ -31,6 +31,7 @@ from ..images.store import Image, ImageConfig, ImageStore
 from ..images.upper import copy_upper
 from ..network.hosts import pin_in_sandbox
 from ..network.policy import Egress, ServiceTable, resolve
+from ..protocol.build import BuildLog, ImageBuildRequest, ImageBuilt
 from ..protocol.errors import (
     CapacityExhausted,
     DSecError,
@@ -68,6 +69,7 @@ from ..substrates.host.image_copy import allocated_bytes
 from ..substrates.host.tree import remove_tree
 from ..substrates.host.volume import DiskVolume
 from .commands import DEFAULT_CWD, as_user, check_env, exec_argv, sandbox_path
+from .dockerbuild import build_events
 from .inherit import from_snapshot, inheritance
 from .metrics import EdgeMetrics
 from .pool import Pooled, WarmPool
@@ -706,6 +708,13 @@ class Edge:
             dropped.extend(copy_upper(upper, scratch / "rootfs", max_bytes, skip_top=(".dsec",)))
         layer, _ = await asyncio.to_thread(self.images.layers.ensure, digest, source, build)
         return layer.digest, dropped
+
+    async def build_image(self, req: ImageBuildRequest,
+                          context: bytes) -> AsyncIterator[BuildLog | ImageBuilt]:
+        """A Dockerfile build on this edge, each step in a sandbox of it, ``context`` the
+        uploaded build context tar (edge/dockerbuild.py): its log lines, then its result."""
+        async for event in build_events(self, req, context):
+            yield event
 
     async def resume(self, sandbox_id: str) -> SandboxInfo:
         """Let a paused sandbox run again; a no-op if it runs."""

@@ -6,8 +6,10 @@ context (``InvalidRequest`` if its real path leaves it), a symlink inside a copi
 kept as a link only if it points inside the context, and the tar carries only regular files,
 directories and such links, owned by root (or ``--chown``): the build driver extracts it in
 a sandbox of the parent image (so the destination is resolved in that root file system, as
-Docker does) and takes the result as a layer. The tar's digest is part of the step's cache
-key: a changed file makes a new layer. The context's ``.dockerignore`` leaves paths out.
+Docker does) and takes the result as a layer. The digest of what the tar holds (names, types,
+modes, owners, link targets and contents; not mtimes, as Docker's COPY checksum: a context
+extracted again from an upload is the same context) is part of the step's cache key: a
+changed file makes a new layer. The context's ``.dockerignore`` leaves paths out.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import stat
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dsec.protocol.errors import InvalidRequest, NotSupported
 
@@ -35,7 +38,7 @@ class ContextCopy:
     target: str  # absolute, in the image: the destination as written (normalised)
     into_dir: bool  # the sources go into ``target`` (else ``target`` is the one file's path)
     tar: bytes
-    digest: str  # sha256 of the tar: the cache key's share of the context
+    digest: str  # sha256 of the tar's members but their mtimes: the cache key's share
 
 
 def context_copy(context: Path, sources: list[str], dest: str, workdir: str, keyword: str,
@@ -65,18 +68,33 @@ def context_copy(context: Path, sources: list[str], dest: str, workdir: str, key
                 or paths[0][0].is_dir())
     directory = posixpath.normpath(full_dest) if into_dir else posixpath.dirname(
         posixpath.normpath(full_dest))
-    buffer = io.BytesIO()
+    buffer, content = io.BytesIO(), hashlib.sha256()
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for path, given in paths:
             if path.is_dir():
-                _add_tree(tar, root, path, ".", uid, gid, mode, ignore)
+                _add_tree(_Tar(tar, content), root, path, ".", uid, gid, mode, ignore)
             else:
                 name = given if into_dir else posixpath.basename(posixpath.normpath(full_dest))
-                _add(tar, root, path, name, uid, gid, mode)
+                _add(_Tar(tar, content), root, path, name, uid, gid, mode)
             if buffer.tell() > MAX_CONTEXT_BYTES:
                 raise InvalidRequest(f"{keyword} carries more than {MAX_CONTEXT_BYTES >> 20} MB")
     data = buffer.getvalue()
-    return ContextCopy(directory or "/", posixpath.normpath(full_dest), into_dir, data, "sha256:" + hashlib.sha256(data).hexdigest())
+    return ContextCopy(directory or "/", posixpath.normpath(full_dest), into_dir, data,
+                       "sha256:" + content.hexdigest())
+
+
+class _Tar:
+    """The tar being written, and the digest of its members but their mtimes."""
+
+    def __init__(self, tar: tarfile.TarFile, digest: Any) -> None:
+        self.tar, self.digest = tar, digest
+
+    def addfile(self, info: tarfile.TarInfo, data: bytes | None = None) -> None:
+        self.digest.update(repr((info.name, info.type, info.mode, info.uid, info.gid,
+                                 info.linkname, info.size)).encode())
+        if data is not None:
+            self.digest.update(data)
+        self.tar.addfile(info, io.BytesIO(data) if data is not None else None)
 
 
 def _resolve(root: Path, source: str) -> list[tuple[Path, str]]:
@@ -102,7 +120,7 @@ def _resolve(root: Path, source: str) -> list[tuple[Path, str]]:
     return found
 
 
-def _add_tree(tar: tarfile.TarFile, root: Path, top: Path, prefix: str, uid: int, gid: int,
+def _add_tree(tar: _Tar, root: Path, top: Path, prefix: str, uid: int, gid: int,
               mode: int | None, ignore: _Ignore) -> None:
     for directory, dirs, files in os.walk(top):  # does not descend into links to directories
         dirs[:] = sorted(d for d in dirs if not ignore(Path(directory, d)))
@@ -113,7 +131,7 @@ def _add_tree(tar: tarfile.TarFile, root: Path, top: Path, prefix: str, uid: int
                  mode)
 
 
-def _add(tar: tarfile.TarFile, root: Path, path: Path, name: str, uid: int, gid: int,
+def _add(tar: _Tar, root: Path, path: Path, name: str, uid: int, gid: int,
          mode: int | None) -> None:
     st = os.lstat(path)
     info = tarfile.TarInfo(name)
@@ -132,9 +150,10 @@ def _add(tar: tarfile.TarFile, root: Path, path: Path, name: str, uid: int, gid:
         info.type = tarfile.DIRTYPE
         tar.addfile(info)
     elif stat.S_ISREG(st.st_mode):
-        info.size = st.st_size
         with open(path, "rb") as f:
-            tar.addfile(info, f)
+            data = f.read()
+        info.size = len(data)
+        tar.addfile(info, data)
     else:
         raise InvalidRequest(f"{path.relative_to(root)} is not a file, directory or symlink")
 

@@ -162,6 +162,15 @@ def parse(text: str, build_args: dict[str, str] | None = None,
     return instructions
 
 
+def base_image(text: str, build_args: dict[str, str] | None = None) -> str:
+    """The image the Dockerfile's FROM names; the whole file is parsed, so a bad one is
+    ``InvalidRequest`` (``NotSupported``) here, before a build starts."""
+    for instruction in parse(text, build_args):
+        if instruction.keyword == "FROM":
+            return instruction.args
+    raise InvalidRequest("the Dockerfile has no FROM")
+
+
 def pairs(instruction: Instruction) -> list[tuple[str, str]]:
     """ENV / LABEL / ARG arguments as (name, value) pairs, quotes removed."""
     return [(k, v or "") for k, v in _pairs(instruction.args, instruction.line,

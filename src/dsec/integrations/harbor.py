@@ -209,7 +209,7 @@ class DsecEnvironment(BaseEnvironment):
         await self.sandbox.download(source_dir, target_dir)
 
     # harbor's own filtered downloads pack a tar with the image's tar in the sandbox and unpack
-    # it with tarfile's data filter (bypassed on some Pythons: see client/archive.py); here
+    # it with tarfile's data filter (bypassed on some Pythons: see protocol/archive.py); here
     # they go through download_dir's checked extraction into a staging directory instead,
     # and the selected regular files are copied from there.
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any, Literal, TypeVar
 
+from .build import ImageBuildRequest, ImageBuilt
 from .fn import CodeResult, RunCodeRequest
 from .models import (
     CreateRequest,
@@ -174,6 +175,10 @@ OPERATIONS: tuple[Operation, ...] = (
         "POST /v1/call", sdk="Client.call", on_sandbox=False),
     _op("run_code", (Param("req", RunCodeRequest),), CodeResult, "POST /v1/run_code",
         sdk="Client.run_code", on_sandbox=False),
+    # images: a Dockerfile build on an edge (its steps in sandboxes there), log lines streamed
+    # before its result; the route takes the request and the context tar as multipart parts
+    _op("build_image", (Param("req", ImageBuildRequest), Param("context", bytes)), ImageBuilt,
+        "POST /v1/images/build", kind="stream", sdk="Client.build_image", on_sandbox=False),
 )
 
 BY_METHOD: dict[str, Operation] = {op.method: op for op in OPERATIONS}

@@ -1,4 +1,6 @@
-"""Extracting an archive that came out of a sandbox, member by member, under a destination.
+"""Extracting an archive that came out of a sandbox, member by member, under a destination:
+the SDK's downloads, and the server's extraction of an uploaded Dockerfile build context
+(client data, held to the same checks). Pure standard library, so both sides share it here.
 
 The archive's content is sandbox-made (names, link targets, types, modes, sizes), so it is
 hostile data. ``tarfile``'s own extraction filters differ between Python releases and have
@@ -38,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from ..protocol.errors import UnsafeArchive
+from .errors import UnsafeArchive
 
 DEFAULT_MAX_MEMBERS = 100_000
 DEFAULT_MAX_BYTES = 2 << 30  # the server's archives hold at most 1 GiB of plain tar
