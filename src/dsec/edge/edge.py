@@ -305,13 +305,14 @@ class Edge:
             self.volume.check_room(req.disk_mb << 20)
         self._starting += 1
         try:
-            if snap is None:
-                await self._image(req.image)  # pulled first, where the server may
+            # pulled first, where the server may
+            found = await self._image(req.image) if snap is None else None
             # A snapshot's own image version, whatever its name points at now (its writable
             # layer fits only those layers): the version is kept while the snapshot is.
-            image = await asyncio.to_thread(
-                self.uses.resolve, lambda: self.images.get(req.image) if snap is None
-                else self.images.version(snap.image_digest))
+            image = found if found is not None and self.uses.recorded(found) else \
+                await asyncio.to_thread(
+                    self.uses.resolve, lambda: self.images.get(req.image) if snap is None
+                    else self.images.version(snap.image_digest))
             if snap is not None:
                 disk_from = await self._snapshot_file(snap)
                 memory_from = self._snapshot_files(snap)[1]
