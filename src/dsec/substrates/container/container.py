@@ -47,8 +47,7 @@ log = logging.getLogger("dsec.container")
 RUNTIMES = ("crun", "runc", "runsc")
 FIFREEZE, FITHAW = 0xC0045877, 0xC0045878  # linux/fs.h: _IOWR('X', 119|120, int)
 START_TIMEOUT_S = 30.0
-NEW_DISK = "disk.img.new"
-SPARE_DISKS = 32  # mounted disks of the default size kept ready (host/disk.py)  # a copy of a snapshot's image, before it becomes disk.img
+NEW_DISK = "disk.img.new"  # a copy of a snapshot's image, before it becomes disk.img
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -75,7 +74,7 @@ class ContainerSubstrate(Substrate):
         self.cgroup_parent = f"/dsec-{edge_id}"
         self.edge_id = edge_id
         self.mounter = mounter or LayerMounter()
-        self.disks = DiskPool(volume.root / "disks", (DEFAULT_DISK_MB,), SPARE_DISKS)
+        self.disks = DiskPool(volume.root / "disks", (DEFAULT_DISK_MB,))
         self._tree: Path | None = None  # mounted read-only at /.dsec
         self._pids = PidWatch(self.cgroup_parent)
         # Bundle set-up and teardown wait on kernel locks (mounts, cgroups) under load: in
@@ -94,7 +93,6 @@ class ContainerSubstrate(Substrate):
         await self.network.recover()
 
     async def close(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(self._io, self.disks.close)
         cgroups.remove_parent_if_unused(self.cgroup_parent)
 
     def _dir(self, sandbox_id: str) -> Path:
@@ -122,8 +120,6 @@ class ContainerSubstrate(Substrate):
         loop = asyncio.get_running_loop()
         try:
             await loop.run_in_executor(self._io, self._bundle, plan, d)
-            if plan.disk_from is None:
-                loop.run_in_executor(self._io, self._refill_disks)  # not awaited
         except OSError as exc:
             if plan.disk_from is None or exc.errno != errno.ENOSPC:
                 raise
@@ -240,22 +236,14 @@ class ContainerSubstrate(Substrate):
 
     def _bundle(self, plan: StartPlan, d: Path) -> None:
         """The OCI bundle: the disk, the overlay rootfs and config.json (in a worker thread)."""
+        d.mkdir()
         if plan.disk_from is None:
-            if not self.disks.take(d, plan.request.disk_mb):
-                d.mkdir()
-                self.disks.attach(d / "disk.img", d / "disk", plan.request.disk_mb)
+            self.disks.attach(d / "disk.img", d / "disk", plan.request.disk_mb)
         else:
-            d.mkdir()
             _clone_disk(plan.disk_from, d)
             _mount_disk(d)
         (d / "rootfs").mkdir()
         self._layers(plan, d)
-
-    def _refill_disks(self) -> None:
-        try:
-            self.disks.refill()
-        except Exception:  # a create without a spare attaches its own disk
-            log.exception("could not make spare disks")
 
     def _layers(self, plan: StartPlan, d: Path) -> None:
         """The overlay of the image's layers under the disk's upper dir, and config.json."""

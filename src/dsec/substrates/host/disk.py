@@ -8,16 +8,8 @@ its disk gets ENOSPC and the host's disk is untouched.
 Formatting is kept off the create path by one formatted *golden* image per pooled size (the
 default ``disk_mb``), made once per volume: a sandbox's disk is a clone of it (``clone_file``:
 one FICLONE on the reflink volume, 0.1 ms, sharing every block; a sparse copy of the few
-hundred KiB mkfs wrote elsewhere). Other sizes are formatted on demand.
-
-The clone is cheap; attaching it to a loop device and mounting it are not (3.3 ms p50 of a
-37 ms create one at a time, 29 ms p50 in a burst of 100, a third of the server's CPU samples
-then). So up to ``spares`` disks of the default size are kept attached and mounted, each in
-its own directory ``spare-<hex>/`` (``disk.img`` mounted at ``disk``) under the pool's dir:
-a create renames one into place as its bundle directory (the mount moves with it) and the
-pool is refilled in a worker thread. Spares are made only once a create has asked for a
-disk, and removed when the substrate closes; a crash's are removed by the next ``prepare``.
-They are outside ``sandboxes/``: never mistaken for a sandbox's remains.
+hundred KiB mkfs wrote elsewhere). Other sizes are formatted on demand. No spare files are
+kept: a clone is as fast as taking one, and there is nothing to refill.
 """
 
 from __future__ import annotations
@@ -27,12 +19,10 @@ import os
 import secrets
 import subprocess
 import threading
-from collections import deque
 from pathlib import Path
 
 from .image_copy import clone_file
-from .loop import loop_mount, unmount_image
-from .tree import remove_tree
+from .loop import loop_mount
 
 log = logging.getLogger("dsec.disk")
 
@@ -46,16 +36,10 @@ MKFS = ["mkfs.ext4", "-q", "-F", "-m", "0", "-O", "^has_journal",
 class DiskPool:
     """New formatted disk files: clones of a golden image per pooled size, else a mkfs."""
 
-    def __init__(self, disk_dir: Path, sizes: tuple[int, ...], spares: int = 0) -> None:
-        """``spares``: mounted disks of the first size kept ready (the module docstring)."""
+    def __init__(self, disk_dir: Path, sizes: tuple[int, ...]) -> None:
         self.dir = disk_dir
         self.sizes = sizes
-        self.spares = spares
         self._lock = threading.Lock()  # one mkfs of a golden image at a time
-        self._spare_lock = threading.Lock()  # the ready spares, and whether one refill runs
-        self._ready: deque[Path] = deque()
-        self._filling = False
-        self._closed = False
 
     def prepare(self) -> None:
         """Drop files a crash left half-made, and the spares of dsec versions that kept
@@ -63,56 +47,8 @@ class DiskPool:
         self.dir.mkdir(parents=True, exist_ok=True)
         for stale in [*self.dir.glob("*.tmp"), *self.dir.glob("*mb-*.img")]:
             stale.unlink(missing_ok=True)
-        self._discard_spares()  # a crash's, mounted and never handed out
         for size_mb in self.sizes:
             self.golden(size_mb)
-
-    def take(self, bundle: Path, size_mb: int) -> bool:
-        """Rename a ready spare to ``bundle`` (which must not exist): its ``disk.img`` mounted
-        at ``disk``. False when there is none of ``size_mb`` (the caller attaches a disk)."""
-        if size_mb != self.sizes[0]:
-            return False
-        with self._spare_lock:
-            spare = self._ready.popleft() if self._ready else None
-        if spare is None:
-            return False
-        os.rename(spare, bundle)
-        return True
-
-    def refill(self) -> None:
-        """Make spares until ``spares`` are ready (blocking; a second caller returns at once)."""
-        with self._spare_lock:
-            if self._filling or self._closed:
-                return
-            self._filling = True
-        try:
-            while True:
-                with self._spare_lock:
-                    if self._closed or len(self._ready) >= self.spares:
-                        return
-                spare = self.dir / f"spare-{secrets.token_hex(6)}"
-                spare.mkdir()
-                self.attach(spare / "disk.img", spare / "disk", self.sizes[0])
-                with self._spare_lock:
-                    if not self._closed:
-                        self._ready.append(spare)
-                        continue
-                _discard(spare)  # closed meanwhile
-                return
-        finally:
-            with self._spare_lock:
-                self._filling = False
-
-    def close(self) -> None:
-        """Remove the spares (blocking): no mount or loop device is left of them."""
-        with self._spare_lock:
-            self._closed = True
-            self._ready.clear()
-        self._discard_spares()
-
-    def _discard_spares(self) -> None:
-        for spare in self.dir.glob("spare-*"):
-            _discard(spare)
 
     def golden(self, size_mb: int) -> Path:
         """The golden image of a pooled size, formatted the first time it is asked for."""
@@ -134,12 +70,6 @@ class DiskPool:
             format_image(image, size_mb)
         target.mkdir()
         return loop_mount(image, target)
-
-
-def _discard(spare: Path) -> None:
-    """A spare's disk unmounted (its content dropped) and its directory removed."""
-    unmount_image(spare / "disk", spare / "disk.img", discard=True)
-    remove_tree(spare)
 
 
 def format_image(image: Path, size_mb: int) -> None:
