@@ -176,6 +176,15 @@ class BareCrun:
             raise RuntimeError("crun exec failed")
         return (time.perf_counter() - t0) * 1000
 
+    async def timed_removal(self) -> float:
+        """ms of ``crun delete --force`` of an idle container plus the unmount of its rootfs
+        (its start untimed): the baseline of dsec's ``stop``."""
+        cid, d = self._bundle(["/bin/sleep", "infinity"])
+        await spawn.run(["crun", "--root", str(self.state), "run", "--detach", "--bundle", str(d), cid])
+        t0 = time.perf_counter()
+        await self._remove(cid, d)
+        return (time.perf_counter() - t0) * 1000
+
     async def _remove(self, cid: str, d: Path) -> None:
         await spawn.run(["crun", "--root", str(self.state), "delete", "--force", cid])
         unmount_or_detach(d / "rootfs")  # as dsec: a dying process may hold it a moment
@@ -427,7 +436,8 @@ def _ms(value: float) -> str:
 
 # Series run alone with ``dsec bench --only NAME``: "module:function(console, quick, **options)",
 # ``options`` the series' own (soak: ``cycles``; density, throughput: ``count``).
-ONLY = {"network": "dsec_benchmarks.bench_network:network_series",
+ONLY = {"create": "dsec_benchmarks.bench_create:create_series",
+        "network": "dsec_benchmarks.bench_network:network_series",
         "projects": "dsec_benchmarks.bench_projects:run_projects",
         "state": "dsec_benchmarks.bench_state:run_state",
         "pause": "dsec_benchmarks.bench_pause:pause_series",

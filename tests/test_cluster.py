@@ -9,6 +9,7 @@ succeeds elsewhere; a joining node receives placements; nothing is left on survi
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import secrets
 import shutil
@@ -24,6 +25,7 @@ import pytest
 
 import dsec
 from conftest import TEST_ROOT, Server, free_port
+from test_recovery import settled
 
 pytest.importorskip("ray", reason="the cluster tests need the `cluster` extra (Ray)")
 from dsec.cluster.local import TOLERANT_HEALTH_CHECKS, LocalRayCluster  # noqa: E402
@@ -153,7 +155,7 @@ async def test_300_sandboxes_fill_three_nodes_through_two_replicas(
         await stop_all(sandboxes)
         assert await a.list() == []
     for edge in edges:
-        assert host_traces(ray_cluster.state_dir, edge) == {
+        assert await settled(functools.partial(host_traces, ray_cluster.state_dir, edge)) == {
             "mounts": [], "cgroups": [], "dirs": [], "containers": []}
 
 
@@ -261,7 +263,7 @@ async def test_node_killed_mid_burst(ray_cluster: LocalRayCluster, replicas: lis
     for node in ray_cluster.nodes:
         edge = ray_cluster.edge_of(node)
         if edge != dead_edge:
-            assert host_traces(ray_cluster.state_dir, edge) == {
+            assert await settled(functools.partial(host_traces, ray_cluster.state_dir, edge)) == {
                 "mounts": [], "cgroups": [], "dirs": [], "containers": []}
 
 

@@ -325,7 +325,7 @@ async def test_failed_create_leaves_nothing(net_server: Server) -> None:
     async with net_server.client() as client:
         with pytest.raises(dsec.NotSupported, match="runsc"):
             await client.create(ttl_s=60, runtime="runsc", network={"testsvc": True})
-    assert sandboxes() == before
+    assert sandboxes() <= before  # earlier tests' stopped sandboxes may still be going
     assert net_traces(edge) == Traces()
 
 

@@ -247,6 +247,7 @@ async def test_a_hostile_tree_snapshots_within_its_disk_and_time(client: dsec.DS
     for snap in snaps:
         await client.delete_snapshot(snap.id)
     await assert_no_trace(srv, child.id)
+    await assert_no_trace(srv, sb.id)  # its removal follows its stop (Edge._remove)
     assert await client.list() == []
     assert not list((srv.volume / "sandboxes").iterdir())  # nor the child that failed
     assert snapshot_dirs(srv) == set() and snapshot_loops(srv) == []

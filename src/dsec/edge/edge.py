@@ -76,6 +76,7 @@ from .pool import Pooled, WarmPool
 from .ports import PortConnections
 from .shared_snapshots import SharedSnapshots
 
+DESTROYS_AT_ONCE = 16  # background destroys of stopped sandboxes running at a time
 log = logging.getLogger("dsec.edge")
 
 T = TypeVar("T")
@@ -152,6 +153,10 @@ class Edge:
                       for name, substrate in substrates.items()}
         self._live: dict[str, Live] = {}
         self._tasks: set[asyncio.Future[None]] = set()
+        # Destroys of halted sandboxes, off their stop's path (``_remove``): bounded, so a
+        # burst of stops never forks a runtime per sandbox at once; awaited by ``close``.
+        self._destroying: set[asyncio.Future[None]] = set()
+        self._destroy_slots = asyncio.Semaphore(DESTROYS_AT_ONCE)
         self._starting = 0
         self._calling = 0  # fn calls in flight
         self._reaper: asyncio.Task[None] | None = None
@@ -176,6 +181,7 @@ class Edge:
         sandboxes were never handed out, so they go."""
         if self._reaper:
             self._reaper.cancel()
+        await asyncio.gather(*self._destroying)  # nothing half removed is left for recover()
         for pool in self.pools.values():
             await pool.close()
         for substrate in self.substrates.values():
@@ -301,13 +307,14 @@ class Edge:
             self.volume.check_room(req.disk_mb << 20)
         self._starting += 1
         try:
-            if snap is None:
-                await self._image(req.image)  # pulled first, where the server may
+            # pulled first, where the server may
+            found = await self._image(req.image) if snap is None else None
             # A snapshot's own image version, whatever its name points at now (its writable
             # layer fits only those layers): the version is kept while the snapshot is.
-            image = await asyncio.to_thread(
-                self.uses.resolve, lambda: self.images.get(req.image) if snap is None
-                else self.images.version(snap.image_digest))
+            image = found if found is not None and self.uses.recorded(found) else \
+                await asyncio.to_thread(
+                    self.uses.resolve, lambda: self.images.get(req.image) if snap is None
+                    else self.images.version(snap.image_digest))
             if snap is not None:
                 disk_from = await self._snapshot_file(snap)
                 memory_from = self._snapshot_files(snap)[1]
@@ -416,10 +423,19 @@ class Edge:
         return live
 
     async def _remove(self, live: Live, state: str, reason: str) -> None:
+        """Halt the sandbox, then destroy it: off the caller's path when the substrate could
+        halt it (it can no longer run; the removal of its mounts, disk, cgroups and runtime
+        record follows in the background, and a crash before it ends leaves leftovers that
+        the next start's ``recover`` removes), else before returning."""
         sandbox_id = live.row.id
         try:
             async with live.changing:  # a rollback or snapshot under way finishes first
-                await live.substrate.destroy(sandbox_id)
+                if await live.substrate.halt(sandbox_id, live.row.runtime):
+                    task = asyncio.ensure_future(self._destroy_halted(live.substrate, sandbox_id))
+                    self._destroying.add(task)
+                    task.add_done_callback(self._destroying.discard)
+                else:
+                    await live.substrate.destroy(sandbox_id)
         finally:
             for listener in self.on_end:
                 try:
@@ -427,6 +443,16 @@ class Edge:
                 except Exception:  # a listener's failure must not fail the stop
                     log.exception("sandbox end listener failed for %s", sandbox_id)
         self.store.event(state, sandbox_id, reason=reason)
+
+    async def _destroy_halted(self, substrate: Substrate, sandbox_id: str) -> None:
+        """A halted sandbox's removal; a failure is logged and recorded, and what is left is
+        a leftover for the next start's ``recover`` (as after a crash)."""
+        async with self._destroy_slots:
+            try:
+                await substrate.destroy(sandbox_id)
+            except Exception as exc:
+                log.exception("could not remove stopped sandbox %s", sandbox_id)
+                self.store.event("cleanup_failed", sandbox_id, reason=repr(exc)[:500])
 
     async def set_ttl(self, sandbox_id: str, ttl_s: int) -> SandboxInfo:
         live = self._get(sandbox_id)

@@ -81,6 +81,12 @@ class NodeUses:
                                                               for layer in image.layers]})
             return image
 
+    def recorded(self, image: Image) -> bool:
+        """Whether ``resolve`` has nothing to do for ``image`` (this node holds it already,
+        or records nothing): a create then skips its worker-thread hop."""
+        with self._lock:
+            return self.read_only or image.digest in self._held
+
     def start(self, images: list[Image]) -> None:
         """A starting edge's record: the versions of the sandboxes it adopted, and nothing
         its previous run held. A store mounted read-only on this node (or not writable by

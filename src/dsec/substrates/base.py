@@ -143,6 +143,13 @@ class Substrate(ABC):
         sandbox. Nothing to undo by default."""
         return None
 
+    async def halt(self, sandbox_id: str, runtime: dict[str, Any]) -> bool:
+        """Make the sandbox unable to run anything more, at once (no process of it runs
+        user code again), without removing it; True when done, so its ``destroy`` may finish
+        off the caller's path (``Edge.stop``). False (the default): this substrate has no
+        such step, and a stop waits for the whole ``destroy``."""
+        return False
+
     @abstractmethod
     async def destroy(self, sandbox_id: str) -> None:
         """Remove every trace of the sandbox; idempotent, works from the id alone."""

@@ -387,6 +387,21 @@ class ContainerSubstrate(Substrate):
                            f"need process checkpointing with CRIU, which this host cannot do: "
                            f"{why}; take mode='filesystem', or a microvm/vm sandbox")
 
+    async def halt(self, sandbox_id: str, runtime: dict[str, Any]) -> bool:
+        """SIGKILL to its init through the pidfd: the kernel kills every process of the
+        init's pid namespace, which holds all of the sandbox's (the agent runs commands as
+        its children; nothing enters the container from outside). A frozen (paused) sandbox
+        dies once ``destroy`` thaws it, without running again. Its network policy's rules and
+        host link go too, before the stop returns (the host's forwarding settings are as
+        if it had never run). runsc's init is gVisor's sandbox, not the container's: it is
+        not halted here (its destroy is awaited)."""
+        if runtime.get("runtime") not in ("crun", "runc"):
+            return False
+        self._pids.kill(sandbox_id, runtime.get("pid"))
+        self._pids.forget(sandbox_id)
+        await self.network.remove(sandbox_id)
+        return True
+
     async def destroy(self, sandbox_id: str) -> None:
         d = self._dir(sandbox_id)
         self._pids.forget(sandbox_id)

@@ -149,12 +149,16 @@ def shut_down(target: Path) -> None:
 
 def wait_detached(dev: str, image: Path, timeout_s: float = DETACH_TIMEOUT_S) -> bool:
     """Wait until ``dev`` no longer holds ``image`` (its autoclear may still be under way when
-    the unmount returns; the device may hold another image by then); whether it let go."""
+    the unmount returns; the device may hold another image by then); whether it let go.
+    Polls from 1 ms, doubling up to 16 ms: many removals wait at once (a burst of stops),
+    and each poll takes the GIL from the event loop serving creates."""
     target = os.path.realpath(image)
     deadline = time.monotonic() + timeout_s
+    pause = 0.001
     while backing_file(dev) == target:
         if time.monotonic() > deadline:
             log.warning("loop device %s still holds %s after %.0fs", dev, image, timeout_s)
             return False
-        time.sleep(0.001)
+        time.sleep(pause)
+        pause = min(pause * 2, 0.016)
     return True

@@ -15,6 +15,7 @@ import asyncio
 import os
 import resource
 import select
+import signal
 from pathlib import Path
 from typing import Callable
 
@@ -72,6 +73,15 @@ class PidWatch:
             loop.remove_reader(fd)
             on_exit()
         loop.add_reader(fd, exited)
+
+    def kill(self, sandbox_id: str, pid: int | None) -> None:
+        """SIGKILL to the sandbox's process, if it still lives."""
+        fd = self.pidfd(sandbox_id, pid)
+        if fd is not None:
+            try:
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            except ProcessLookupError:  # it has exited already
+                pass
 
     def forget(self, sandbox_id: str) -> None:
         fd = self._pidfds.pop(sandbox_id, None)

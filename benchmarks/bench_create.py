@@ -1,0 +1,101 @@
+"""``dsec bench --only create``: the create/stop path alone, against bare ``crun`` in the same
+run (``bench.compare`` alternates the batches), without the rest of the full benchmark.
+
+- create-to-first-output, one at a time and in a burst of 100 (``--quick``: 20), as the full
+  benchmark times it (``bench.Created.first_output`` against ``bench.BareCrun.run_echo``);
+- stop, one at a time: ``sb.stop()`` of an idle sandbox until it returns (the sandbox can no
+  longer run and is recorded as stopping; see ARCHITECTURE.md, "Stop") against
+  ``crun delete --force`` of an idle container plus the unmount of its overlay;
+- the whole stop, until the server holds nothing of the sandboxes (no bundle directory, no
+  runtime record): the time for 100 (``--quick``: 20) stops issued at once to finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import shutil
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from dsec.client.aio import Sandbox
+from dsec.images.mount import LayerMounter
+from dsec.images.store import ImageStore
+from dsec.substrates.host.cgroups import remove_parent_if_unused
+
+from .bench import (
+    BARE_CGROUP_PARENT,
+    BENCH_ROOT,
+    IMAGE,
+    BareCrun,
+    Created,
+    Sample,
+    bench_server,
+    compare,
+    phase,
+)
+
+
+async def create_series(console: Console, quick: bool = False) -> list[Sample]:
+    n_seq, n_burst, n_stop = (10, 20, 20) if quick else (50, 100, 50)
+    image = ImageStore().ensure(IMAGE, console=console)
+    root = BENCH_ROOT / secrets.token_hex(3)
+    bare = BareCrun(root / "bare", LayerMounter().lowerdirs(image))
+    samples: list[Sample] = []
+    try:
+        async with bench_server(root / "cold", "--warm-pool", "0") as cold:
+            await cold.first_output()  # warm-up: agent binary, layer mounts, page cache
+            await bare.run_echo()
+            await cold.stop_all()
+            with phase(console, "create-to-first-output, one at a time"):
+                samples += await compare(Sample("bare crun run: first output", []), bare.run_echo,
+                                         Sample("dsec create (cold): first output", []),
+                                         cold.first_output, 10, n_seq // 10,
+                                         between=cold.stop_all)
+            with phase(console, f"create-to-first-output, a burst of {n_burst}, twice"):
+                samples += await compare(Sample(f"bare crun run: burst {n_burst}", []), bare.run_echo,
+                                         Sample(f"dsec create (cold): burst {n_burst}", []),
+                                         cold.first_output, n_burst, 2, concurrent=True,
+                                         settle_s=2.0, between=cold.stop_all)
+            with phase(console, "stop, one at a time"):
+                samples += await compare(Sample("bare crun delete + unmount", []),
+                                         lambda: bare.timed_removal(),
+                                         Sample("dsec stop", []), lambda: _timed_stop(cold),
+                                         10, n_stop // 10)
+            with phase(console, f"{n_burst} stops at once, until nothing is left"):
+                samples.append(await _stops_until_clean(cold, root / "cold", n_burst))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        remove_parent_if_unused(BARE_CGROUP_PARENT)
+    return samples
+
+
+async def _timed_stop(created: Created) -> float:
+    """ms of ``stop`` of a fresh idle sandbox (its create untimed)."""
+    sb = await created.client.create(image=IMAGE, ttl_s=120)
+    t0 = time.perf_counter()
+    await sb.stop()
+    return (time.perf_counter() - t0) * 1000
+
+
+async def _stops_until_clean(created: Created, state: Path, n: int) -> Sample:
+    """``n`` idle sandboxes stopped at once: ms from the first ``stop`` until the server has
+    removed every one's bundle directory and runtime record (polled every 5 ms)."""
+    sandboxes: list[Sandbox] = list(await asyncio.gather(
+        *(created.client.create(image=IMAGE, ttl_s=120) for _ in range(n))))
+    ids = {sb.id for sb in sandboxes}
+    t0 = time.perf_counter()
+    await asyncio.gather(*(sb.stop() for sb in sandboxes))
+    returned = (time.perf_counter() - t0) * 1000
+    runtime = state / "runtime" / "crun"
+    bundles = state / "volume" / "sandboxes"
+    while any((runtime / i).exists() or (bundles / i).exists() for i in ids):
+        if time.perf_counter() - t0 > 120:
+            raise RuntimeError("the stopped sandboxes were not cleaned up within 120 s")
+        await asyncio.sleep(0.005)
+    sample = Sample(f"dsec: {n} stops at once, all clean (ms in all)",
+                    [(time.perf_counter() - t0) * 1000])
+    sample.extra["stops_returned_ms"] = returned
+    return sample
