@@ -198,6 +198,21 @@ async def test_floods_and_leaving_clients_are_bounded(sb: dsec.AsyncSandbox, srv
             await echoes(ws)
 
 
+async def test_a_server_that_reads_nothing_does_not_hold_the_client(
+        sb: dsec.AsyncSandbox, srv: Server) -> None:
+    """The client sends and the sandbox's server takes nothing: once the write into the port
+    is stuck for the idle time the proxy closes both sides (1011, then uvicorn drops what the
+    client still sends until its close timeout: a client busy sending may only see the
+    connection end), so neither the client nor the port is held."""
+    async with httpx.AsyncClient(base_url=srv.url, headers=auth(srv)) as http:
+        async with dial(f"{ws_url(srv.url)}/v1/sandboxes/{sb.id}/ports/{PORT}/ws/deaf",
+                        additional_headers=auth(srv)) as ws:
+            with pytest.raises(ConnectionClosed):
+                while True:
+                    await ws.send(b"d" * (1 << 20))
+        await until_closed(http, sb)
+
+
 async def test_a_quiet_websocket_is_cut_after_the_idle_time(sb: dsec.AsyncSandbox,
                                                             srv: Server) -> None:
     """Nothing either way for DSEC_PORT_IDLE_S (3 s here): the proxy ends it (1001), and the

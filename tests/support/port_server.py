@@ -11,7 +11,7 @@ WebSocket (hand-made: the image has the standard library only), tests/test_ports
 ``/ws`` echoes each message (text as text), answers ``headers`` with the handshake's headers
 as JSON and ``close`` with a close of code 4000; it picks the subprotocol ``two`` when
 offered. ``/ws/flood`` sends 1 MiB messages without end, ``/ws/huge`` one 20 MiB message,
-``/ws/refuse`` answers 403, ``/ws/badaccept`` a 101 with a wrong accept token, ``/ws/garbage``
+``/ws/deaf`` reads nothing, ``/ws/refuse`` answers 403, ``/ws/badaccept`` a 101 with a wrong accept token, ``/ws/garbage``
 a 101 then bytes that are no frames. ``/wsopen`` says how many WebSockets are open now.
 """
 
@@ -147,6 +147,8 @@ async def websocket(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, 
             while True:
                 writer.write(frame(2, b"f" * CHUNK))
                 await writer.drain()
+        elif path == "/ws/deaf":  # reads nothing: what the client sends piles up
+            await asyncio.sleep(3600)
         elif path == "/ws/huge":
             writer.write(frame(2, b"h" * (20 << 20)))
             await writer.drain()
