@@ -203,14 +203,17 @@ async def test_a_server_that_reads_nothing_does_not_hold_the_client(
     """The client sends and the sandbox's server takes nothing: once the write into the port
     is stuck for the idle time the proxy closes both sides (1011, then uvicorn drops what the
     client still sends until its close timeout: a client busy sending may only see the
-    connection end), so neither the client nor the port is held."""
-    async with httpx.AsyncClient(base_url=srv.url, headers=auth(srv)) as http:
-        async with dial(f"{ws_url(srv.url)}/v1/sandboxes/{sb.id}/ports/{PORT}/ws/deaf",
-                        additional_headers=auth(srv)) as ws:
-            with pytest.raises(ConnectionClosed):
-                while True:
-                    await ws.send(b"d" * (1 << 20))
-        await until_closed(http, sb)
+    connection end), so the client is not held. (Whether the port's side closed is not asked
+    of this server: one that never reads cannot see its connection end under gVisor; the
+    flood test above checks that for clients that leave.)"""
+    async with dial(f"{ws_url(srv.url)}/v1/sandboxes/{sb.id}/ports/{PORT}/ws/deaf",
+                    additional_headers=auth(srv)) as ws:
+        with pytest.raises(ConnectionClosed):
+            while True:
+                await ws.send(b"d" * (1 << 20))
+    async with dial(f"{ws_url(srv.url)}/v1/sandboxes/{sb.id}/ports/{PORT}/ws",
+                    additional_headers=auth(srv)) as ws:  # and the port serves on
+        await echoes(ws)
 
 
 async def test_a_quiet_websocket_is_cut_after_the_idle_time(sb: dsec.AsyncSandbox,

@@ -33,7 +33,7 @@ import secrets
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import h11
-from starlette.websockets import WebSocket
+from starlette.websockets import WebSocket, WebSocketDisconnect
 from wsproto.connection import Connection, ConnectionType
 from wsproto.events import BytesMessage, CloseConnection, Message, Ping, TextMessage
 from wsproto.frame_protocol import LOCAL_ONLY_CLOSE_REASONS
@@ -77,7 +77,7 @@ async def relay(websocket: WebSocket, sandbox_id: str, port: int, target: str, o
         subprotocol = _accepted(head, nonce, offered, answer)
         await websocket.accept(subprotocol=subprotocol)
         await _pipe(websocket, answer.upgraded(), lambda data: write(sandbox_id, session, data))
-    except OSError:  # the client left (uvicorn's ClientDisconnected)
+    except (OSError, WebSocketDisconnect):  # the client left (uvicorn's, Starlette's word)
         return
     finally:
         await answer.close()
@@ -164,7 +164,7 @@ async def _pipe(websocket: WebSocket, incoming: AsyncIterator[bytes],
         except DSecError as exc:  # the edge ended it: idle, over a bound, the sandbox gone
             closing = FAILED, exc.message[:120]
         if closing is not None:
-            with contextlib.suppress(OSError, RuntimeError):  # the client may be gone too
+            with contextlib.suppress(OSError, RuntimeError, WebSocketDisconnect):  # gone too?
                 await websocket.close(*closing)
     finally:
         for task in tasks:

@@ -6,14 +6,14 @@ sans-I/O HTTP/1.1 library uvicorn and httpx are built on) as ``Connection: close
 its answer parsed back with h11, so the edge and the agent only move bytes
 (edge/ports.py, the agent's ``N`` pipe); this works the same for containers and VMs,
 embedded and under ``--ray`` (the router's owner edge, a stream like exec output), and opens
-no host port. WebSocket (an upgraded, two-way connection) is not carried: a request goes
-whole to the edge and its answer streams back, which is what a one-way edge stream can do.
+no host port. A request goes whole to the edge and its answer streams back; a WebSocket (an
+upgraded, two-way connection) is control/port_ws.py, over the same ``Answer`` reading.
 
 Trust: the request is the caller's, the answer the sandbox's (hostile).
 
 - Credentials never reach the sandbox: ``Authorization``, ``X-API-Key``, cookies, E2B's
   tokens and routing headers, dsec's own ``X-DSec-*`` are dropped, and so are hop-by-hop
-  headers (``Upgrade`` too). ``Host`` is ``localhost:PORT``.
+  headers (``Upgrade`` too: an HTTP route never upgrades). ``Host`` is ``localhost:PORT``.
 - The answer is only passed back: a redirect (to the API server, say) goes to the client as
   it is, never followed here. Its head is bounded (``HEAD_MAX``), its body streamed as the
   client reads it. Hop-by-hop headers are dropped, and every answer carries
