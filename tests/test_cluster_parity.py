@@ -34,7 +34,7 @@ from typing import Iterator
 import cloudpickle
 import httpx
 import pytest
-from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.exceptions import InvalidStatus
 
 import dsec
 from conftest import TEST_ROOT, Server, free_port, make_tcp_server, stop_server
@@ -293,7 +293,7 @@ async def test_a_websocket_to_a_sandbox_port_under_ray(replica: Server) -> None:
     token, the handshake without credentials, a refusal relayed, a flood bounded, a message
     over the bound closed with 1009, and a client that vanishes closing the sandbox's side."""
     from test_ports import PORT, auth, serving
-    from test_ports_ws import dial, echoes, until_closed, ws_url
+    from test_ports_ws import dial, echoes, floods_are_bounded, ws_url
     async with replica.client() as client:
         sb = await serving(client, replica)
         try:
@@ -313,20 +313,7 @@ async def test_a_websocket_to_a_sandbox_port_under_ray(replica: Server) -> None:
                     pass
             assert refused.value.response.status_code == 403
             async with httpx.AsyncClient(base_url=replica.url, headers=key, timeout=120) as http:
-                async with dial(f"{base}/ws/flood", additional_headers=key, max_queue=1) as flood:
-                    for _ in range(8):
-                        assert len(await flood.recv()) == 1 << 20
-                    assert (await http.get("/v1/health")).status_code == 200
-                await until_closed(http, sb)
-                flood = await dial(f"{base}/ws/flood", additional_headers=key)
-                assert len(await flood.recv()) == 1 << 20
-                flood.transport.abort()  # gone without a close: the actor's stream is cancelled
-                await until_closed(http, sb)
-                async with dial(f"{base}/ws/huge", additional_headers=key) as ws:
-                    with pytest.raises(ConnectionClosed) as closed:
-                        await ws.recv()
-                    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009
-                await until_closed(http, sb)
+                await floods_are_bounded(http, sb, base, key)
         finally:
             await sb.stop()
 

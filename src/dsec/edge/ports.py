@@ -102,7 +102,9 @@ class PortConnections:
             finally:
                 if self._sessions.get(key) is pipe:
                     del self._sessions[key]
-                writer.close()
+                # abort, not close: close waits to flush what the port never read, keeping
+                # the connection (and the sandbox's end of it) open for good
+                writer.transport.abort()
         finally:
             self._open[sandbox_id] -= 1
             if not self._open[sandbox_id]:
@@ -129,14 +131,14 @@ class PortConnections:
                                   "ended", sandbox_id=sandbox_id, reason="closed")
         pipe.sent += len(data)
         if pipe.sent > PORT_BYTES_MAX:
-            pipe.writer.close()
+            pipe.writer.transport.abort()
             raise PortUnavailable(f"over {PORT_BYTES_MAX} bytes sent to a port of sandbox "
                                   f"{sandbox_id}", sandbox_id=sandbox_id, reason="too_much")
         try:
             pipe.writer.write(data)
             await asyncio.wait_for(pipe.writer.drain(), self.idle_s)
         except (TimeoutError, ConnectionError):
-            pipe.writer.close()
+            pipe.writer.transport.abort()  # (what it holds unsent is dropped: see exchange)
             raise PortUnavailable(f"the port connection {session} of sandbox {sandbox_id} "
                                   "took nothing", sandbox_id=sandbox_id, reason="closed") from None
         pipe.active_at = time.monotonic()
