@@ -9,6 +9,7 @@ lists the node; an fn call counts against the caller's
 project quota (embedded and cluster alike); and what a dead edge's fn substrate left on the
 host (template cgroups, its directory) is removed when the node's new edge starts.
 
+A WebSocket to a sandbox's port goes through the edge actor like its HTTP requests do.
 The E2B front's snapshots and fork and its templates (built with the real SDK), snapshot quotas and TTLs, mini-swe-agent's agent loop
 through dsec.integrations, swe-rex's RemoteRuntime through the SWE-ReX front, and a
 Dockerfile build through the server (``Client.build_image``) run on the Ray edge too.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -32,6 +34,7 @@ from typing import Iterator
 import cloudpickle
 import httpx
 import pytest
+from websockets.exceptions import InvalidStatus
 
 import dsec
 from conftest import TEST_ROOT, Server, free_port, make_tcp_server, stop_server
@@ -280,6 +283,37 @@ async def test_a_sandbox_port_under_ray(replica: Server) -> None:
                 assert seen(await http.get(f"/v1/sandboxes/{sb.id}/ports/{PORT}/headers"))
             async with httpx.AsyncClient(timeout=120) as plain:
                 assert seen(await plain.get(await sb.url(PORT) + "headers"))["path"] == "/headers"
+        finally:
+            await sb.stop()
+
+
+async def test_a_websocket_to_a_sandbox_port_under_ray(replica: Server) -> None:
+    """A WebSocket through the API replica and the node's edge actor (the proxy_port stream
+    opened with a session, port_send calls for the client's messages): echo by key and by
+    token, the handshake without credentials, a refusal relayed, a flood bounded, a message
+    over the bound closed with 1009, and a client that vanishes closing the sandbox's side."""
+    from test_ports import PORT, auth, serving
+    from test_ports_ws import dial, echoes, floods_are_bounded, ws_url
+    async with replica.client() as client:
+        sb = await serving(client, replica)
+        try:
+            base = f"{ws_url(replica.url)}/v1/sandboxes/{sb.id}/ports/{PORT}"
+            key = auth(replica)
+            async with dial(f"{base}/ws", additional_headers={**key, "x-api-key": replica.key},
+                            subprotocols=["two"]) as ws:
+                assert ws.subprotocol == "two"
+                await echoes(ws)
+                await ws.send("headers")
+                got = {k.lower() for k, _ in json.loads(await ws.recv())}
+                assert not {"authorization", "x-api-key"} & got
+            async with dial(ws_url(await sb.url(PORT)) + "ws") as ws:
+                await echoes(ws)
+            with pytest.raises(InvalidStatus) as refused:
+                async with dial(f"{base}/ws/refuse", additional_headers=key):
+                    pass
+            assert refused.value.response.status_code == 403
+            async with httpx.AsyncClient(base_url=replica.url, headers=key, timeout=120) as http:
+                await floods_are_bounded(http, sb, base, key)
         finally:
             await sb.stop()
 

@@ -19,6 +19,7 @@ from .compat import mount_compat
 from .config import Settings, install
 from .control.compose import embedded
 from .control.plane import ControlPlane
+from .control.port_ws import MESSAGE_MAX
 from .store.sqlite import StateStore
 
 # Seconds the server keeps an idle HTTP connection open: well above the SDK's (httpx's) 5 s
@@ -70,11 +71,12 @@ def serve(settings: Settings) -> None:
     logging_config: dict[str, Any] = {} if settings.log_format == "text" else {"log_config": None}
     if host is None:
         settings.socket_path.unlink(missing_ok=True)
-        uv = uvicorn.Config(app, uds=str(settings.socket_path), log_level="warning",
-                            timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S,
-                            **logging_config)
+        where_args: dict[str, Any] = {"uds": str(settings.socket_path)}
     else:
-        uv = uvicorn.Config(app, host=host, port=port, log_level="warning",
-                            timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S,
-                            **logging_config)
+        where_args = {"host": host, "port": port}
+    # WebSocket (sandbox ports, control/port_ws.py) by wsproto, the pinned one, whatever else
+    # is installed beside it (uvicorn's "auto" would take the websockets package if present)
+    uv = uvicorn.Config(app, **where_args, ws="wsproto", ws_max_size=MESSAGE_MAX, log_level="warning",
+                        timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S,
+                        **logging_config)
     uvicorn.Server(uv).run()

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
+from starlette.routing import WebSocketRoute
 
 import dsec
 from dsec.api.app import create_app
@@ -138,6 +139,8 @@ def _endpoints(routes: list[Any]) -> Any:
             yield from _endpoints(included.routes)
         for verb in getattr(route, "methods", None) or ():
             yield (verb, route.path), route.endpoint
+        if isinstance(route, WebSocketRoute):  # the table spells it "WEBSOCKET path"
+            yield ("WEBSOCKET", route.path), route.endpoint
 
 
 def _names(code: types.CodeType) -> set[str]:

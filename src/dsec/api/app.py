@@ -26,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..agent.client import Output
@@ -98,8 +99,9 @@ def create_app(control: ControlPlane) -> FastAPI:
 
     known_keys: dict[str, str] = {}  # secret -> key id; keys are never revoked yet
 
-    async def authenticated(request: Request) -> str:
-        """Async on purpose: FastAPI runs a sync dependency in a thread, on every request."""
+    async def authenticated(request: HTTPConnection) -> str:
+        """Async on purpose: FastAPI runs a sync dependency in a thread, on every request.
+        (An HTTPConnection: the WebSocket routes of ports call it too.)"""
         scheme, _, secret = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not secret:
             raise Unauthorized("a valid API key is required (Authorization: Bearer dsk_...)")

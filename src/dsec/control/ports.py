@@ -6,14 +6,14 @@ sans-I/O HTTP/1.1 library uvicorn and httpx are built on) as ``Connection: close
 its answer parsed back with h11, so the edge and the agent only move bytes
 (edge/ports.py, the agent's ``N`` pipe); this works the same for containers and VMs,
 embedded and under ``--ray`` (the router's owner edge, a stream like exec output), and opens
-no host port. WebSocket (an upgraded, two-way connection) is not carried: a request goes
-whole to the edge and its answer streams back, which is what a one-way edge stream can do.
+no host port. A request goes whole to the edge and its answer streams back; a WebSocket (an
+upgraded, two-way connection) is control/port_ws.py, over the same ``Answer`` reading.
 
 Trust: the request is the caller's, the answer the sandbox's (hostile).
 
 - Credentials never reach the sandbox: ``Authorization``, ``X-API-Key``, cookies, E2B's
   tokens and routing headers, dsec's own ``X-DSec-*`` are dropped, and so are hop-by-hop
-  headers (``Upgrade`` too). ``Host`` is ``localhost:PORT``.
+  headers (``Upgrade`` too: an HTTP route never upgrades). ``Host`` is ``localhost:PORT``.
 - The answer is only passed back: a redirect (to the API server, say) goes to the client as
   it is, never followed here. Its head is bounded (``HEAD_MAX``), its body streamed as the
   client reads it. Hop-by-hop headers are dropped, and every answer carries
@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterable
+from typing import Any, AsyncIterator, Iterable, Sequence
 
 import h11
 from starlette.responses import StreamingResponse
@@ -43,6 +43,9 @@ DROPPED_REQUEST = frozenset({
     "e2b-traffic-access-token", "e2b-sandbox-id", "e2b-sandbox-port", "host", "content-length",
     "connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
     "upgrade", "expect"})
+# a WebSocket handshake's headers the proxy makes itself for the sandbox's side (port_ws.py)
+WEBSOCKET_OWN = frozenset({"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
+                           "sec-websocket-accept", "sec-websocket-protocol"})
 DROPPED_RESPONSE = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding",
                               "trailer", "upgrade"})
 SANDBOXED = (b"content-security-policy",
@@ -77,76 +80,112 @@ def check_port(port: int) -> int:
 
 
 def request_bytes(method: str, target: str, headers: Iterable[tuple[str, str]], body: bytes,
-                  port: int) -> bytes:
+                  port: int, upgrade: Sequence[tuple[str, str]] = ()) -> bytes:
     """The request as the sandbox's server gets it: credentials and hop-by-hop headers
-    dropped, ``Connection: close``, the body whole (``Content-Length``)."""
+    dropped, ``Connection: close``, the body whole (``Content-Length``). With ``upgrade`` (a
+    WebSocket handshake's own headers, control/port_ws.py) those instead, and no body."""
     kept = [(k, v) for k, v in headers
-            if k.lower() not in DROPPED_REQUEST and not k.lower().startswith("x-dsec-")]
+            if k.lower() not in DROPPED_REQUEST and not k.lower().startswith("x-dsec-")
+            and not (upgrade and k.lower() in WEBSOCKET_OWN)]
+    hop = list(upgrade) or [("Connection", "close"), ("Content-Length", str(len(body)))]
     conn = h11.Connection(h11.CLIENT)
     try:
         return b"".join((
             conn.send(h11.Request(method=method, target=target or "/", headers=[
-                ("Host", f"localhost:{port}"), *kept, ("Connection", "close"),
-                ("Content-Length", str(len(body)))])) or b"",
-            conn.send(h11.Data(data=body)) or b"" if body else b"",
-            conn.send(h11.EndOfMessage()) or b""))
+                ("Host", f"localhost:{port}"), *kept, *hop])) or b"",
+            conn.send(h11.Data(data=body)) or b"" if body and not upgrade else b"",
+            b"" if upgrade else conn.send(h11.EndOfMessage()) or b""))
     except h11.LocalProtocolError as exc:
         raise InvalidRequest(f"cannot forward this request: {exc}") from None
 
 
-async def forward(chunks: AsyncIterator[bytes], method: str, sandbox_id: str,
-                  port: int) -> StreamingResponse:
-    """The sandbox's answer (``chunks``: its bytes, from the edge's ``proxy_port``) as a
-    response streamed to the client; PortUnavailable if no answer head comes."""
-    source = aiter(chunks)
-    conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=HEAD_MAX)
-    conn.send(h11.Request(method=method, target="/", headers=[("Host", "x")]))
-    conn.send(h11.EndOfMessage())
+class Answer:
+    """The sandbox's answer (``chunks``: its bytes, from the edge's ``proxy_port``) read with
+    h11: its head, then its body as a response streamed to the client, or after a ``101``
+    the bytes of the switched protocol (``upgraded``)."""
 
-    async def event() -> Any:
+    def __init__(self, chunks: AsyncIterator[bytes], method: str, sandbox_id: str, port: int,
+                 upgrade: bool = False) -> None:
+        self.source = aiter(chunks)
+        self.sandbox_id, self.port = sandbox_id, port
+        self.conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=HEAD_MAX)
+        proposal = [("Upgrade", "websocket"), ("Connection", "Upgrade")] if upgrade else []
+        self.conn.send(h11.Request(method=method, target="/", headers=[("Host", "x"), *proposal]))
+        self.conn.send(h11.EndOfMessage())
+
+    async def _event(self) -> Any:
         while True:
-            ev = conn.next_event()
+            ev = self.conn.next_event()
             if ev is not h11.NEED_DATA:
                 return ev
-            conn.receive_data(await anext(source, b""))
+            self.conn.receive_data(await anext(self.source, b""))
 
-    try:
-        head = await event()
-        while isinstance(head, h11.InformationalResponse):
-            head = await event()
-        if not isinstance(head, h11.Response):
-            raise h11.RemoteProtocolError("the connection closed before an answer")
-        if sum(len(k) + len(v) + 4 for k, v in head.headers) > HEAD_MAX:  # h11 bounds only
-            raise h11.RemoteProtocolError(f"its head is over {HEAD_MAX} bytes")  # an incomplete one
-    except h11.RemoteProtocolError as exc:
-        await _close(source)
-        raise PortUnavailable(f"port {port} in sandbox {sandbox_id} gave no HTTP answer: {exc}",
-                              sandbox_id=sandbox_id, port=port, reason="no_answer") from None
-    except BaseException:
-        await _close(source)
-        raise
-
-    async def body() -> AsyncIterator[bytes]:
+    async def head(self) -> h11.Response | h11.InformationalResponse:
+        """The answer's status and headers (a 101 only where an upgrade was proposed);
+        PortUnavailable if no answer head comes."""
         try:
-            while True:
-                ev = await event()
-                if isinstance(ev, h11.Data):
-                    yield bytes(ev.data)
-                else:  # EndOfMessage
-                    return
-        except h11.RemoteProtocolError:
-            return  # cut short (closed, idle, over the bound): the client sees a short body
+            head = await self._event()
+            while isinstance(head, h11.InformationalResponse) and head.status_code != 101:
+                head = await self._event()
+            if not isinstance(head, (h11.Response, h11.InformationalResponse)):
+                raise h11.RemoteProtocolError("the connection closed before an answer")
+            if sum(len(k) + len(v) + 4 for k, v in head.headers) > HEAD_MAX:  # h11 bounds only
+                raise h11.RemoteProtocolError(f"its head is over {HEAD_MAX} bytes")  # an incomplete one
+        except h11.RemoteProtocolError as exc:
+            await self.close()
+            raise self.unavailable(f"gave no HTTP answer: {exc}", "no_answer") from None
+        except BaseException:
+            await self.close()
+            raise
+        return head
+
+    def unavailable(self, what: str, reason: str) -> PortUnavailable:
+        return PortUnavailable(f"port {self.port} in sandbox {self.sandbox_id} {what}",
+                               sandbox_id=self.sandbox_id, port=self.port, reason=reason)
+
+    def response(self, head: h11.Response) -> StreamingResponse:
+        """The answer as a response streamed to the client (and as a WebSocket's refusal)."""
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                while True:
+                    ev = await self._event()
+                    if isinstance(ev, h11.Data):
+                        yield bytes(ev.data)
+                    else:  # EndOfMessage
+                        return
+            except h11.RemoteProtocolError:
+                return  # cut short (closed, idle, over the bound): the client sees a short body
+            finally:
+                await self.close()
+
+        headers = [(k, v) for k, v in head.headers if k.decode().lower() not in DROPPED_RESPONSE]
+        response = StreamingResponse(body(), status_code=head.status_code)
+        response.raw_headers = [*headers, SANDBOXED]
+        return response
+
+    async def upgraded(self) -> AsyncIterator[bytes]:
+        """After a 101: the bytes that came with its head, then the rest as it comes."""
+        try:
+            rest, _ = self.conn.trailing_data
+            if rest:
+                yield bytes(rest)
+            async for chunk in self.source:
+                yield chunk
         finally:
-            await _close(source)
+            await self.close()
 
-    headers = [(k, v) for k, v in head.headers if k.decode().lower() not in DROPPED_RESPONSE]
-    response = StreamingResponse(body(), status_code=head.status_code)
-    response.raw_headers = [*headers, SANDBOXED]
-    return response
+    async def close(self) -> None:
+        """Stop the edge's stream (its connection to the port closes with it)."""
+        close = getattr(self.source, "aclose", None)
+        if close is not None:
+            await close()
 
 
-async def _close(chunks: AsyncIterator[bytes]) -> None:
-    """Stop the edge's stream (its connection to the port closes with it)."""
-    close = getattr(chunks, "aclose", None)
-    if close is not None:
-        await close()
+async def forward(chunks: AsyncIterator[bytes], method: str, sandbox_id: str,
+                  port: int) -> StreamingResponse:
+    """The sandbox's answer as a response streamed to the client; PortUnavailable if no
+    answer head comes."""
+    answer = Answer(chunks, method, sandbox_id, port)
+    head = await answer.head()
+    assert isinstance(head, h11.Response)  # no upgrade proposed: h11 refuses a 101
+    return answer.response(head)

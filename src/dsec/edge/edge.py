@@ -1047,15 +1047,21 @@ class Edge:
         await self._call(sandbox_id, lambda a: a.signal(process, signal), _process_error(process))
 
     # ports
-    async def proxy_port(self, sandbox_id: str, port: int, request: bytes) -> AsyncIterator[bytes]:
+    async def proxy_port(self, sandbox_id: str, port: int, request: bytes,
+                         session: str | None = None) -> AsyncIterator[bytes]:
         """``request`` (an HTTP request's bytes) to ``127.0.0.1:port`` in the sandbox; its
-        answer's bytes as they come (hostile, bounded: edge/ports.py)."""
+        answer's bytes as they come (hostile, bounded: edge/ports.py). With ``session``, the
+        connection stays open for ``port_send`` while this lasts (a WebSocket)."""
         live = await self._awake(sandbox_id)
         try:
-            async for chunk in self.ports.exchange(sandbox_id, live.agent, port, request):
+            async for chunk in self.ports.exchange(sandbox_id, live.agent, port, request, session):
                 yield chunk
         except AgentUnavailable as exc:
             raise await self._agent_failed(live, exc) from None
+
+    async def port_send(self, sandbox_id: str, session: str, data: bytes) -> None:
+        """More bytes into the two-way port connection ``session`` (open in ``proxy_port``)."""
+        await self.ports.send(sandbox_id, session, data)
 
     # files
     async def read_file(self, sandbox_id: str, path: str) -> bytes:

@@ -151,9 +151,14 @@ OPERATIONS: tuple[Operation, ...] = (
     _op("resize_pty", (PROCESS, Param("cols", int), Param("rows", int)), None,
         f"POST {SANDBOX}/processes/{{process}}/resize", step="resize", sdk="Pty.resize"),
     # ports: an HTTP request's bytes to a port in the sandbox, its answer's bytes streamed back
-    # (not a trajectory step: a port's traffic is not the agent's actions; control/ports.py)
-    _op("proxy_port", (Param("port", int), Param("request", bytes)), bytes,
+    # (not a trajectory step: a port's traffic is not the agent's actions; control/ports.py).
+    # A WebSocket is the same stream opened with a ``session`` name, and ``port_send`` writes
+    # the client's bytes into it while it lasts (control/port_ws.py, edge/ports.py)
+    _op("proxy_port", (Param("port", int), Param("request", bytes),
+                       Param("session", str | None, None)), bytes,
         f"GET {SANDBOX}/ports/{{port}}/{{path:path}}", kind="stream", sdk="Sandbox.url"),
+    _op("port_send", (Param("session", str), Param("data", bytes)), None,
+        f"WEBSOCKET {SANDBOX}/ports/{{port}}/{{path:path}}", sdk="Sandbox.url"),
     # files
     _op("read_file", (PATH,), bytes, f"GET {SANDBOX}/files", step="read", sdk="Sandbox.read_file"),
     _op("write_file", (PATH, Param("data", bytes), Param("mode", int, 0o644),
