@@ -264,7 +264,9 @@ async def density_series(console: Console, quick: bool = False,
                 execs.add(await gated(created.sandboxes, _answers))
             with phase(console, f"density: {made} stops"):
                 stop_s = await _stop_all(created, stops)
-            left = excess(before, host.counts())
+            with phase(console, "density: the stopped sandboxes' removal"):
+                left, removal_s = await _settled(host, before, timeout_s=60 + n / 10)
+            stops.extra["removal_done_s_after_the_last_stop"] = removal_s
             samples = [creates, _rate("creates per second (not ms)", made, create_s),
                        host_mb, charged, execs, stops,
                        _rate("stops per second (not ms)", len(stops.values_ms), stop_s),
@@ -274,6 +276,16 @@ async def density_series(console: Console, quick: bool = False,
         shutil.rmtree(root, ignore_errors=True)
     creates.extra.update(count=n, concurrency=CONCURRENCY, created=made)
     return samples
+
+
+async def _settled(host: Host, before: dict[str, int], timeout_s: float) -> tuple[dict[str, int], float]:
+    """The leftovers once there are none, or as they are after ``timeout_s``, and the seconds
+    that took: a stop returns once its sandbox can no longer run, and the removal of its
+    mounts, disk, cgroups and runtime record finishes in the background (``Edge._remove``)."""
+    t0 = time.perf_counter()
+    while (left := excess(before, host.counts())) and time.perf_counter() - t0 < timeout_s:
+        await asyncio.sleep(0.1)
+    return left, time.perf_counter() - t0
 
 
 def _keep_log_if_failed(console: Console, state: Path, samples: list[Sample]) -> None:

@@ -139,6 +139,25 @@ async def test_a_crash_before_stopped_sandboxes_are_removed_leaks_nothing(images
         stop_server(srv)
 
 
+async def test_a_signal_to_the_servers_group_right_after_stops_leaks_nothing(images) -> None:  # type: ignore[no-untyped-def]
+    """A SIGTERM to the server's whole process group (what systemd's stop and a terminal's
+    Ctrl-C send) right after stops return also reaches the runtime ``delete``s their
+    background removal has under way; the edge's close still leaves nothing of them."""
+    srv = make_server("--capacity", "60", "--warm-pool", "0").start()
+    try:
+        edge_id = first_edge_id(srv)
+        async with srv.client() as client:
+            sandboxes = await client.create_many(40, concurrency=20, ttl_s=300)
+            assert all(isinstance(sb, dsec.AsyncSandbox) for sb in sandboxes), sandboxes
+            await asyncio.gather(*(sb.start(["sleep", "infinity"]) for sb in sandboxes))
+            await asyncio.gather(*(sb.stop() for sb in sandboxes))
+            srv.kill(signal.SIGTERM)
+        left = host_traces(srv, edge_id)
+        assert left == {k: [] for k in left}, left
+    finally:
+        stop_server(srv)
+
+
 async def _crash_after_stops(srv: Server) -> None:
     edge_id = first_edge_id(srv)
     async with srv.client() as client:

@@ -408,10 +408,23 @@ class ContainerSubstrate(Substrate):
         await asyncio.get_running_loop().run_in_executor(
             self._io, cgroups.thaw_if_frozen, self.cgroup_parent, sandbox_id)
         for runtime in RUNTIMES:
-            if _holds_state(self.runtime_root / runtime, sandbox_id):
-                await spawn.run([*self._runtime_cmd(runtime), "delete", "--force", sandbox_id])
+            await self._delete_state(runtime, sandbox_id)
         await self.network.remove(sandbox_id)
         await asyncio.get_running_loop().run_in_executor(self._io, self._teardown, sandbox_id, d)
+
+    async def _delete_state(self, runtime: str, sandbox_id: str) -> None:
+        """The runtime's record of the sandbox, deleted by the runtime; asked twice, since a
+        signal to the server's whole process group (systemd's stop, a terminal's Ctrl-C) also
+        ends the ``delete`` under way, and a stop returns before its removal is done. What is
+        still held after that is logged and left to the next start's ``recover``."""
+        root = self.runtime_root / runtime
+        for _ in range(2):
+            if not _holds_state(root, sandbox_id):
+                return
+            await spawn.run([*self._runtime_cmd(runtime), "delete", "--force", sandbox_id])
+        if _holds_state(root, sandbox_id):
+            log.warning("sandbox %s: %s still holds state after two deletes; the next start "
+                        "removes it", sandbox_id, runtime)
 
     def _teardown(self, sandbox_id: str, d: Path) -> None:
         """What the runtime leaves or never made: cgroups, the overlay, the disk, the bundle
