@@ -252,20 +252,13 @@ async def test_stdin_and_a_terminal_under_ray(replica: Server) -> None:
 async def test_a_sandbox_port_under_ray(replica: Server) -> None:
     """A server in the sandbox, reached through the API replica and the node's edge actor:
     with the key, with the port's token, a large answer streamed, nothing listening typed."""
-    from test_ports import PORT, auth, seen, serving
+    from test_ports import PORT, assert_the_port_serves, auth, seen, serving
     async with replica.client() as client:
         sb = await serving(client, replica)
         try:
             async with httpx.AsyncClient(base_url=replica.url, headers=auth(replica),
                                          timeout=120) as http:
-                got = seen(await http.get(f"/v1/sandboxes/{sb.id}/ports/{PORT}/headers",
-                                          headers={"x-api-key": replica.key}))
-                assert got["path"] == "/headers" and "x-api-key" not in got
-                n = (24 << 20) + 7
-                r = await http.get(f"/v1/sandboxes/{sb.id}/ports/{PORT}/big?n={n}")
-                assert r.status_code == 200 and len(r.content) == n
-                r = await http.get(f"/v1/sandboxes/{sb.id}/ports/{PORT + 1}/")
-                assert r.status_code == 502 and r.json()["error"]["code"] == "port_unavailable"
+                await assert_the_port_serves(http, replica, sb.id, (24 << 20) + 7)
                 # a flood read slowly: the actor runs at most STREAM_AHEAD chunks ahead
                 async with http.stream("GET", f"/v1/sandboxes/{sb.id}/ports/{PORT}/flood") as flood:
                     taken = 0

@@ -82,6 +82,19 @@ def seen(response: httpx.Response) -> dict[str, str]:
     return {k.lower(): v for k, v in response.json()}
 
 
+async def assert_the_port_serves(http: httpx.AsyncClient, srv: Server, sandbox_id: str,
+                                 n: int) -> None:
+    """Through the key route: the caller's key stripped, an answer of ``n`` bytes whole, and
+    a port nothing listens on typed ``port_unavailable``."""
+    got = seen(await http.get(f"/v1/sandboxes/{sandbox_id}/ports/{PORT}/headers",
+                              headers={"x-api-key": srv.key}))
+    assert got["path"] == "/headers" and "x-api-key" not in got
+    r = await http.get(f"/v1/sandboxes/{sandbox_id}/ports/{PORT}/big?n={n}")
+    assert r.status_code == 200 and len(r.content) == n
+    r = await http.get(f"/v1/sandboxes/{sandbox_id}/ports/{PORT + 1}/")
+    assert r.status_code == 502 and r.json()["error"]["code"] == "port_unavailable"
+
+
 async def test_the_key_and_the_port_token_reach_the_port(sb: dsec.AsyncSandbox, srv: Server) -> None:
     async with httpx.AsyncClient(base_url=srv.url) as http:
         r = await http.get(f"/v1/sandboxes/{sb.id}/ports/{PORT}/headers?a=1&b=%2F", headers=auth(srv))
@@ -280,14 +293,7 @@ async def test_a_microvm_serves_its_port_through_its_guest_agent(client: dsec.DS
     vm = await serving(client, srv, substrate="microvm")
     try:
         async with httpx.AsyncClient(base_url=srv.url, headers=auth(srv), timeout=120) as http:
-            got = seen(await http.get(f"/v1/sandboxes/{vm.id}/ports/{PORT}/headers",
-                                      headers={"x-api-key": srv.key}))
-            assert got["path"] == "/headers" and "x-api-key" not in got
-            n = (8 << 20) + 3
-            r = await http.get(f"/v1/sandboxes/{vm.id}/ports/{PORT}/big?n={n}")
-            assert r.status_code == 200 and len(r.content) == n
-            r = await http.get(f"/v1/sandboxes/{vm.id}/ports/{PORT + 1}/")
-            assert r.status_code == 502 and r.json()["error"]["code"] == "port_unavailable"
+            await assert_the_port_serves(http, srv, vm.id, (8 << 20) + 3)
             r = await http.get(f"/v1/sandboxes/{vm.id}/ports/{PORT}/reach",
                                params={"url": f"{srv.url}/v1/health"})
             assert r.text.startswith("failed"), r.text

@@ -146,26 +146,28 @@ async def test_a_signal_to_the_servers_group_right_after_stops_leaks_nothing(ima
     srv = make_server("--capacity", "60", "--warm-pool", "0").start()
     try:
         edge_id = first_edge_id(srv)
-        async with srv.client() as client:
-            sandboxes = await client.create_many(40, concurrency=20, ttl_s=300)
-            assert all(isinstance(sb, dsec.AsyncSandbox) for sb in sandboxes), sandboxes
-            await asyncio.gather(*(sb.start(["sleep", "infinity"]) for sb in sandboxes))
-            await asyncio.gather(*(sb.stop() for sb in sandboxes))
-            srv.kill(signal.SIGTERM)
+        await _stop_forty_then_signal(srv, signal.SIGTERM)
         left = host_traces(srv, edge_id)
         assert left == {k: [] for k in left}, left
     finally:
         stop_server(srv)
 
 
-async def _crash_after_stops(srv: Server) -> None:
-    edge_id = first_edge_id(srv)
+async def _stop_forty_then_signal(srv: Server, sig: int) -> list[dsec.AsyncSandbox | dsec.DSecError]:
+    """40 sandboxes each running a process, all stopped, then ``sig`` to the server's
+    process group as soon as the stops return."""
     async with srv.client() as client:
         sandboxes = await client.create_many(40, concurrency=20, ttl_s=300)
         assert all(isinstance(sb, dsec.AsyncSandbox) for sb in sandboxes), sandboxes
         await asyncio.gather(*(sb.start(["sleep", "infinity"]) for sb in sandboxes))
         await asyncio.gather(*(sb.stop() for sb in sandboxes))
-        srv.kill(signal.SIGKILL)
+        srv.kill(sig)
+    return sandboxes
+
+
+async def _crash_after_stops(srv: Server) -> None:
+    edge_id = first_edge_id(srv)
+    sandboxes = await _stop_forty_then_signal(srv, signal.SIGKILL)
     left = host_traces(srv, edge_id)
     # The crash came before the background removal ended (40 removals, 16 at a time, each
     # forks the runtime and waits for a loop device), so the restart has remains to remove.
