@@ -49,6 +49,11 @@ async def client(srv: Server) -> AsyncIterator[dsec.DSecClient]:
         yield c
 
 
+def tampered(mac: str) -> str:
+    """The token's MAC with its last digit changed (always changed: never the MAC itself)."""
+    return mac[:-1] + ("1" if mac.endswith("0") else "0")
+
+
 async def serving(client: dsec.DSecClient, srv: Server,
                   substrate: str = "container") -> dsec.AsyncSandbox:
     """A python sandbox running port_server.py on PORT, once it answers through the proxy."""
@@ -149,7 +154,7 @@ async def test_a_token_opens_its_own_port_of_its_own_sandbox_only(
         base, token = url.rstrip("/").rsplit("/", 1)
         sandbox_id, port, mac = token.split(".")
         forged = [f"{other.id}.{port}.{mac}", f"{sandbox_id}.{PORT + 1}.{mac}",
-                  f"{sandbox_id}.{port}.{mac[:-1]}0", f"{sandbox_id}.{port}", "junk", f"{other.id}"]
+                  f"{sandbox_id}.{port}.{tampered(mac)}", f"{sandbox_id}.{port}", "junk", f"{other.id}"]
         async with httpx.AsyncClient() as plain:
             for bad in forged:
                 r = await plain.get(f"{base}/{bad}/headers")

@@ -20,7 +20,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 import dsec
 from conftest import Server
-from test_ports import PORT, auth, client, sb, serving, srv  # noqa: F401 (fixtures)
+from test_ports import PORT, auth, client, sb, serving, srv, tampered  # noqa: F401 (fixtures)
 
 
 def ws_url(http_url: str) -> str:
@@ -91,7 +91,7 @@ async def test_a_token_or_a_key_opens_only_its_own_websocket(
         base, token = (await sb.url(PORT)).rstrip("/").rsplit("/", 1)
         sandbox_id, port, mac = token.split(".")
         for bad in (f"{other.id}.{port}.{mac}", f"{sandbox_id}.{PORT + 1}.{mac}", "junk",
-                    f"{sandbox_id}.{port}.{mac[:-1]}0"):
+                    f"{sandbox_id}.{port}.{tampered(mac)}"):
             with pytest.raises(InvalidStatus) as refused:
                 async with dial(f"{ws_url(base)}/{bad}/ws"):
                     pass
