@@ -1227,6 +1227,11 @@ static void boot_from(const char *device)
     if (fcntl(boot_fd, F_SETOWN, getpid()) ||
         fcntl(boot_fd, F_SETFL, fcntl(boot_fd, F_GETFL) | O_NONBLOCK | O_ASYNC))
         boot_failed("boot port", strerror(errno));
+    /* The edge may save the guest between the answer above and O_ASYNC (it pauses a VM as
+     * soon as its create returns): the restored guest can then be sent its new message
+     * before O_ASYNC is set, and no SIGIO would ever come for it. Read once now; what comes
+     * later raises SIGIO. */
+    boot_read();
 }
 
 /* Constant time in the token's bytes: a wrong guess says nothing about how close it was. */

@@ -188,7 +188,7 @@ class QemuSubstrate(Substrate):
             await vmsnapshot.resume(d / "qmp.sock")
         else:
             await self._wait_until_listening(alive, d)
-        await self._boot_agent(alive, d, token, sandbox_id)
+        await self._boot_agent(alive, d, token, sandbox_id, restored=incoming is not None)
         runtime = {"pid": pid, "port": port, "accel": self.accel, "token": token}
         slot = self.network.slot(sandbox_id)
         if slot is not None:  # restarted with a policy (resume, rollback): its tap plugged again
@@ -284,12 +284,14 @@ class QemuSubstrate(Substrate):
                                    f"{START_TIMEOUT_S:.0f}s: {_tail(d / 'console.log')}")
             await asyncio.sleep(0.02)
 
-    async def _boot_agent(self, alive: Callable[[], bool], d: Path, token: str, hostname: str) -> None:
+    async def _boot_agent(self, alive: Callable[[], bool], d: Path, token: str, hostname: str,
+                          restored: bool) -> None:
         """Claim the agent out of band: its token, the guest's name, the time and a random
         seed, over the guest's boot port (a virtio-serial port whose host end only root can
         open). The agent serves nothing before it has them, and answers ``OK`` or ``ERR
         reason`` (and then stops the guest). A restored guest's agent takes a new message
-        the same way, in place of the saved one's token (agent.c ``boot_read``)."""
+        the same way, in place of the saved one's token (agent.c ``boot_read``); its console
+        is new and empty, so a timeout says what QEMU and the port were doing instead."""
         now = time.time_ns()
         seed = secrets.token_hex(SEED_BYTES)  # the guest's random pool is reseeded with it
         message = f"{token} {hostname[:HOSTNAME_MAX]} {now // 10**9} {now % 10**9} {seed}\n"
@@ -307,8 +309,11 @@ class QemuSubstrate(Substrate):
                         if not alive():
                             raise self._stopped_booting(d) from None
                         if time.monotonic() > deadline:
-                            raise SandboxError(f"the {self.name}'s agent did not take its token within "
-                                               f"{START_TIMEOUT_S:.0f}s: {_tail(d / 'console.log')}") from None
+                            raise SandboxError(
+                                f"the {self.name}'s agent did not take its token within "
+                                f"{START_TIMEOUT_S:.0f}s ({'restored from a saved state' if restored else 'booted'}; "
+                                f"{await vmsnapshot.describe(d / 'qmp.sock')}): "
+                                f"{_tail(d / 'console.log')}") from None
             finally:
                 writer.close()
         except OSError as exc:

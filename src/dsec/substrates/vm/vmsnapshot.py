@@ -161,6 +161,24 @@ async def resume(qmp_socket: Path) -> None:
         qmp.close()
 
 
+async def describe(qmp_socket: Path) -> str:
+    """QEMU's run state and its virtio-serial ports' (``info qtree``: whether the guest and
+    the host have each port open), for an error that has nothing else to say."""
+    try:
+        qmp = await asyncio.wait_for(QMP.connect(qmp_socket), 5)
+    except (OSError, SandboxError, TimeoutError) as exc:
+        return f"QMP unreachable: {exc}"
+    try:
+        status = (await asyncio.wait_for(qmp.call("query-status"), 5))["status"]
+        tree = await asyncio.wait_for(qmp.call("human-monitor-command", **{"command-line": "info qtree"}), 5)
+    except (OSError, SandboxError, TimeoutError) as exc:
+        return f"QMP failed: {exc}"
+    finally:
+        qmp.close()
+    ports = [line.strip() for line in str(tree).splitlines() if line.strip().startswith("port ")]
+    return f"QEMU {status}, {'; '.join(ports) or 'no serial port'}"
+
+
 def commit(scratch: Path, target: Path) -> None:
     """Make a finished template visible at once (rename), dropping what only building needed."""
     for name in os.listdir(scratch):
