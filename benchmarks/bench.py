@@ -344,20 +344,52 @@ async def trajectory_series(console: Console, client: DSecClient, steps: int) ->
     return samples
 
 
-async def run_benchmark(console: Console, quick: bool = False,
-                        only_trajectory: bool = False) -> list[Sample]:
+async def exec_phase(console: Console, created: Created, bare: BareCrun, n_exec: int) -> list[Sample]:
+    """``true`` run in a warm sandbox of ``created``'s server against ``crun exec`` into a
+    running bare container, alternating batches of 20."""
+    with phase(console, "exec round trip of `true`"):
+        sb = await created.client.create(image=IMAGE, ttl_s=300)
+        try:
+            async with bare.running() as cid:
+                return await compare(Sample("bare crun exec true", []),
+                                     lambda: bare.exec_true(cid), Sample("dsec exec true", []),
+                                     lambda: _run_true(sb), 20, n_exec // 20)
+        finally:
+            await sb.stop()
+
+
+async def exec_series(console: Console, quick: bool = False) -> list[Sample]:
+    """``dsec bench --only exec``: the exec round trip alone, as the full benchmark runs it."""
+    image = ImageStore().ensure(IMAGE, console=console)
+    root = BENCH_ROOT / secrets.token_hex(3)
+    bare = BareCrun(root / "bare", LayerMounter().lowerdirs(image))
+    try:
+        async with bench_server(root / "cold", "--warm-pool", "0") as cold:
+            await cold.first_output()  # warm-up: agent binary, layer mounts, page cache
+            await cold.stop_all()
+            return await exec_phase(console, cold, bare, 50 if quick else 200)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        remove_parent_if_unused(BARE_CGROUP_PARENT)
+
+
+async def trajectory_only(console: Console, quick: bool = False) -> list[Sample]:
+    """``dsec bench --only trajectory``: the trajectory series alone, on its own server."""
+    root = BENCH_ROOT / secrets.token_hex(3)
+    try:
+        async with bench_server(root / "trajectory", "--warm-pool", "0") as server:
+            await server.first_output()  # warm-up
+            await server.stop_all()
+            return await trajectory_series(console, server.client, 200 if quick else 1000)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+async def run_benchmark(console: Console, quick: bool = False) -> list[Sample]:
     n_seq, n_burst, burst_rounds, n_exec = (10, 20, 1, 50) if quick else (50, 100, 2, 200)
     n_steps = 200 if quick else 1000
     image = ImageStore().ensure(IMAGE, console=console)
     root = BENCH_ROOT / secrets.token_hex(3)
-    if only_trajectory:
-        try:
-            async with bench_server(root / "trajectory", "--warm-pool", "0") as server:
-                await server.first_output()  # warm-up
-                await server.stop_all()
-                return await trajectory_series(console, server.client, n_steps)
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
     bare = BareCrun(root / "bare", LayerMounter().lowerdirs(image))
     samples: list[Sample] = []
     memory = Sample("idle sandbox memory (MB, not ms)", [])
@@ -379,13 +411,7 @@ async def run_benchmark(console: Console, quick: bool = False,
                                          Sample(f"dsec create (cold): burst {n_burst}", []),
                                          cold.first_output, n_burst, burst_rounds, concurrent=True,
                                          settle_s=2.0, between=clean_up)
-            with phase(console, "exec round trip of `true`"):
-                sb = await cold.client.create(image=IMAGE, ttl_s=300)
-                async with bare.running() as cid:
-                    samples += await compare(Sample("bare crun exec true", []),
-                                             lambda: bare.exec_true(cid), Sample("dsec exec true", []),
-                                             lambda: _run_true(sb), 20, n_exec // 20)
-                await sb.stop()
+            samples += await exec_phase(console, cold, bare, n_exec)
             samples += await trajectory_series(console, cold.client, n_steps)
         async with bench_server(root / "warm", "--warm-pool", str(n_burst)) as warm:
             with phase(console, f"create-to-first-output from a warm pool of {n_burst}"):
@@ -447,7 +473,9 @@ ONLY = {"create": "dsec_benchmarks.bench_create:create_series",
         "lazy": "dsec_benchmarks.bench_lazy:lazy_series",
         "connect": "dsec_benchmarks.bench_connect:connect_series",
         "density": "dsec_benchmarks.bench_density:density_series",
-        "throughput": "dsec_benchmarks.bench_density:throughput_series"}
+        "throughput": "dsec_benchmarks.bench_density:throughput_series",
+        "exec": "dsec_benchmarks.bench:exec_series",
+        "trajectory": "dsec_benchmarks.bench:trajectory_only"}
 
 
 # What ``dsec bench`` runs with no ``--only`` after the latency series above (``--quick``
@@ -475,8 +503,7 @@ def failed(samples: list[Sample]) -> list[Sample]:
     return [s for s in samples if s.failures]
 
 
-def main(quick: bool = False, json_out: Path | None = None, only_trajectory: bool = False,
-         only: str | None = None, sizes: list[int] | None = None,
+def main(quick: bool = False, json_out: Path | None = None, only: str | None = None, sizes: list[int] | None = None,
          cycles: int | None = None, count: int | None = None) -> None:
     if os.geteuid() != 0:
         raise SystemExit("dsec bench runs containers and must run as root")
@@ -488,8 +515,6 @@ def main(quick: bool = False, json_out: Path | None = None, only_trajectory: boo
         options = {key: value for key, value in (("cycles", cycles), ("count", count))
                    if value is not None}
         samples = asyncio.run(_series(only)(console, quick, **options))
-    elif only_trajectory:
-        samples = asyncio.run(run_benchmark(console, quick, only_trajectory))
     else:
         samples = asyncio.run(_all_series(console, quick))
     report(console, samples)

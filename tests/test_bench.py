@@ -1,6 +1,6 @@
 """``dsec bench`` as CI runs it: a tiny density series through the real command (a private
 server, real containers) answers in every sandbox, leaves nothing behind and exits 0; the
-JSON rows carry the figures and no failure."""
+JSON rows carry the figures and no failure. The exec and trajectory series run alone too."""
 
 from __future__ import annotations
 
@@ -23,6 +23,22 @@ def test_density_smoke_reports_no_failures(images: ImageStore, tmp_path: Path) -
     assert rows["echo in each of the 3: answers"]["n"] == 3
     assert rows["leftovers after every stop (count, not ms)"]["p50"] == 0
     assert rows["create, 3 kept idle, 64 at a time"]["created"] == 3
+
+
+def test_exec_and_trajectory_series_run_alone(images: ImageStore, tmp_path: Path) -> None:
+    """``--only exec`` and ``--only trajectory``: the two series of the full benchmark alone,
+    each row measured with no failure (figures are not asserted)."""
+    for series, names in (("exec", {"bare crun exec true", "dsec exec true"}),
+                          ("trajectory", {"exec true (no trajectory)",
+                                          "exec true, logged in a trajectory"})):
+        out = tmp_path / f"{series}.json"
+        done = subprocess.run([sys.executable, "-m", "dsec", "bench", "--only", series, "--quick",
+                               "--json", str(out)], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        rows = {row["name"]: row for row in json.loads(out.read_text())}
+        assert names <= rows.keys()
+        assert all(row["failures"] == 0 and row["n"] > 0 for row in rows.values())
+    assert rows["exec true, logged in a trajectory"]["p50_ratio_to_baseline"] is not None
 
 
 def test_count_belongs_to_density_and_throughput() -> None:

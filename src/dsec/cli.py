@@ -653,12 +653,10 @@ def project_quota(name: str, sandboxes: int | None, cpu: float | None,
 @click.option("--quick", is_flag=True, help="smaller counts, for a smoke run")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None,
               help="also write the figures as JSON here")
-@click.option("--only-trajectory", is_flag=True,
-              help="only the trajectory series (log overhead, fast-forward)")
 @click.option("--only", type=click.Choice(["create", "fn", "microvm", "vm", "cluster", "projects",
                                            "network", "state", "pause", "stdin", "soak",
                                            "pull", "lazy", "connect", "density",
-                                           "throughput"]),
+                                           "throughput", "exec", "trajectory"]),
               default=None,
               help="run one series alone: create (cold creates one at a time and in a "
                    "burst, stops, against bare crun), fn (call latency and throughput), microvm or vm "
@@ -673,14 +671,16 @@ def project_quota(name: str, sandboxes: int | None, cpu: float | None,
                    "connect (dsec's Connect server and codec against the connectrpc library), "
                    "density (N idle containers: create rate, memory each, an exec in each, "
                    "stops, leftovers), throughput (create_many of N against bare crun starts; "
-                   "stops). Without --only: the latency series, then throughput and density")
+                   "stops), exec (the round trip of `true` against crun exec), trajectory (log "
+                   "overhead per call, fast-forward). Without --only: the latency series, then "
+                   "throughput and density")
 @click.option("--sizes", default="100", help="cluster series: burst sizes, comma-separated")
 @click.option("--cycles", type=click.IntRange(min=10), default=None,
               help="soak series: create/run/stop cycles (default 20000; --quick 200)")
 @click.option("--count", type=click.IntRange(min=1), default=None,
               help="density series: idle sandboxes (default 3000; --quick 20); throughput: "
                    "sandboxes of the create_many (default 1000; --quick 50)")
-def bench(quick: bool, json_out: Path | None, only_trajectory: bool, only: str | None,
+def bench(quick: bool, json_out: Path | None, only: str | None,
           sizes: str, cycles: int | None, count: int | None) -> None:
     """Run the benchmark against bare crun and print the figures (see docs/BENCHMARKS.md).
     Exits non-zero when a series had failures (never on a figure)."""
@@ -692,9 +692,8 @@ def bench(quick: bool, json_out: Path | None, only_trajectory: bool, only: str |
         return _benchmark("bench_fn").main(quick=quick, json_out=json_out)
     if only in ("microvm", "vm"):
         return _benchmark("bench_vm").main(only, quick=quick, json_out=json_out)
-    _benchmark("bench").main(quick=quick, json_out=json_out, only_trajectory=only_trajectory,
-                             only=only, sizes=[int(n) for n in sizes.split(",")], cycles=cycles,
-                             count=count)
+    _benchmark("bench").main(quick=quick, json_out=json_out, only=only,
+                             sizes=[int(n) for n in sizes.split(",")], cycles=cycles, count=count)
 
 
 def _benchmark(name: str) -> Any:

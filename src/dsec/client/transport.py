@@ -27,6 +27,7 @@ from ..protocol.errors import (
     Unauthorized,
     error_from_json,
 )
+from .onewrite import coalesce_writes
 
 START_TIMEOUT_S = 120.0
 EXIT_MISSING_EXTRA = 3  # `dsec serve` (any dsec command) run without its extra installed
@@ -60,8 +61,9 @@ class Transport:
         self._api_key = api_key or os.environ.get("DSEC_API_KEY")
         # The limits go to the transport: a client given a transport ignores its own.
         limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
-        transport = (httpx.AsyncHTTPTransport(uds=str(self.socket), limits=limits) if self.socket
-                     else httpx.AsyncHTTPTransport(socket_options=KEEPALIVE, limits=limits))
+        transport = coalesce_writes(
+            httpx.AsyncHTTPTransport(uds=str(self.socket), limits=limits) if self.socket
+            else httpx.AsyncHTTPTransport(socket_options=KEEPALIVE, limits=limits))
         base = "http://dsec" if self.socket else url
         self.http = httpx.AsyncClient(base_url=base or "", transport=transport,
                                       timeout=httpx.Timeout(timeout_s, connect=10.0))

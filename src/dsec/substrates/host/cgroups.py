@@ -6,6 +6,7 @@ hierarchy); dsec only prepares the host, reads counters and sweeps what a crash 
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import time
@@ -17,7 +18,10 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 CPU_PERIOD_US = 100_000
 
 
+@functools.cache
 def is_cgroup2_only() -> bool:
+    """Whether the host has the unified hierarchy alone: fixed at boot, so asked once (every
+    exec reads an OOM count through it)."""
     return (CGROUP_ROOT / "cgroup.controllers").exists()
 
 
@@ -138,15 +142,21 @@ def oom_count(text: str, keys: tuple[str, ...]) -> int:
 
 
 def oom_kills(parent: str, sandbox_id: str) -> int:
-    """How many processes the kernel's OOM killer ended in this sandbox's memory cgroup."""
-    if is_cgroup2_only():
-        path = CGROUP_ROOT / parent.strip("/") / sandbox_id / "memory.events"
-    else:
-        path = CGROUP_ROOT / "memory" / parent.strip("/") / sandbox_id / "memory.oom_control"
+    """How many processes the kernel's OOM killer ended in this sandbox's memory cgroup.
+    Read twice per exec, so with one ``read`` of the small file rather than a text file
+    object (a third of the cost)."""
+    name = "memory.events" if is_cgroup2_only() else "memory.oom_control"
+    hierarchy = "" if name == "memory.events" else "memory/"
+    path = f"{CGROUP_ROOT}/{hierarchy}{parent.strip('/')}/{sandbox_id}/{name}"
     try:
-        return oom_count(path.read_text(), OOM_KEYS[path.name])
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            text = os.read(fd, 4096).decode()
+        finally:
+            os.close(fd)
     except OSError:  # gone, or being removed (ENODEV on cgroup v1)
         return 0
+    return oom_count(text, OOM_KEYS[name])
 
 
 def set_limits(parent: str, sandbox_id: str, cpu: float, memory_bytes: int, pids: int) -> None:
