@@ -24,6 +24,14 @@ from pathlib import Path
 from ...protocol.errors import NotSupported
 
 _libc = ctypes.CDLL(None, use_errno=True)
+_libc.posix_spawn_file_actions_addopen.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p,
+                                                   ctypes.c_int, ctypes.c_uint]
+_libc.posix_spawn_file_actions_init.argtypes = [ctypes.c_void_p]
+_libc.posix_spawn_file_actions_destroy.argtypes = [ctypes.c_void_p]
+_libc.posix_spawn_file_actions_adddup2.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+_libc.posix_spawn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_char_p, ctypes.c_void_p,
+                              ctypes.c_void_p, ctypes.POINTER(ctypes.c_char_p),
+                              ctypes.POINTER(ctypes.c_char_p)]
 # posix_spawn_file_actions_t is 80 bytes in glibc (x86-64, arm64): room to spare
 _FILE_ACTIONS_BYTES = 256
 # Threads that wait for a child's exec: enough for a burst's runtimes to start in parallel.
@@ -38,31 +46,41 @@ def resolve(program: str) -> str:
     return path
 
 
+def _c(text: str | bytes) -> bytes:
+    """``text`` as a C string; a NUL inside would cut it short (ctypes passes it as it is),
+    so it is refused, as ``os.posix_spawn`` refuses it."""
+    data = os.fsencode(text)
+    if b"\0" in data:
+        raise ValueError(f"embedded null byte in {data[:80]!r}")
+    return data
+
+
 def _strings(items: list[bytes]) -> ctypes.Array[ctypes.c_char_p]:
     """A NULL-terminated ``char *[]``."""
     return (ctypes.c_char_p * (len(items) + 1))(*items, None)
 
 
-def posix_spawn(argv: list[str], stdin: str, stdout: int | str, stderr: str) -> int:
+def posix_spawn(argv: list[str], stdout: int | str, stderr: str) -> int:
     """glibc's posix_spawn of ``argv`` (an absolute path first) with the server's
-    environment; fds 0 and 2 opened on the paths given, fd 1 on a path or dup2'd from an
-    fd. The GIL is released for the call (ctypes). The child's pid."""
-    actions = ctypes.create_string_buffer(_FILE_ACTIONS_BYTES)
+    environment; stdin /dev/null, stdout a path or dup2'd from an fd, stderr a path
+    (created, 0600). The GIL is released for the call (ctypes). The child's pid."""
+    args = _strings([_c(a) for a in argv])
+    env = _strings([_c(k + b"=" + v) for k, v in os.environb.items()])
+    buffer = ctypes.create_string_buffer(_FILE_ACTIONS_BYTES)
+    actions = ctypes.addressof(buffer)
     _check(_libc.posix_spawn_file_actions_init(actions))
     try:
-        _check(_libc.posix_spawn_file_actions_addopen(actions, 0, os.fsencode(stdin),
-                                                      os.O_RDONLY, 0))
+        _check(_libc.posix_spawn_file_actions_addopen(actions, 0, b"/dev/null", os.O_RDONLY, 0))
         if isinstance(stdout, int):
             _check(_libc.posix_spawn_file_actions_adddup2(actions, stdout, 1))
         else:
-            _check(_libc.posix_spawn_file_actions_addopen(actions, 1, os.fsencode(stdout),
+            _check(_libc.posix_spawn_file_actions_addopen(actions, 1, _c(stdout),
                                                           os.O_WRONLY, 0))
         _check(_libc.posix_spawn_file_actions_addopen(
-            actions, 2, os.fsencode(stderr), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+            actions, 2, _c(stderr), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
         pid = ctypes.c_int()
-        env = [k + b"=" + v for k, v in os.environb.items()]
-        _check(_libc.posix_spawn(ctypes.byref(pid), os.fsencode(argv[0]), actions, None,
-                                 _strings([os.fsencode(a) for a in argv]), _strings(env)))
+        _check(_libc.posix_spawn(ctypes.byref(pid), args[0], actions, None,
+                                 args, env))
         return pid.value
     finally:
         _libc.posix_spawn_file_actions_destroy(actions)
@@ -105,7 +123,7 @@ class Spawned:
         if idle_priority:  # SCHED_IDLE, inherited by all the child starts (posix_spawn refuses it)
             argv = [resolve("chrt"), "--idle", "0", *argv]
         try:
-            pid = posix_spawn(argv, "/dev/null", out_w if capture_stdout else "/dev/null",
+            pid = posix_spawn(argv, out_w if capture_stdout else "/dev/null",
                               str(stderr or "/dev/null"))
         except BaseException:
             if out_r >= 0:
