@@ -130,9 +130,9 @@ class ContainerSubstrate(Substrate):
     async def _run(self, sandbox_id: str, runtime: str, base: list[str], d: Path, token: str,
                    warm: bool = False) -> dict[str, Any]:
         """Run the bundle at ``d`` and claim its agent with ``token``: the runtime facts."""
-        crun = Spawned([*base, "run", "--detach", "--bundle", str(d), "--pid-file", str(d / "pid"),
-                        sandbox_id], capture_stdout=True, stderr=d / "runtime.log",
-                       idle_priority=warm)
+        crun = await Spawned.start([*base, "run", "--detach", "--bundle", str(d), "--pid-file",
+                                    str(d / "pid"), sandbox_id], capture_stdout=True,
+                                   stderr=d / "runtime.log", idle_priority=warm)
         try:
             ready = await asyncio.wait_for(crun.first_byte(), START_TIMEOUT_S)
             code = await asyncio.wait_for(crun.wait(), START_TIMEOUT_S)

@@ -202,8 +202,9 @@ class QemuSubstrate(Substrate):
         """Start QEMU (it daemonizes once set up); its pid and the host port of the agent."""
         for _ in range(PORT_ATTEMPTS):
             port = _free_port()
-            qemu = Spawned([*(a.replace(PORT, str(port)) for a in argv), *extra],
-                           capture_stdout=False, stderr=d / "qemu.log", idle_priority=warm)
+            qemu = await Spawned.start([*(a.replace(PORT, str(port)) for a in argv), *extra],
+                                       capture_stdout=False, stderr=d / "qemu.log",
+                                       idle_priority=warm)
             code = await qemu.wait()
             log = (d / "qemu.log").read_text(errors="replace").strip()
             if code == 0 or "host forwarding rule" not in log:
