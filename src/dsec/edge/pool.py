@@ -4,12 +4,6 @@ A pooled sandbox is an ordinary sandbox of an image, started with default limits
 recorded in the state store: a claim applies the request's limits, records it, and the pool
 refills in the background. Only images that started once get a pool. After a crash, pooled
 sandboxes are leftovers like any other and the restarted edge removes them.
-
-Refilling yields to live work: its sandboxes' processes run at idle CPU priority, but their
-set-up (bundle, loop device, mounts, the runtime's spawn, the agent's claim) is the edge's own
-work, which would compete with a burst of creates for the event loop and the CPUs. So the next
-start waits until no create of the substrate came for ``QUIET_S``; but never more than
-``MAX_DEFER_S``, so that a steady stream of creates still gets its pool refilled.
 """
 
 from __future__ import annotations
@@ -17,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -27,9 +20,6 @@ from ..protocol.models import DEFAULT_DISK_MB, CreateRequest
 from ..substrates.base import StartPlan, Substrate
 
 log = logging.getLogger("dsec.pool")
-
-QUIET_S = 0.2  # a refill's next start waits for this long without a create...
-MAX_DEFER_S = 1.0  # ...but no longer than this
 
 
 @dataclass(frozen=True)
@@ -46,7 +36,6 @@ class WarmPool:
         self.size = size
         self._ready: dict[str, deque[Pooled]] = {}
         self._fillers: dict[str, asyncio.Task[None]] = {}
-        self._last_demand = 0.0  # time.monotonic() of the latest create (a take or a refill)
 
     @staticmethod
     def fits(req: CreateRequest) -> bool:
@@ -56,7 +45,6 @@ class WarmPool:
 
     def take(self, image: Image) -> Pooled | None:
         """A live pooled sandbox of exactly this image (same digest), if one is ready."""
-        self._last_demand = time.monotonic()
         ready = self._ready.setdefault(image.digest, deque())
         while ready:
             candidate = ready.popleft()
@@ -78,24 +66,15 @@ class WarmPool:
         image succeeded, so an image that cannot start never gets a pool."""
         if self.size <= 0:
             return
-        self._last_demand = time.monotonic()
         filler = self._fillers.get(image.digest)
         if filler is None or filler.done():
             self._fillers[image.digest] = asyncio.create_task(self._fill(image),
                                                               name=f"dsec-pool-{image.name}")
 
-    async def _quiet(self) -> None:
-        """Until no create came for QUIET_S, or for at most MAX_DEFER_S."""
-        deadline = time.monotonic() + MAX_DEFER_S
-        while (wait := min(self._last_demand + QUIET_S, deadline) - time.monotonic()) > 0:
-            await asyncio.sleep(wait)
-
     async def _fill(self, image: Image) -> None:
-        """One start at a time, at idle CPU priority and after creates quieten (``_quiet``),
-        so refilling never slows live work."""
+        """One start at a time and at idle CPU priority, so refilling never slows live work."""
         ready = self._ready.setdefault(image.digest, deque())
         while len(ready) < self.size:
-            await self._quiet()
             sandbox_id = f"sb-{self.edge_id}-{secrets.token_hex(6)}"
             request = CreateRequest(substrate=self.substrate.name, image=image.name)
             try:
