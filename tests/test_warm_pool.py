@@ -149,27 +149,3 @@ async def test_a_crash_while_claiming_leaks_nothing(images: object) -> None:
     finally:
         stop_server(server)
 
-
-def _warm_creates(server: Server) -> float:
-    """Creates the edge served from its pool so far (its metrics)."""
-    with server.http(authenticated=True) as http:
-        for line in http.get("/metrics").text.splitlines():
-            if line.startswith("dsec_create_seconds_count{") and 'source="warm"' in line \
-                    and 'substrate="container"' in line:
-                return float(line.split()[-1])
-    return 0.0
-
-
-async def test_a_steady_stream_of_creates_still_gets_its_pool_refilled(
-        srv: Server, client: dsec.DSecClient) -> None:
-    """A refill waits for creates to quieten, but not for ever: creates back to back, never
-    a pause, still find refilled sandboxes once the pool's first ones are gone."""
-    await _filled(client)
-    before = _warm_creates(srv)
-
-    async def refilled_ones_claimed() -> bool:
-        for _ in range(10):  # no pause between one create and the next
-            await (await client.create(ttl_s=60)).stop()
-        return _warm_creates(srv) > before + POOL
-
-    await _until(refilled_ones_claimed, "no refilled sandbox was claimed in a steady stream")
