@@ -1,0 +1,151 @@
+"""The warm pool, attacked as a caller who wants another caller's sandbox or its leftovers: a
+pooled sandbox serves one caller only, is fresh (never recycled), a pooled sandbox that died
+in the pool is never handed out, a burst larger than the pool gets distinct sandboxes, and a
+crash of the edge while pooled sandboxes are being claimed leaks nothing. (Containers; the VM
+pool is opt-in and test_vm covers it.)"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+import dsec
+from conftest import Server, make_server, own_server, stop_server, warm_count
+
+POOL = 3
+srv, client = own_server("--capacity", "32", "--warm-pool", str(POOL))
+
+
+def _runtime_ids(server: Server) -> set[str]:
+    """Sandboxes crun knows on this server: live ones and pooled ones."""
+    runtime = server.state_dir / "runtime" / "crun"
+    return set(os.listdir(runtime)) if runtime.exists() else set()
+
+
+def _init_pid(server: Server, sandbox_id: str) -> int:
+    """The host pid of a sandbox's init, from the pid file crun wrote in its bundle."""
+    found = [p for p in server.state_dir.glob(f"**/{sandbox_id}/pid")]
+    assert len(found) == 1, found
+    return int(found[0].read_text())
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not exited (not gone, not a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+async def _pooled_ids(server: Server, c: dsec.DSecClient) -> set[str]:
+    return _runtime_ids(server) - {info.id for info in await c.list()}
+
+
+async def _until(check, what: str, timeout_s: float = 120) -> None:  # type: ignore[no-untyped-def]
+    """Wait for an eventual state (not a timing: the bound only ends a broken run)."""
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {timeout_s:.0f}s")
+        await asyncio.sleep(0.1)
+
+
+async def _filled(c: dsec.DSecClient) -> None:
+    await (await c.create(ttl_s=60)).stop()  # the image gets a pool
+    await _until(lambda: _count_is(c, POOL), f"the pool did not refill to {POOL}")
+
+
+async def _count_is(c: dsec.DSecClient, n: int) -> bool:
+    return await warm_count(c, "container") == n
+
+
+async def test_nothing_of_a_previous_caller_survives(srv: Server, client: dsec.DSecClient) -> None:
+    await _filled(client)
+    first = await client.create(ttl_s=60)
+    await first.write_file("/work/secret", b"caller one")
+    await first.run("echo caller-one > /tmp/secret; echo x > /dev/shm/secret")
+    await first.start("sleep 4242")
+    await first.stop()
+    # every pooled sandbox and then some fresh ones: none is the first caller's, none holds
+    # anything it left
+    later = [await client.create(ttl_s=60) for _ in range(POOL + 2)]
+    try:
+        assert first.id not in {sb.id for sb in later}
+        for sb in later:
+            r = await sb.run("ls -a /work /tmp /dev/shm; cat /proc/[0-9]*/cmdline | tr '\\0' ' '")
+            assert "secret" not in r.stdout and "4242" not in r.stdout, r.stdout
+        with pytest.raises(dsec.SandboxNotFound):
+            await first.run("true")
+    finally:
+        await asyncio.gather(*(sb.stop() for sb in later))
+
+
+async def test_a_burst_beyond_the_pool_gets_distinct_sandboxes(srv: Server,
+                                                               client: dsec.DSecClient) -> None:
+    await _filled(client)
+    burst = await asyncio.gather(*(client.create(ttl_s=60) for _ in range(3 * POOL)))
+    try:
+        assert len({sb.id for sb in burst}) == len(burst)
+        # each writes its own id where all would, and finds only its own: no two share a disk
+        await asyncio.gather(*(sb.write_file("/work/owner", sb.id.encode()) for sb in burst))
+        for sb in burst:
+            assert await sb.read_file("/work/owner") == sb.id.encode()
+            assert (await sb.run("hostname")).stdout.strip() == sb.id
+    finally:
+        await asyncio.gather(*(sb.stop() for sb in burst))
+    await _until(lambda: _count_is(client, POOL), "the pool did not refill after the burst")
+
+
+async def test_a_sandbox_that_died_in_the_pool_is_never_handed_out(
+        srv: Server, client: dsec.DSecClient) -> None:
+    await _filled(client)
+    pooled = await _pooled_ids(srv, client)
+    assert len(pooled) == POOL
+    pids = [_init_pid(srv, sandbox_id) for sandbox_id in pooled]
+    for pid in pids:  # as an OOM kill or a crash of its init would
+        os.kill(pid, signal.SIGKILL)
+
+    async def dead() -> bool:
+        return not any(_running(pid) for pid in pids)
+
+    await _until(dead, "the pooled sandboxes' inits did not die")
+    sb = await client.create(ttl_s=60)
+    try:
+        assert sb.id not in pooled
+        assert (await sb.run("echo alive")).stdout == "alive\n"
+
+        async def dead_removed() -> bool:
+            return not (pooled & _runtime_ids(srv))
+
+        await _until(dead_removed, "the dead pooled sandboxes were not removed")
+    finally:
+        await sb.stop()
+
+
+async def test_a_crash_while_claiming_leaks_nothing(images: object) -> None:
+    """The edge killed (SIGKILL) while a burst claims its pool and the pool refills: the next
+    start removes every sandbox it did not record as live (the pooled ones, those whose claim
+    was not recorded), and the recorded ones still serve; nothing is left that no record names."""
+    server = make_server("--capacity", "32", "--warm-pool", str(POOL)).start()
+    try:
+        async with server.client() as c:
+            await _filled(c)
+            creates = [asyncio.ensure_future(c.create(ttl_s=60)) for _ in range(2 * POOL)]
+            await asyncio.sleep(0)  # the requests are on their way
+            server.kill(signal.SIGKILL)
+            await asyncio.gather(*creates, return_exceptions=True)
+        server.start()
+        async with server.client() as c:
+            live = {info.id for info in await c.list()}
+            for sandbox_id in live:  # what the restarted edge kept still answers
+                assert (await (await c.get(sandbox_id)).run("echo ok")).stdout == "ok\n"
+
+            assert _runtime_ids(server) == live  # no create since: the image has no pool yet
+    finally:
+        stop_server(server)
+
