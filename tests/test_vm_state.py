@@ -28,8 +28,10 @@ from test_vm import _traces
 
 VM = dict(substrate="microvm", image="debian-minbase", memory_mb=256, disk_mb=128, ttl_s=600)
 # A process that keeps its state in memory only: a counter, and random bytes it drew once.
+# /tmp/count is replaced whole (a rename): a read, or a snapshot, never sees it truncated
 COUNTER = ("head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n' > /tmp/drawn; "
-           "i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done")
+           "i=0; while :; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; "
+           "sleep 0.2; done")
 
 
 async def counting(sb: dsec.AsyncSandbox) -> None:
