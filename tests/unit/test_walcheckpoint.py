@@ -34,11 +34,13 @@ def test_connections_leave_checkpoints_to_the_thread(tmp_path: Path) -> None:
         assert pages == walcheckpoint.BACKSTOP_PAGES
         for x in range(50):
             db.execute("INSERT INTO t VALUES (?)", (x,))
-        busy, logged, copied = db._checkpointer.checkpoint()
+        checkpointer = db._checkpointer
+        assert checkpointer is not None
+        busy, logged, copied = checkpointer.checkpoint()
         assert (busy, copied) == (0, logged) and logged > 0
         # everything copied back: the next commit starts the log over from its beginning
         db.execute("INSERT INTO t VALUES (50)")
-        assert db._checkpointer.checkpoint()[1] < logged
+        assert checkpointer.checkpoint()[1] < logged
         assert db.execute("SELECT COUNT(*) FROM t").fetchone()[0] == 51
     finally:
         db.close()
@@ -55,6 +57,7 @@ def test_one_thread_per_file_stopped_by_its_last_user(tmp_path: Path) -> None:
     log.close()
     assert not checkpointer._thread.is_alive()
     assert checkpointer.path not in walcheckpoint._checkpointers
+    log.close()  # twice: no error, the thread is not released again
     reopened = StateStore(tmp_path / "state.db")  # a new thread for the file
     assert reopened._db._checkpointer is not checkpointer  # type: ignore[attr-defined]
     reopened.close()
@@ -114,6 +117,8 @@ def test_a_reader_in_another_process_reads_every_commit(tmp_path: Path) -> None:
     """As ``dsec ls`` reads the state store while the server writes and checkpoints."""
     path = tmp_path / "state.db"
     db = SqliteDatabase(path, "CREATE TABLE IF NOT EXISTS t (x INTEGER);")
+    checkpointer = db._checkpointer
+    assert checkpointer is not None
     reads = 20
     reader = subprocess.Popen([sys.executable, "-c", READER.format(reads=reads), str(path)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -124,7 +129,7 @@ def test_a_reader_in_another_process_reads_every_commit(tmp_path: Path) -> None:
             for x in range(40):
                 db.execute("INSERT INTO t VALUES (?)", (x,))
             if i % 2:
-                db._checkpointer.checkpoint()
+                checkpointer.checkpoint()
             reader.stdin.write("\n")
             reader.stdin.flush()
         assert reader.wait() == 0

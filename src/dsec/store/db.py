@@ -93,7 +93,7 @@ class SqliteDatabase(Database):
         self.path = path
         self._lock = threading.RLock()
         self._db = connect(path, schema)
-        self._checkpointer = walcheckpoint.acquire(path)
+        self._checkpointer: walcheckpoint.Checkpointer | None = walcheckpoint.acquire(path)
 
     def execute(self, sql: str, args: Sequence[Any] = ()) -> Result:
         with self._lock:
@@ -122,7 +122,9 @@ class SqliteDatabase(Database):
 
     def close(self) -> None:
         self._db.close()
-        walcheckpoint.release(self._checkpointer)
+        if self._checkpointer is not None:  # closing twice is no error (sqlite3's close)
+            walcheckpoint.release(self._checkpointer)
+            self._checkpointer = None
 
 
 _SCHEMA_WORDS = [(r"\bINTEGER PRIMARY KEY AUTOINCREMENT\b", "BIGSERIAL PRIMARY KEY"),
