@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from ..protocol.errors import InvalidRequest
+from . import walcheckpoint
 
 
 class IntegrityError(Exception):
@@ -83,7 +84,8 @@ class Result:
 
 class SqliteDatabase(Database):
     """One connection guarded by a lock, as PostgresDatabase: a transaction of one thread
-    must not take in another thread's statements."""
+    must not take in another thread's statements. Its log is checkpointed by the file's
+    checkpoint thread (``store.walcheckpoint``), not by the commits."""
 
     def __init__(self, path: Path, schema: str) -> None:
         from .sqlite import connect
@@ -91,6 +93,7 @@ class SqliteDatabase(Database):
         self.path = path
         self._lock = threading.RLock()
         self._db = connect(path, schema)
+        self._checkpointer: walcheckpoint.Checkpointer | None = walcheckpoint.acquire(path)
 
     def execute(self, sql: str, args: Sequence[Any] = ()) -> Result:
         with self._lock:
@@ -119,6 +122,9 @@ class SqliteDatabase(Database):
 
     def close(self) -> None:
         self._db.close()
+        if self._checkpointer is not None:  # closing twice is no error (sqlite3's close)
+            walcheckpoint.release(self._checkpointer)
+            self._checkpointer = None
 
 
 _SCHEMA_WORDS = [(r"\bINTEGER PRIMARY KEY AUTOINCREMENT\b", "BIGSERIAL PRIMARY KEY"),

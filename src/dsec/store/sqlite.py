@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from .db import Row, open_database
+from .walcheckpoint import BACKSTOP_PAGES
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
@@ -131,13 +132,16 @@ def _snapshot_row(r: Row) -> SnapshotRow:
 
 def connect(path: Path, schema: str) -> sqlite3.Connection:
     """A connection to the state database in autocommit mode, WAL journal, with ``schema``
-    applied: commits survive a crash of the process; readers in other processes never block."""
+    applied: commits survive a crash of the process; readers in other processes never block.
+    Its commits leave checkpoints to the file's checkpoint thread (``store.walcheckpoint``)
+    up to a backstop."""
     path.parent.mkdir(parents=True, exist_ok=True)
     db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     db.row_factory = sqlite3.Row
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA synchronous=NORMAL")
     db.execute("PRAGMA busy_timeout=5000")
+    db.execute(f"PRAGMA wal_autocheckpoint={BACKSTOP_PAGES}")
     db.executescript(schema)
     return db
 

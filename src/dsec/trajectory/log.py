@@ -296,7 +296,7 @@ class TrajectoryLog:
         cur = self._db.execute(
             "INSERT INTO trajectory_steps (trajectory, generation, step, op, digest, "
             "request, payload, status, sandbox_id, caller, owner, started_at) "
-            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT DO NOTHING",
             (trajectory, generation, step, request.op, request.digest, request.canonical,
              payload, "running", sandbox_id, caller, self.owner, time.time()))
         return cur.rowcount == 1
