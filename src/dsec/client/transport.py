@@ -28,6 +28,7 @@ from ..protocol.errors import (
     error_from_json,
 )
 from .onewrite import coalesce_writes
+from .pool import lean_pool
 
 START_TIMEOUT_S = 120.0
 EXIT_MISSING_EXTRA = 3  # `dsec serve` (any dsec command) run without its extra installed
@@ -40,6 +41,9 @@ KEEPALIVE = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
              (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 10),
              (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 3),
              (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)]
+# Seconds an idle connection is kept: below the server's own (75 s, dsec/server.py) and common
+# proxies' (60 s and more), so the client closes an idle connection before the other end does.
+KEEP_ALIVE_S = 30.0
 
 
 T = TypeVar("T")
@@ -59,11 +63,14 @@ class Transport:
             self.socket = Path(url[len("unix://"):])
         self.autostart = autostart and self.local
         self._api_key = api_key or os.environ.get("DSEC_API_KEY")
-        # The limits go to the transport: a client given a transport ignores its own.
-        limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
-        transport = coalesce_writes(
+        # The limits go to the transport: a client given a transport ignores its own. Every
+        # connection may stay open (the pool's pass is linear: client/pool.py), and for
+        # KEEP_ALIVE_S idle, so a burst's connections serve the next burst too.
+        limits = httpx.Limits(max_connections=256, max_keepalive_connections=256,
+                              keepalive_expiry=KEEP_ALIVE_S)
+        transport = lean_pool(coalesce_writes(
             httpx.AsyncHTTPTransport(uds=str(self.socket), limits=limits) if self.socket
-            else httpx.AsyncHTTPTransport(socket_options=KEEPALIVE, limits=limits))
+            else httpx.AsyncHTTPTransport(socket_options=KEEPALIVE, limits=limits)))
         base = "http://dsec" if self.socket else url
         self.http = httpx.AsyncClient(base_url=base or "", transport=transport,
                                       timeout=httpx.Timeout(timeout_s, connect=10.0))
