@@ -139,8 +139,8 @@ class BareCrun:
         counted, as dsec's stop is not)."""
         t0 = time.perf_counter()
         cid, d = self._bundle(["/bin/echo", "hi"])
-        crun = Spawned(["crun", "--root", str(self.state), "run", "--bundle", str(d), cid],
-                       capture_stdout=True, stderr=None)
+        crun = await Spawned.start(["crun", "--root", str(self.state), "run", "--bundle", str(d),
+                                    cid], capture_stdout=True, stderr=None)
         first = await crun.first_byte()
         elapsed = (time.perf_counter() - t0) * 1000
         await crun.wait()
