@@ -16,9 +16,10 @@ from httpcore._async.connection import AsyncHTTPConnection
 from dsec.client import pool
 from dsec.client.pool import LeanPool, lean_pool
 from dsec.client.transport import Transport
+from support.unix_http import UnixServer
 
 
-class CountingServer:
+class CountingServer(UnixServer):
     """An HTTP/1.1 server on a Unix socket answering every GET ``{}``. It counts the
     connections it accepted, how many were open at once, and how many the client closed.
     ``hold``: answers wait until that many requests are in flight (a real burst: every one
@@ -26,23 +27,13 @@ class CountingServer:
     answering (as a server whose keep-alive timer fired), without saying so."""
 
     def __init__(self, path: Path, hold: int = 0, close_after: bool = False) -> None:
-        self.path = path
+        super().__init__(path)
         self.hold = hold
         self.close_after = close_after
         self.accepted = self.open = self.most_open = self.closed_by_client = 0
         self.in_flight = 0
         self.released = asyncio.Event()
         self.server_closed = asyncio.Event()
-        self.server: asyncio.AbstractServer | None = None
-
-    async def __aenter__(self) -> CountingServer:
-        self.server = await asyncio.start_unix_server(self._serve, str(self.path))
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self.server is not None
-        self.server.close()
-        await self.server.wait_closed()
 
     async def _request(self, reader: asyncio.StreamReader) -> bool:
         try:

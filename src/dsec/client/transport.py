@@ -41,9 +41,6 @@ KEEPALIVE = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
              (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 10),
              (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 3),
              (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)]
-# Seconds an idle connection is kept: below the server's own (75 s, dsec/server.py) and common
-# proxies' (60 s and more), so the client closes an idle connection before the other end does.
-KEEP_ALIVE_S = 30.0
 
 
 T = TypeVar("T")
@@ -64,10 +61,9 @@ class Transport:
         self.autostart = autostart and self.local
         self._api_key = api_key or os.environ.get("DSEC_API_KEY")
         # The limits go to the transport: a client given a transport ignores its own. Every
-        # connection may stay open (the pool's pass is linear: client/pool.py), and for
-        # KEEP_ALIVE_S idle, so a burst's connections serve the next burst too.
-        limits = httpx.Limits(max_connections=256, max_keepalive_connections=256,
-                              keepalive_expiry=KEEP_ALIVE_S)
+        # connection may stay open (idle for httpx's 5 s): the pool's pass is linear
+        # (client/pool.py), so a burst's connections serve the next calls at no cost per call.
+        limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
         transport = lean_pool(coalesce_writes(
             httpx.AsyncHTTPTransport(uds=str(self.socket), limits=limits) if self.socket
             else httpx.AsyncHTTPTransport(socket_options=KEEPALIVE, limits=limits)))
