@@ -17,28 +17,19 @@ from httpcore._backends.auto import AutoBackend
 from dsec.client.onewrite import FLUSH_BYTES, OneWriteBackend
 from dsec.client.transport import Transport
 from dsec.protocol.errors import PayloadTooLarge
+from support.unix_http import UnixServer
 
 
-class RecordingServer:
+class RecordingServer(UnixServer):
     """An HTTP/1.1 server on a Unix socket that answers every request with JSON of what it
     received, and records the bytes each read returned. ``refuse_above``: a request whose
     Content-Length is above it is answered 413 at once, its body unread, and the connection
     closed (as a server enforcing a body limit may)."""
 
     def __init__(self, path: Path, refuse_above: int | None = None) -> None:
-        self.path = path
+        super().__init__(path)
         self.refuse_above = refuse_above
         self.reads: list[bytes] = []
-        self.server: asyncio.AbstractServer | None = None
-
-    async def __aenter__(self) -> RecordingServer:
-        self.server = await asyncio.start_unix_server(self._serve, str(self.path))
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self.server is not None
-        self.server.close()
-        await self.server.wait_closed()
 
     async def _read(self, reader: asyncio.StreamReader) -> bytes:
         data = await reader.read(1 << 20)

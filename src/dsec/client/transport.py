@@ -28,6 +28,7 @@ from ..protocol.errors import (
     error_from_json,
 )
 from .onewrite import coalesce_writes
+from .pool import lean_pool
 
 START_TIMEOUT_S = 120.0
 EXIT_MISSING_EXTRA = 3  # `dsec serve` (any dsec command) run without its extra installed
@@ -59,11 +60,13 @@ class Transport:
             self.socket = Path(url[len("unix://"):])
         self.autostart = autostart and self.local
         self._api_key = api_key or os.environ.get("DSEC_API_KEY")
-        # The limits go to the transport: a client given a transport ignores its own.
-        limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
-        transport = coalesce_writes(
+        # The limits go to the transport: a client given a transport ignores its own. Every
+        # connection may stay open (idle for httpx's 5 s): the pool's pass is linear
+        # (client/pool.py), so a burst's connections serve the next calls at no cost per call.
+        limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+        transport = lean_pool(coalesce_writes(
             httpx.AsyncHTTPTransport(uds=str(self.socket), limits=limits) if self.socket
-            else httpx.AsyncHTTPTransport(socket_options=KEEPALIVE, limits=limits))
+            else httpx.AsyncHTTPTransport(socket_options=KEEPALIVE, limits=limits)))
         base = "http://dsec" if self.socket else url
         self.http = httpx.AsyncClient(base_url=base or "", transport=transport,
                                       timeout=httpx.Timeout(timeout_s, connect=10.0))
