@@ -149,7 +149,6 @@ class BareCrun:
             raise RuntimeError("bare crun printed nothing")
         return elapsed
 
-
     @asynccontextmanager
     async def running(self) -> AsyncIterator[str]:
         cid = await self.start_detached()
@@ -189,6 +188,19 @@ class BareCrun:
         await spawn.run(["crun", "--root", str(self.state), "delete", "--force", cid])
         unmount_or_detach(d / "rootfs")  # as dsec: a dying process may hold it a moment
         shutil.rmtree(d, ignore_errors=True)
+
+
+@contextmanager
+def bare_workspace(console: Console) -> Iterator[tuple[Path, BareCrun]]:
+    """A series' scratch root under BENCH_ROOT and bare crun on IMAGE's layers beneath it;
+    the root and the bare containers' cgroup parent are removed after the series."""
+    image = ImageStore().ensure(IMAGE, console=console)
+    root = BENCH_ROOT / secrets.token_hex(3)
+    try:
+        yield root, BareCrun(root / "bare", LayerMounter().lowerdirs(image))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        remove_parent_if_unused(BARE_CGROUP_PARENT)
 
 
 class Created:
@@ -365,17 +377,11 @@ async def exec_phase(console: Console, created: Created, bare: BareCrun, n_exec:
 
 async def exec_series(console: Console, quick: bool = False) -> list[Sample]:
     """``dsec bench --only exec``: the exec round trip alone, as the full benchmark runs it."""
-    image = ImageStore().ensure(IMAGE, console=console)
-    root = BENCH_ROOT / secrets.token_hex(3)
-    bare = BareCrun(root / "bare", LayerMounter().lowerdirs(image))
-    try:
+    with bare_workspace(console) as (root, bare):
         async with bench_server(root / "cold", "--warm-pool", "0") as cold:
             await cold.first_output()  # warm-up: agent binary, layer mounts, page cache
             await cold.stop_all()
             return await exec_phase(console, cold, bare, 50 if quick else 200)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-        remove_parent_if_unused(BARE_CGROUP_PARENT)
 
 
 async def trajectory_only(console: Console, quick: bool = False) -> list[Sample]:
@@ -393,12 +399,9 @@ async def trajectory_only(console: Console, quick: bool = False) -> list[Sample]
 async def run_benchmark(console: Console, quick: bool = False) -> list[Sample]:
     n_seq, n_burst, burst_rounds, n_exec = (10, 20, 1, 50) if quick else (50, 100, 2, 200)
     n_steps = 200 if quick else 1000
-    image = ImageStore().ensure(IMAGE, console=console)
-    root = BENCH_ROOT / secrets.token_hex(3)
-    bare = BareCrun(root / "bare", LayerMounter().lowerdirs(image))
     samples: list[Sample] = []
     memory = Sample("idle sandbox memory (MB, not ms)", [])
-    try:
+    with bare_workspace(console) as (root, bare):
         async with bench_server(root / "cold", "--warm-pool", "0") as cold:
             await cold.first_output()  # warm-up: agent binary, layer mounts, page cache
             await bare.run_echo()
@@ -420,9 +423,6 @@ async def run_benchmark(console: Console, quick: bool = False) -> list[Sample]:
             samples += await trajectory_series(console, cold.client, n_steps)
         samples += await warm_pool_phase(console, bare, root, n_burst)
         samples.append(memory)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-        remove_parent_if_unused(BARE_CGROUP_PARENT)
     return samples
 
 
@@ -453,15 +453,9 @@ async def warm_pool_phase(console: Console, bare: BareCrun, root: Path, n: int,
 async def warm_series(console: Console, quick: bool = False) -> list[Sample]:
     """``dsec bench --only warm``: the warm-pool phase of the full benchmark alone."""
     n_seq, n_burst = (10, 20) if quick else (50, 100)
-    image = ImageStore().ensure(IMAGE, console=console)
-    root = BENCH_ROOT / secrets.token_hex(3)
-    bare = BareCrun(root / "bare", LayerMounter().lowerdirs(image))
-    try:
+    with bare_workspace(console) as (root, bare):
         await bare.run_echo()  # warm-up: layer mounts, page cache
         return await warm_pool_phase(console, bare, root, n_burst, n_seq)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-        remove_parent_if_unused(BARE_CGROUP_PARENT)
 
 
 async def _run_true(sb: AsyncSandbox) -> float:

@@ -13,25 +13,18 @@ run (``bench.compare`` alternates the batches), without the rest of the full ben
 from __future__ import annotations
 
 import asyncio
-import secrets
-import shutil
 import time
 from pathlib import Path
 
 from rich.console import Console
 
 from dsec.client.aio import Sandbox
-from dsec.images.mount import LayerMounter
-from dsec.images.store import ImageStore
-from dsec.substrates.host.cgroups import remove_parent_if_unused
 
 from .bench import (
-    BARE_CGROUP_PARENT,
-    BENCH_ROOT,
     IMAGE,
-    BareCrun,
     Created,
     Sample,
+    bare_workspace,
     bench_server,
     compare,
     phase,
@@ -40,11 +33,8 @@ from .bench import (
 
 async def create_series(console: Console, quick: bool = False) -> list[Sample]:
     n_seq, n_burst, n_stop = (10, 20, 20) if quick else (50, 100, 50)
-    image = ImageStore().ensure(IMAGE, console=console)
-    root = BENCH_ROOT / secrets.token_hex(3)
-    bare = BareCrun(root / "bare", LayerMounter().lowerdirs(image))
     samples: list[Sample] = []
-    try:
+    with bare_workspace(console) as (root, bare):
         async with bench_server(root / "cold", "--warm-pool", "0") as cold:
             await cold.first_output()  # warm-up: agent binary, layer mounts, page cache
             await bare.run_echo()
@@ -66,9 +56,6 @@ async def create_series(console: Console, quick: bool = False) -> list[Sample]:
                                          10, n_stop // 10)
             with phase(console, f"{n_burst} stops at once, until nothing is left"):
                 samples.append(await _stops_until_clean(cold, root / "cold", n_burst))
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-        remove_parent_if_unused(BARE_CGROUP_PARENT)
     return samples
 
 

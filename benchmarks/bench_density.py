@@ -38,17 +38,14 @@ from typing import TypeVar
 from rich.console import Console
 
 from dsec.client.aio import Sandbox as AsyncSandbox
-from dsec.images.mount import LayerMounter
 from dsec.images.store import ImageStore
-from dsec.substrates.host.cgroups import remove_parent_if_unused
 
 from .bench import (
-    BARE_CGROUP_PARENT,
     BENCH_ROOT,
     IMAGE,
-    BareCrun,
     Created,
     Sample,
+    bare_workspace,
     bench_server,
     idle_memory,
     phase,
@@ -307,12 +304,9 @@ def _leftovers(left: dict[str, int]) -> Sample:
 async def throughput_series(console: Console, quick: bool = False,
                             count: int | None = None) -> list[Sample]:
     n = count or (50 if quick else 1000)
-    image = ImageStore().ensure(IMAGE, console=console)
-    root = BENCH_ROOT / secrets.token_hex(3)
-    bare = BareCrun(root / "bare", LayerMounter().lowerdirs(image))
     bare_stops = Sample(f"bare crun delete + unmount, {n}, {CONCURRENCY} at a time", [])
     stops = Sample(f"dsec stop, {n}, {CONCURRENCY} at a time", [], baseline=bare_stops)
-    try:
+    with bare_workspace(console) as (root, bare):
         async with bench_server(root / "throughput", "--warm-pool", "0",
                                 "--capacity", str(n + 16)) as created:
             await _warm_up(created)
@@ -335,9 +329,6 @@ async def throughput_series(console: Console, quick: bool = False,
                        if not isinstance(e, AsyncSandbox)]
             with phase(console, f"throughput: {len(created.sandboxes)} stops"):
                 stop_s = await _stop_all(created, stops)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-        remove_parent_if_unused(BARE_CGROUP_PARENT)
     bare_rate = _rate("bare crun starts per second (not ms)", len(bare_ok), bare_create_s)
     bare_rate.add(bare_failed)
     bare_stop_rate = _rate("bare crun removals per second (not ms)", len(bare_stops.values_ms),
