@@ -139,12 +139,14 @@ class BareCrun:
         counted, as dsec's stop is not)."""
         t0 = time.perf_counter()
         cid, d = self._bundle(["/bin/echo", "hi"])
-        crun = await Spawned.start(["crun", "--root", str(self.state), "run", "--bundle", str(d), cid],
-                                   capture_stdout=True, stderr=None)
-        first = await crun.first_byte()
-        elapsed = (time.perf_counter() - t0) * 1000
-        await crun.wait()
-        await self._remove(cid, d)  # untimed; its mount must not linger into dsec's timings
+        try:
+            crun = await Spawned.start(["crun", "--root", str(self.state), "run", "--bundle",
+                                        str(d), cid], capture_stdout=True, stderr=None)
+            first = await crun.first_byte()
+            elapsed = (time.perf_counter() - t0) * 1000
+            await crun.wait()
+        finally:  # untimed, and also when crun failed: its mount must not outlive the series
+            await self._remove(cid, d)
         if first != b"h":
             raise RuntimeError("bare crun printed nothing")
         return elapsed
