@@ -145,8 +145,7 @@ def oom_kills(parent: str, sandbox_id: str) -> int:
     """How many processes the kernel's OOM killer ended in this sandbox's memory cgroup.
     Read twice per exec, so with one ``read`` of the small file rather than a text file
     object (a third of the cost)."""
-    name = "memory.events" if is_cgroup2_only() else "memory.oom_control"
-    hierarchy = "" if name == "memory.events" else "memory/"
+    hierarchy, name = ("", "memory.events") if is_cgroup2_only() else ("memory/", "memory.oom_control")
     path = f"{CGROUP_ROOT}/{hierarchy}{parent.strip('/')}/{sandbox_id}/{name}"
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
