@@ -25,10 +25,18 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterator,
+    Sequence,
+)
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
 
 import httpx
 from rich.console import Console
@@ -56,7 +64,7 @@ class Sample:
     errors: list[str] = field(default_factory=list)  # the first few failures, for the report
     extra: dict[str, Any] = field(default_factory=dict)  # more of the series' figures, in its row
 
-    def add(self, results: list[float | BaseException]) -> None:
+    def add(self, results: Sequence[float | BaseException]) -> None:
         """A batch's results: its latencies, and its failures (the first few kept)."""
         self.values_ms += [r for r in results if isinstance(r, float)]
         failed = [r for r in results if isinstance(r, BaseException)]
@@ -507,10 +515,10 @@ ONLY = {"create": "dsec_benchmarks.bench_create:create_series",
 DEFAULT_ONLY = ("throughput", "density")
 
 
-def _series(name: str) -> Callable[..., Awaitable[list[Sample]]]:
+def _series(name: str) -> Callable[..., Coroutine[Any, Any, list[Sample]]]:
     module, _, function = ONLY[name].partition(":")
-    series: Callable[..., Awaitable[list[Sample]]] = getattr(importlib.import_module(module),
-                                                             function)
+    series: Callable[..., Coroutine[Any, Any, list[Sample]]] = getattr(
+        importlib.import_module(module), function)
     return series
 
 

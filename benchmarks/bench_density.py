@@ -54,6 +54,7 @@ from .bench import (
 CONCURRENCY = 64
 SETTLE_S = 5.0  # after the last create, before memory is read: the agents' start-up is over
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 def meminfo_kb(text: str, field: str) -> int:
@@ -140,12 +141,13 @@ def mem_available_kb() -> int:
     return meminfo_kb(Path("/proc/meminfo").read_text(), "MemAvailable")
 
 
-async def gated(items: Sequence[T], fn: Callable[[T], Awaitable[float]],
-                concurrency: int = CONCURRENCY) -> list[float | BaseException]:
-    """``fn`` over ``items``, at most ``concurrency`` at once: each one's ms or its failure."""
+async def gated(items: Sequence[T], fn: Callable[[T], Awaitable[R]],
+                concurrency: int = CONCURRENCY) -> list[R | BaseException]:
+    """``fn`` over ``items``, at most ``concurrency`` at once: each one's result (ms, mostly)
+    or its failure."""
     gate = asyncio.Semaphore(concurrency)
 
-    async def one(item: T) -> float:
+    async def one(item: T) -> R:
         async with gate:
             return await fn(item)
 
@@ -171,7 +173,8 @@ async def _answers(sb: AsyncSandbox) -> float:
 async def _stop_all(created: Created, stops: Sample) -> float:
     """Stop every sandbox of ``created``, timing each (their rate by tenth in ``stops``' row);
     seconds for all."""
-    t0, done_at = time.perf_counter(), []
+    t0 = time.perf_counter()
+    done_at: list[float] = []
     stops.add(await gated(created.sandboxes, lambda sb: _timed_at(sb.stop(), done_at)))
     stops.extra["per_second_by_tenth"] = by_tenth(done_at, t0)
     created.sandboxes = []

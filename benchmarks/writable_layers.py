@@ -51,9 +51,12 @@ def sh(*cmd: str | Path) -> str:
     return done.stdout
 
 
-def timed(step: Callable[[], object]) -> float:
+def timed(*steps: Callable[..., object]) -> float:
+    """ms for ``steps`` run in turn (each called with no arguments; ``lambda i=i:`` binds a
+    loop's variable)."""
     start = time.perf_counter()
-    step()
+    for step in steps:
+        step()
     return (time.perf_counter() - start) * 1000
 
 
@@ -211,7 +214,7 @@ def ext4_images(base: Path, rounds: int, copy: Callable[[Path, Path], None], lab
     for i in range(rounds):
         write_files(mnt[i] / "upper", 5, 4096)
     show(f"[{label}] FIFREEZE + FITHAW (small diff)",
-         [timed(lambda i=i: (fs_ioctl(mnt[i], FIFREEZE), fs_ioctl(mnt[i], FITHAW)))
+         [timed(lambda i=i: fs_ioctl(mnt[i], FIFREEZE), lambda i=i: fs_ioctl(mnt[i], FITHAW))
           for i in range(rounds)])
 
     def snapshot(i: int, tag: str) -> None:
@@ -256,7 +259,7 @@ def ext4_images(base: Path, rounds: int, copy: Callable[[Path, Path], None], lab
     show(f"[{label}] rollback (100 MB dirty)", [timed(lambda i=i: rollback(i)) for i in range(big)])
     write_rate(mnt[0] / "rate", label)
     show(f"[{label}] teardown: umount + unlink",
-         [timed(lambda i=i: (umount(mnt[i]), os.unlink(images / f"s{i}.img")))
+         [timed(lambda i=i: umount(mnt[i]), lambda i=i: os.unlink(images / f"s{i}.img"))
           for i in range(rounds)])
     shutil.rmtree(images)
 
@@ -317,9 +320,9 @@ def quota_refuses(directory: Path, megabytes: int) -> str:
 def write_rate(directory: Path, label: str) -> None:
     directory.mkdir(exist_ok=True)
     mb = 200
-    ms = timed(lambda: (dirty(directory, mb), os.sync()))
+    ms = timed(lambda: dirty(directory, mb), os.sync)
     files = 2000
-    fms = timed(lambda: (write_files(directory / "many", files, 512), os.sync()))
+    fms = timed(lambda: write_files(directory / "many", files, 512), os.sync)
     print(f"  [{label}] {mb} MB sequential {mb / ms * 1000:.0f} MB/s;"
           f" {files} small files {fms * 1000 / files:.0f} us/file")
 
@@ -358,8 +361,8 @@ def section_btrfs(rounds: int) -> None:
              [timed(lambda i=i: btrfs_snapshot(vol / "snap0", vol, f"child{i}"))
               for i in range(rounds)])
         show("[btrfs] fork child: snapshot + qgroup limit",
-             [timed(lambda i=i: (btrfs_snapshot(vol / "snap0", vol, f"childq{i}"),
-                                 sh("btrfs", "qgroup", "limit", "1G", vol / f"childq{i}")))
+             [timed(lambda i=i: btrfs_snapshot(vol / "snap0", vol, f"childq{i}"),
+                   lambda i=i: sh("btrfs", "qgroup", "limit", "1G", vol / f"childq{i}"))
               for i in range(rounds)])
 
         def rollback(i: int) -> None:
@@ -491,10 +494,10 @@ def section_erofs(rounds: int) -> None:
           for _ in range(3)])
     target = ROOT / "erofs-mnt"
     show("[erofs] mount + umount the small layer (mount(8), loop device)",
-         [timed(lambda: (loop_mount(ROOT / "small.erofs", target, "erofs", "ro"),
-                         umount(target))) for _ in range(rounds)])
+         [timed(lambda: loop_mount(ROOT / "small.erofs", target, "erofs", "ro"),
+               lambda: umount(target)) for _ in range(rounds)])
     show("[erofs] mount + umount the small layer (mount(2) of the file, no loop device)",
-         [timed(lambda: (file_mount(ROOT / "small.erofs", target), umount(target)))
+         [timed(lambda: file_mount(ROOT / "small.erofs", target), lambda: umount(target))
           for _ in range(rounds)])
     shutil.rmtree(upper)
 
@@ -575,8 +578,8 @@ def btrfs_density(count: int, quota: str) -> None:
         tenth = max(1, count // 10)
         show(f"{label} snapshot, first tenth", per_snap[:tenth])
         show(f"{label} snapshot, last tenth", per_snap[-tenth:])
-        ms = timed(lambda: ([write_files(vol / f"sb{i}" / "upper", 5, 4096)
-                             for i in range(0, count, 10)], os.sync()))
+        ms = timed(*(lambda i=i: write_files(vol / f"sb{i}" / "upper", 5, 4096)
+                     for i in range(0, count, 10)), os.sync)
         print(f"  {label} 5 small writes in each of {len(range(0, count, 10))} subvolumes"
               f" + sync: {ms:.0f} ms")
         if quota != "none":
