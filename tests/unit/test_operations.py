@@ -38,7 +38,7 @@ from dsec.protocol.models import (
     ProcessInfo,
     PtyRequest,
 )
-from dsec.protocol.ops import BY_STEP, OPERATIONS, Operation
+from dsec.protocol.ops import BY_STEP, OPERATIONS, REQUIRED, Operation, bind
 from dsec.protocol.outcome import decode, encode
 from dsec.store.lease import Leases
 from dsec.store.sqlite import StateStore
@@ -202,6 +202,32 @@ def test_a_step_round_trips_through_the_log(op: Operation) -> None:
               "bytes": {k: {"size": len(v), "b64": base64.b64encode(v).decode()}
                         for k, v in outcome.data.items()}}
     assert decode(op.step, stored, lambda sha: b"") == RESULTS[op.result]
+
+
+@pytest.mark.parametrize("op", OPERATIONS, ids=lambda op: op.method)
+def test_bind_is_a_python_call_s_binding(op: Operation) -> None:
+    """Every argument by position (the routes' way, bound without ``inspect``), by name, or
+    with defaults left out: the same arguments as the edge method's own signature binds; and
+    a call that does not fit is the TypeError a Python call raises."""
+    sig = op.signature()
+    values = tuple(object() for _ in op.params)
+    by_name = {p.name: v for p, v in zip(op.params, values)}
+    required = tuple(v for p, v in zip(op.params, values) if p.default is REQUIRED)
+
+    def python(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        bound = sig.bind("self", *(("sb",) if op.on_sandbox else ()), *args, **kwargs)
+        bound.apply_defaults()
+        return {k: v for k, v in bound.arguments.items() if k not in ("self", "sandbox_id")}
+
+    for args, kwargs in ((values, {}), ((), by_name), (required, {}), (values[:1], {
+            k: v for k, v in list(by_name.items())[1:]})):
+        assert bind(op, args, kwargs) == python(*args, **kwargs)
+        assert list(bind(op, args, kwargs)) == [p.name for p in op.params]
+    for args, kwargs in ((values + (object(),), {}), ((), {**by_name, "nope": 1})):
+        with pytest.raises(TypeError):
+            bind(op, args, kwargs)
+        with pytest.raises(TypeError):
+            python(*args, **kwargs)
 
 
 @pytest.mark.parametrize(("async_cls", "sync_cls"), TWINS, ids=lambda c: c.__name__)
