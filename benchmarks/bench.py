@@ -494,6 +494,7 @@ def _ms(value: float) -> str:
 # Series run alone with ``dsec bench --only NAME``: "module:function(console, quick, **options)",
 # ``options`` the series' own (soak: ``cycles``; density, throughput: ``count``).
 ONLY = {"create": "dsec_benchmarks.bench_create:create_series",
+        "create-parts": "dsec_benchmarks.bench_create_parts:create_parts_series",
         "warm": "dsec_benchmarks.bench:warm_series",
         "network": "dsec_benchmarks.bench_network:network_series",
         "projects": "dsec_benchmarks.bench_projects:run_projects",

@@ -1,6 +1,7 @@
 """``dsec bench`` as CI runs it: a tiny density series through the real command (a private
 server, real containers) answers in every sandbox, leaves nothing behind and exits 0; the
-JSON rows carry the figures and no failure. The exec and trajectory series run alone too."""
+JSON rows carry the figures and no failure. The exec, trajectory and create-parts series run
+alone too."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+from dsec_benchmarks.bench import BARE_CGROUP_PARENT
+from dsec_benchmarks.bench_create_parts import VARIANTS
 
 from dsec.images.store import ImageStore
 
@@ -45,3 +49,22 @@ def test_count_belongs_to_density_and_throughput() -> None:
     done = subprocess.run([sys.executable, "-m", "dsec", "bench", "--only", "soak", "--count", "3"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--count is an option of" in done.stderr
+
+
+def test_create_parts_runs_every_variant_and_leaves_nothing(images: ImageStore,
+                                                            tmp_path: Path) -> None:
+    """``--only create-parts``: crun with each variant of the config starts its container (a
+    variant crun refused would be a failure in its row), and no container, mount, loop disk
+    or cgroup of the series outlives it."""
+    out = tmp_path / "parts.json"
+    done = subprocess.run([sys.executable, "-m", "dsec", "bench", "--only", "create-parts",
+                           "--quick", "--json", str(out)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert len(rows) == len(VARIANTS)
+    assert all(row["failures"] == 0 and row["n"] > 0 for row in rows)
+    assert all(row["p50_ratio_to_baseline"] is not None for row in rows[1:])
+    assert "/part-" not in Path("/proc/self/mountinfo").read_text()
+    assert not [d for base in Path("/sys/fs/cgroup").iterdir()
+                for d in (base / BARE_CGROUP_PARENT.strip("/")).glob("part-*")]

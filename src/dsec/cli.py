@@ -653,13 +653,14 @@ def project_quota(name: str, sandboxes: int | None, cpu: float | None,
 @click.option("--quick", is_flag=True, help="smaller counts, for a smoke run")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None,
               help="also write the figures as JSON here")
-@click.option("--only", type=click.Choice(["create", "warm", "fn", "microvm", "vm", "cluster", "projects",
+@click.option("--only", type=click.Choice(["create", "create-parts", "warm", "fn", "microvm", "vm", "cluster", "projects",
                                            "network", "state", "pause", "stdin", "soak",
                                            "pull", "lazy", "connect", "density",
                                            "throughput", "exec", "trajectory"]),
               default=None,
               help="run one series alone: create (cold creates one at a time and in a "
-                   "burst, stops, against bare crun), warm (creates from a warm pool, one at a time and "
+                   "burst, stops, against bare crun), create-parts (crun run with dsec's "
+                   "container config, one difference at a time, against crun spec's), warm (creates from a warm pool, one at a time and "
                    "in a burst, against bare crun), fn (call latency and throughput), microvm or vm "
                    "(against containers), cluster (a local Ray cluster against one node), "
                    "projects (nested-project key against the admin key), network (policy cost "
