@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ctypes
 import os
 import statistics
@@ -32,6 +33,8 @@ from pathlib import Path
 
 from rich.console import Console
 
+from dsec.images.mount import tmpfs_mount, unmount
+
 from .bench import bare_workspace
 
 CLONE_FS, CLONE_NEWNS = 0x200, 0x20000
@@ -39,7 +42,7 @@ MS_REC, MS_PRIVATE = 0x4000, 1 << 18
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
                         ctypes.c_char_p]
-_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+TMPFS_BYTES = 1 << 20  # each extra mount: empty, nothing is written to it
 
 
 def _check(result: int, what: str) -> None:
@@ -50,7 +53,7 @@ def _check(result: int, what: str) -> None:
 
 def _tmpfs(target: Path) -> None:
     target.mkdir(exist_ok=True)
-    _check(_libc.mount(b"tmpfs", str(target).encode(), b"tmpfs", 0, None), f"mount {target}")
+    tmpfs_mount(target, TMPFS_BYTES)
 
 
 def _private_namespace() -> None:
@@ -63,7 +66,7 @@ def _mount_ms(probe: Path) -> float:
     t0 = time.perf_counter()
     _tmpfs(probe)
     elapsed = (time.perf_counter() - t0) * 1000
-    _check(_libc.umount2(str(probe).encode(), 0), f"umount {probe}")
+    unmount(probe)
     return elapsed
 
 
@@ -89,9 +92,10 @@ async def _measure(rounds: int, scratch: Path) -> None:
     console = Console()
     try:
         await _series(console, rounds, scratch)
-    finally:  # the scratch dir's mounts, before it is removed
+    finally:  # the scratch dir's mounts, before it is removed (the probes are not mounted)
         for target in sorted(scratch.iterdir()):
-            _libc.umount2(str(target).encode(), 0)
+            with contextlib.suppress(OSError):
+                unmount(target)
 
 
 async def _series(console: Console, rounds: int, scratch: Path) -> None:
