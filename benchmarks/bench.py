@@ -134,13 +134,17 @@ class BareCrun:
         for sub in ("upper", "work", "rootfs"):
             (d / sub).mkdir(parents=True)
         overlay_mount(self.lowerdirs, d / "upper", d / "work", d / "rootfs")
-        config = json.loads(json.dumps(self.template))
-        config["root"] = {"path": str(d / "rootfs"), "readonly": False}
+        (d / "config.json").write_text(json.dumps(self.config(cid, d / "rootfs", args)))
+        return cid, d
+
+    def config(self, cid: str, rootfs: Path, args: list[str]) -> dict[str, Any]:
+        """``crun spec``'s config for container ``cid`` running ``args`` on ``rootfs``."""
+        config: dict[str, Any] = json.loads(json.dumps(self.template))
+        config["root"] = {"path": str(rootfs), "readonly": False}
         config["process"]["terminal"] = False
         config["process"]["args"] = args
         config["linux"]["cgroupsPath"] = f"{BARE_CGROUP_PARENT}/{cid}"
-        (d / "config.json").write_text(json.dumps(config))
-        return cid, d
+        return config
 
     async def run_echo(self) -> float:
         """ms from setting up the bundle to the first byte ``crun run`` prints (clean-up not

@@ -21,7 +21,6 @@ The parts taken out are guarantees dsec keeps; the figures only say what each co
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import secrets
 import shutil
@@ -154,10 +153,7 @@ class Parts:
         (d / "rootfs").mkdir()
         overlay_mount(self.bare.lowerdirs, layer / "upper", layer / "work", d / "rootfs")
         if edits is None:
-            config = copy.deepcopy(self.bare.template)
-            config["root"] = {"path": str(d / "rootfs"), "readonly": False}
-            config["process"]["terminal"] = False
-            config["linux"]["cgroupsPath"] = f"{BARE_CGROUP_PARENT}/{cid}"
+            config = self.bare.config(cid, d / "rootfs", ["/bin/echo", "hi"])
         else:
             config = container_config(cid, CreateRequest(image=IMAGE), str(d / "rootfs"),
                                       self.tree, str(layer / "run"), BARE_CGROUP_PARENT)
