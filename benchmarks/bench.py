@@ -375,6 +375,24 @@ async def trajectory_series(console: Console, client: DSecClient, steps: int) ->
     return samples
 
 
+async def cold_create_phases(console: Console, cold: Created, bare: BareCrun, n_seq: int,
+                             n_burst: int, burst_rounds: int,
+                             between: Callable[[], Awaitable[None]]) -> list[Sample]:
+    """Create-to-first-output on ``cold``'s server (no warm pool) against bare ``crun run``:
+    ``n_seq`` one at a time in batches of 10, then ``burst_rounds`` bursts of ``n_burst``;
+    ``between`` after each round, untimed."""
+    with phase(console, "create-to-first-output, one at a time"):
+        samples = await compare(Sample("bare crun run: first output", []), bare.run_echo,
+                                Sample("dsec create (cold): first output", []),
+                                cold.first_output, 10, n_seq // 10, between=between)
+    with phase(console, f"create-to-first-output, {burst_rounds} bursts of {n_burst}"):
+        samples += await compare(Sample(f"bare crun run: burst {n_burst}", []), bare.run_echo,
+                                 Sample(f"dsec create (cold): burst {n_burst}", []),
+                                 cold.first_output, n_burst, burst_rounds, concurrent=True,
+                                 settle_s=2.0, between=between)
+    return samples
+
+
 async def exec_phase(console: Console, created: Created, bare: BareCrun, n_exec: int) -> list[Sample]:
     """``true`` run in a warm sandbox of ``created``'s server against ``crun exec`` into a
     running bare container, alternating batches of 20."""
@@ -424,15 +442,8 @@ async def run_benchmark(console: Console, quick: bool = False) -> list[Sample]:
                 memory.values_ms += idle_memory(cold)
                 await cold.stop_all()
 
-            with phase(console, "create-to-first-output, one at a time"):
-                samples += await compare(Sample("bare crun run: first output", []), bare.run_echo,
-                                         Sample("dsec create (cold): first output", []),
-                                         cold.first_output, 10, n_seq // 10, between=clean_up)
-            with phase(console, f"create-to-first-output, {burst_rounds} bursts of {n_burst}"):
-                samples += await compare(Sample(f"bare crun run: burst {n_burst}", []), bare.run_echo,
-                                         Sample(f"dsec create (cold): burst {n_burst}", []),
-                                         cold.first_output, n_burst, burst_rounds, concurrent=True,
-                                         settle_s=2.0, between=clean_up)
+            samples += await cold_create_phases(console, cold, bare, n_seq, n_burst, burst_rounds,
+                                                clean_up)
             samples += await exec_phase(console, cold, bare, n_exec)
             samples += await trajectory_series(console, cold.client, n_steps)
         samples += await warm_pool_phase(console, bare, root, n_burst)

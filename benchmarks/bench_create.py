@@ -26,6 +26,7 @@ from .bench import (
     Sample,
     bare_workspace,
     bench_server,
+    cold_create_phases,
     compare,
     phase,
 )
@@ -39,16 +40,8 @@ async def create_series(console: Console, quick: bool = False) -> list[Sample]:
             await cold.first_output()  # warm-up: agent binary, layer mounts, page cache
             await bare.run_echo()
             await cold.stop_all()
-            with phase(console, "create-to-first-output, one at a time"):
-                samples += await compare(Sample("bare crun run: first output", []), bare.run_echo,
-                                         Sample("dsec create (cold): first output", []),
-                                         cold.first_output, 10, n_seq // 10,
-                                         between=cold.stop_all)
-            with phase(console, f"create-to-first-output, a burst of {n_burst}, twice"):
-                samples += await compare(Sample(f"bare crun run: burst {n_burst}", []), bare.run_echo,
-                                         Sample(f"dsec create (cold): burst {n_burst}", []),
-                                         cold.first_output, n_burst, 2, concurrent=True,
-                                         settle_s=2.0, between=cold.stop_all)
+            samples += await cold_create_phases(console, cold, bare, n_seq, n_burst, 2,
+                                                cold.stop_all)
             with phase(console, "stop, one at a time"):
                 samples += await compare(Sample("bare crun delete + unmount", []),
                                          lambda: bare.timed_removal(),
