@@ -25,6 +25,7 @@ import pytest
 
 import dsec
 from conftest import TEST_ROOT, Server, free_port
+from support.disks import attached_disks
 from test_recovery import settled
 
 pytest.importorskip("ray", reason="the cluster tests need the `cluster` extra (Ray)")
@@ -73,7 +74,7 @@ def host_traces(state_dir: Path, edge: str) -> dict[str, list[str]]:
     mounts = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()
               if line.split()[4].startswith(str(sandboxes))]
     cgroups = [str(p) for p in Path("/sys/fs/cgroup").glob(f"*/dsec-{edge}/*") if p.is_dir()]
-    return {"mounts": mounts, "cgroups": cgroups,
+    return {"mounts": mounts, "cgroups": cgroups, "loops": attached_disks(sandboxes),
             "dirs": [p.name for p in sandboxes.glob("*")],
             "containers": [p.name for p in (root / "runtime").glob("*/*")]}
 
