@@ -87,7 +87,6 @@ class ContainerSubstrate(Substrate):
         # Bundle set-up and teardown wait on kernel locks (mounts, cgroups) under load: in
         # threads, they never stall the event loop. They enter sandboxes' mount namespaces.
         self._io = ThreadPoolExecutor(16, thread_name_prefix="dsec-fs", initializer=own_fs)
-
         self.network = WiredSandboxes(f"{edge_id}/", self._io)
 
     async def prepare(self) -> None:
@@ -284,6 +283,11 @@ class ContainerSubstrate(Substrate):
                                   str(run), self.cgroup_parent)
         (d / "config.json").write_text(json.dumps(config))
 
+    def _open_disk(self, sandbox_id: str) -> int:
+        """An fd on the root of the sandbox's mounted disk (for syncfs, FIFREEZE, its counters)."""
+        return os.open(self.spaces.get(sandbox_id).path() / "disk",
+                       os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
     def writable_layer(self, sandbox_id: str) -> Path:
         return self.spaces.get(sandbox_id).path() / "disk" / "upper"
 
@@ -303,7 +307,7 @@ class ContainerSubstrate(Substrate):
         if not paused:
             cgroups.set_frozen(self.cgroup_parent, sandbox_id, True)
         try:
-            mount = os.open(self.spaces.get(sandbox_id).path() / "disk", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            mount = self._open_disk(sandbox_id)
             try:  # nothing writes while frozen: the count after the sync is the clone's
                 count = disk_writes.synced_count(mount)
             finally:
@@ -323,7 +327,7 @@ class ContainerSubstrate(Substrate):
         if paused:
             cgroups.set_frozen(self.cgroup_parent, sandbox_id, False)
         try:
-            mount = os.open(self.spaces.get(sandbox_id).path() / "disk", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            mount = self._open_disk(sandbox_id)
             try:
                 fcntl.ioctl(mount, FIFREEZE, 0)
                 try:
@@ -347,7 +351,7 @@ class ContainerSubstrate(Substrate):
         await asyncio.get_running_loop().run_in_executor(self._io, self._unfreeze, sandbox_id)
 
     def _unfreeze(self, sandbox_id: str) -> None:
-        mount = os.open(self.spaces.get(sandbox_id).path() / "disk", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        mount = self._open_disk(sandbox_id)
         try:
             fcntl.ioctl(mount, FITHAW, 0)
             log.warning("thawed the file system of %s, left frozen by an interrupted snapshot",
@@ -364,7 +368,7 @@ class ContainerSubstrate(Substrate):
             self._io, self._synced_count, sandbox_id)
 
     def _synced_count(self, sandbox_id: str) -> int:
-        mount = os.open(self.spaces.get(sandbox_id).path() / "disk", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        mount = self._open_disk(sandbox_id)
         try:
             return disk_writes.synced_count(mount)
         finally:
@@ -458,9 +462,10 @@ class ContainerSubstrate(Substrate):
                         _unmount_bundle(d)
                 finally:
                     space.close()
-            remove_tree(d)
-        except OSError:  # the stop still answers; the next start finds the dir and retries
-            log.exception("could not remove all of sandbox %s's directory", sandbox_id)
+            try:
+                remove_tree(d)
+            except OSError:  # the stop still answers; the next start finds the dir and retries
+                log.exception("could not remove all of sandbox %s's directory", sandbox_id)
         finally:
             self.spaces.removed(sandbox_id)
 
