@@ -55,11 +55,8 @@ def loop_mount(image: Path, target: Path, fstype: str = "ext4", data: str | None
     finally:
         os.close(backing)
     try:
-        if namespace is None:
+        with inside(namespace):
             mount_device(dev, target, fstype, data)
-        else:
-            with inside(namespace):
-                mount_device(dev, target, fstype, data)
     finally:
         os.close(loop)  # without a mount, the last close detaches the device (autoclear)
     return dev

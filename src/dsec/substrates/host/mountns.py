@@ -61,8 +61,12 @@ def _back_to_host() -> None:
 
 
 @contextmanager
-def inside(namespace: int) -> Iterator[None]:
-    """The calling thread (see ``own_fs``) in the mount namespace ``namespace`` meanwhile."""
+def inside(namespace: int | None) -> Iterator[None]:
+    """The calling thread (see ``own_fs``) in the mount namespace ``namespace`` meanwhile;
+    None: where it is."""
+    if namespace is None:
+        yield
+        return
     _host_namespace()
     _call(_libc.setns(namespace, CLONE_NEWNS), "setns into a sandbox's mount namespace")
     try:

@@ -19,7 +19,6 @@ import ctypes
 import os
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext
 from pathlib import Path
 
 from ...protocol.errors import NotSupported
@@ -126,10 +125,8 @@ class Spawned:
         argv = [resolve(argv[0]), *argv[1:]]
         if idle_priority:  # SCHED_IDLE, inherited by all the child starts (posix_spawn refuses it)
             argv = [resolve("chrt"), "--idle", "0", *argv]
-        # the child is made in this thread's namespaces
-        entered = inside(mount_namespace) if mount_namespace is not None else nullcontext()
         try:
-            with entered:
+            with inside(mount_namespace):  # the child is made in this thread's namespaces
                 pid = posix_spawn(argv, out_w if capture_stdout else "/dev/null",
                                   str(stderr or "/dev/null"))
         except BaseException:
