@@ -96,8 +96,14 @@ class MountSpaces:
         if dev is None or backing_file(dev) != os.path.realpath(image):
             raise SandboxError(f"sandbox {sandbox_id}'s disk is gone", sandbox_id=sandbox_id)
         space = self.make(sandbox_id)
-        with inside(space.namespace):
-            mount_device(dev, self._bundle(sandbox_id) / "disk", "ext4")
+        try:
+            with inside(space.namespace):
+                mount_device(dev, self._bundle(sandbox_id) / "disk", "ext4")
+        except BaseException:
+            with self._lock:
+                del self._spaces[sandbox_id]
+            space.close()
+            raise
         space.disk = dev
         return space
 
