@@ -25,6 +25,7 @@ import pytest
 
 import dsec
 from conftest import TEST_ROOT, Server, free_port
+from support.disks import attached_disks
 from test_recovery import settled
 
 pytest.importorskip("ray", reason="the cluster tests need the `cluster` extra (Ray)")
@@ -73,7 +74,7 @@ def host_traces(state_dir: Path, edge: str) -> dict[str, list[str]]:
     mounts = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()
               if line.split()[4].startswith(str(sandboxes))]
     cgroups = [str(p) for p in Path("/sys/fs/cgroup").glob(f"*/dsec-{edge}/*") if p.is_dir()]
-    return {"mounts": mounts, "cgroups": cgroups,
+    return {"mounts": mounts, "cgroups": cgroups, "loops": attached_disks(sandboxes),
             "dirs": [p.name for p in sandboxes.glob("*")],
             "containers": [p.name for p in (root / "runtime").glob("*/*")]}
 
@@ -156,7 +157,7 @@ async def test_300_sandboxes_fill_three_nodes_through_two_replicas(
         assert await a.list() == []
     for edge in edges:
         assert await settled(functools.partial(host_traces, ray_cluster.state_dir, edge)) == {
-            "mounts": [], "cgroups": [], "dirs": [], "containers": []}
+            "mounts": [], "cgroups": [], "loops": [], "dirs": [], "containers": []}
 
 
 async def test_a_trajectory_resumes_through_the_other_replica(replicas: list[Server]) -> None:
@@ -254,7 +255,7 @@ async def test_node_killed_mid_burst(ray_cluster: LocalRayCluster, replicas: lis
         # Its edge removed what the dead node's edge left on this host (the raylet died,
         # its sandboxes did not): nothing of them remains.
         assert host_traces(ray_cluster.state_dir, dead_edge) == {
-            "mounts": [], "cgroups": [], "dirs": [], "containers": []}
+            "mounts": [], "cgroups": [], "loops": [], "dirs": [], "containers": []}
         more = await burst([a], 12)
         assert joined in {sb.info.edge for sb in more} and other not in {sb.info.edge for sb in more}
 
@@ -264,7 +265,7 @@ async def test_node_killed_mid_burst(ray_cluster: LocalRayCluster, replicas: lis
         edge = ray_cluster.edge_of(node)
         if edge != dead_edge:
             assert await settled(functools.partial(host_traces, ray_cluster.state_dir, edge)) == {
-                "mounts": [], "cgroups": [], "dirs": [], "containers": []}
+                "mounts": [], "cgroups": [], "loops": [], "dirs": [], "containers": []}
 
 
 def test_shared_image_store_with_a_node_local_layer_cache(images, tmp_path: Path,  # type: ignore[no-untyped-def]

@@ -25,6 +25,7 @@ from dsec.protocol.models import DEFAULT_MAX_OUTPUT
 from dsec.substrates.host.disk import DiskPool
 from dsec.substrates.host.loop import backing_file, mounted_loop, unmount_image
 from dsec.substrates.host.volume import DiskVolume
+from support.disks import bundle_with_mounts
 from test_recovery import first_edge_id, host_traces
 
 PROBE = Path(__file__).parent / "support" / "hostile_probe.py"
@@ -263,7 +264,7 @@ async def test_forged_agent_requests_from_inside_are_refused(client, hostile) ->
 
 async def test_a_fake_agent_socket_gets_no_token(client, hostile, server) -> None:
     sb = await with_probe(client, hostile)
-    run_dir = server.volume / "sandboxes" / sb.id / "disk" / "run"
+    run_dir = bundle_with_mounts(server, sb.id) / "disk" / "run"
     await sb.start(["python3", "/work/probe.py", "impostor"])
     deadline = time.monotonic() + 60
     while not (run_dir / "impostor-ready").exists():

@@ -25,6 +25,7 @@ import dsec
 from conftest import Server, make_server, stop_server
 from dsec.substrates.host.oci_spec import MASKED_PATHS
 from dsec.substrates.host.tree import remove_tree
+from support.disks import bundle_with_mounts
 from test_hostile import assert_host_fine, assert_no_trace, create, hostile, sandbox  # noqa: F401
 from test_recovery import first_edge_id, host_traces, settled
 
@@ -87,7 +88,7 @@ def host_usage(path: Path) -> tuple[int, int]:
 async def test_filling_the_run_dir_hits_the_sandboxs_quota(client, server, sandbox, hostile,
                                                           runtime: str) -> None:
     sb = await create(client, hostile, image="python-3.11", disk_mb=16, runtime=runtime)
-    run_dir = server.volume / "sandboxes" / sb.id / "disk" / "run"
+    run_dir = bundle_with_mounts(server, sb.id) / "disk" / "run"
     assert os.stat(run_dir).st_dev != os.stat(run_dir.parent.parent).st_dev  # on its own disk
     free_before, inodes_before = host_usage(server.state_dir)
     r = await sb.run("yes > /.dsec/run/fill", timeout_s=120)

@@ -18,6 +18,7 @@ import pytest
 import dsec
 from conftest import LOG_DIR, Server, make_server, own_server, stop_server
 from dsec.substrates.host.cgroups import freezer_file
+from support.disks import bundle_with_mounts
 from test_cli import dsec_cli
 from test_hostile import assert_no_trace
 from test_projects import key_client, raw, unique
@@ -314,7 +315,7 @@ async def test_a_paused_sandbox_stays_paused_through_a_snapshot(
         await sb.write_file("/work/kept", b"before")
         await sb.start("while :; do echo tick >> /work/ticks; sleep 0.01; done")
         await sb.pause()
-        ticks = srv.volume / "sandboxes" / sb.id / "disk" / "upper" / "work" / "ticks"
+        ticks = bundle_with_mounts(srv, sb.id) / "disk" / "upper" / "work" / "ticks"
         frozen_at = ticks.stat().st_size
         snap = await sb.snapshot()
         assert (await client.get(sb.id)).info.state == "paused"

@@ -188,7 +188,8 @@ class Edge:
             await substrate.close()
         await asyncio.to_thread(self.uses.stop, {live.row.image_digest
                                                  for live in self._live.values()})
-        await asyncio.to_thread(self.volume.close)  # only if no sandbox is left on it
+        if not self._live:  # their disks are on it (a container's mounts, in its own mount
+            await asyncio.to_thread(self.volume.close)  # namespace, do not keep it busy)
 
     def _image_of(self, row: SandboxRow) -> Image | None:
         """The image version an adopted sandbox runs on; None (logged) if no record of it

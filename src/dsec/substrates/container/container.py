@@ -1,6 +1,6 @@
 """The container substrate: an OCI runtime (crun, runc or runsc) over an overlayfs rootfs.
 
-Per sandbox, under ``<state>/sandboxes/<id>/``: ``disk.img`` mounted at ``disk`` (an ext4 file
+Per sandbox, under ``<volume>/sandboxes/<id>/``: ``disk.img`` mounted at ``disk`` (an ext4 file
 system of ``disk_mb``, see disk.py) holding ``upper`` and ``work`` (the writable layer) and
 ``run`` (bind-mounted at /.dsec/run: the agent socket and session state), ``rootfs`` (the
 overlay of the image's read-only layers under ``upper``), ``config.json``, ``pid`` and
@@ -8,6 +8,10 @@ overlay of the image's read-only layers under ``upper``), ``config.json``, ``pid
 never walks it: clean-up unmounts the disk and unlinks its file. dsec's agent and tools are
 one read-only bind at /.dsec (agent/tools.py). The agent is the container's init; it prints
 ``R`` on stdout once it listens, so start-up waits on an event, never a poll.
+
+The two mounts are made in a mount namespace of the sandbox's own, where its runtime is
+started, never in the host's table (``spaces.py``: a runtime's start copies the table it
+starts in); the host reaches them through ``MountSpace.path()``.
 """
 
 from __future__ import annotations
@@ -37,11 +41,13 @@ from ..host import cgroups, criu, disk_writes, spawn
 from ..host.disk import DiskPool
 from ..host.image_copy import clone_file
 from ..host.loop import loop_mount, unmount_image
+from ..host.mountns import inside, own_fs
 from ..host.oci_spec import container_config
 from ..host.pidwatch import PidWatch
 from ..host.spawn import Spawned
 from ..host.tree import remove_tree
 from ..host.volume import DiskVolume
+from .spaces import MountSpace, MountSpaces
 
 log = logging.getLogger("dsec.container")
 RUNTIMES = ("crun", "runc", "runsc")
@@ -75,11 +81,12 @@ class ContainerSubstrate(Substrate):
         self.edge_id = edge_id
         self.mounter = mounter or LayerMounter()
         self.disks = DiskPool(volume.root / "disks", (DEFAULT_DISK_MB,))
+        self.spaces = MountSpaces(self._dir)
         self._tree: Path | None = None  # mounted read-only at /.dsec
         self._pids = PidWatch(self.cgroup_parent)
         # Bundle set-up and teardown wait on kernel locks (mounts, cgroups) under load: in
-        # threads, they never stall the event loop.
-        self._io = ThreadPoolExecutor(16, thread_name_prefix="dsec-fs")
+        # threads, they never stall the event loop. They enter sandboxes' mount namespaces.
+        self._io = ThreadPoolExecutor(16, thread_name_prefix="dsec-fs", initializer=own_fs)
         self.network = WiredSandboxes(f"{edge_id}/", self._io)
 
     async def prepare(self) -> None:
@@ -129,10 +136,12 @@ class ContainerSubstrate(Substrate):
 
     async def _run(self, sandbox_id: str, runtime: str, base: list[str], d: Path, token: str,
                    warm: bool = False) -> dict[str, Any]:
-        """Run the bundle at ``d`` and claim its agent with ``token``: the runtime facts."""
+        """Run the bundle at ``d`` in its mount namespace and claim its agent with ``token``:
+        the runtime facts."""
         crun = await Spawned.start([*base, "run", "--detach", "--bundle", str(d), "--pid-file",
                                     str(d / "pid"), sandbox_id], capture_stdout=True,
-                                   stderr=d / "runtime.log", idle_priority=warm)
+                                   stderr=d / "runtime.log", idle_priority=warm,
+                                   mount_namespace=self.spaces.get(sandbox_id).namespace)
         try:
             ready = await asyncio.wait_for(crun.first_byte(), START_TIMEOUT_S)
             code = await asyncio.wait_for(crun.wait(), START_TIMEOUT_S)
@@ -148,7 +157,8 @@ class ContainerSubstrate(Substrate):
                                f"{log_text[-2000:] or 'no output'}")
         pid = int((d / "pid").read_text())
         self._pids.adopt(sandbox_id, pid)  # it is ours: it just said R
-        facts = {"runtime": runtime, "pid": pid, "token": token}
+        facts = {"runtime": runtime, "pid": pid, "token": token,
+                 "disk": self.spaces.get(sandbox_id).disk}
         # Claimed before this returns: no user command can have run yet to claim it first.
         await self.agent(sandbox_id, facts).claim()
         return facts
@@ -169,11 +179,12 @@ class ContainerSubstrate(Substrate):
         d = self._dir(plan.sandbox_id)
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._io, _clone_disk, plan.disk_from, d)
+        space = await loop.run_in_executor(self._io, self.spaces.get, plan.sandbox_id, runtime)
         await self.network.remove(plan.sandbox_id)  # its wiring is the old init's netns
         self._pids.forget(plan.sandbox_id)
         kill = asyncio.ensure_future(self._kill(name, base, plan.sandbox_id))
         try:
-            await loop.run_in_executor(self._io, self._swap_disk, plan, d)
+            await loop.run_in_executor(self._io, self._swap_disk, plan, d, space)
         finally:
             await kill  # the same id: the old container is gone before the new one runs
         return await self._run(plan.sandbox_id, name, base, d, runtime["token"])
@@ -190,10 +201,14 @@ class ContainerSubstrate(Substrate):
         await asyncio.get_running_loop().run_in_executor(
             self._io, remove_tree, self.runtime_root / runtime / sandbox_id)
 
-    def _swap_disk(self, plan: StartPlan, d: Path) -> None:
-        _unmount_bundle(d, wait=False)
-        _mount_disk(d)
-        self._layers(plan, d)
+    def _swap_disk(self, plan: StartPlan, d: Path, space: MountSpace) -> None:
+        """The new disk and overlay mounted in place of the old, in the sandbox's namespace."""
+        lowers = self.mounter.lowerdirs(plan.image)
+        with inside(space.namespace):
+            _unmount_bundle(d, wait=False)
+        space.disk = _mount_disk(d, space.namespace)
+        with inside(space.namespace):
+            self._layers(plan, d, lowers)
 
     async def claim(self, sandbox_id: str, runtime: dict[str, Any], request: CreateRequest) -> None:
         cgroups.set_limits(self.cgroup_parent, sandbox_id, request.cpu, request.memory_mb << 20,
@@ -235,17 +250,22 @@ class ContainerSubstrate(Substrate):
 
 
     def _bundle(self, plan: StartPlan, d: Path) -> None:
-        """The OCI bundle: the disk, the overlay rootfs and config.json (in a worker thread)."""
+        """The OCI bundle: the disk and the overlay rootfs, mounted in a new mount namespace
+        of the sandbox's, and config.json (in a worker thread)."""
         d.mkdir()
+        lowers = self.mounter.lowerdirs(plan.image)  # in the host's namespace: every sandbox's
+        space = self.spaces.make(plan.sandbox_id)
         if plan.disk_from is None:
-            self.disks.attach(d / "disk.img", d / "disk", plan.request.disk_mb)
+            space.disk = self.disks.attach(d / "disk.img", d / "disk", plan.request.disk_mb,
+                                           space.namespace)
         else:
             _clone_disk(plan.disk_from, d)
-            _mount_disk(d)
+            space.disk = _mount_disk(d, space.namespace)
         (d / "rootfs").mkdir()
-        self._layers(plan, d)
+        with inside(space.namespace):
+            self._layers(plan, d, lowers)
 
-    def _layers(self, plan: StartPlan, d: Path) -> None:
+    def _layers(self, plan: StartPlan, d: Path, lowers: list[Path]) -> None:
         """The overlay of the image's layers under the disk's upper dir, and config.json."""
         disk = d / "disk"
         upper, work, run, rootfs = disk / "upper", disk / "work", disk / "run", d / "rootfs"
@@ -257,15 +277,19 @@ class ContainerSubstrate(Substrate):
         for p in (upper / ".dsec", upper / "work"):
             if not os.path.lexists(p):
                 p.mkdir(parents=True)
-        lowers = self.mounter.lowerdirs(plan.image)  # mounts a layer the first time (ms, once)
         overlay_mount(lowers, upper, work, rootfs)
         assert self._tree is not None, "prepare() runs before start()"
         config = container_config(plan.sandbox_id, plan.request, str(rootfs), str(self._tree),
                                   str(run), self.cgroup_parent)
         (d / "config.json").write_text(json.dumps(config))
 
+    def _open_disk(self, sandbox_id: str) -> int:
+        """An fd on the root of the sandbox's mounted disk (for syncfs, FIFREEZE, its counters)."""
+        return os.open(self.spaces.get(sandbox_id).path() / "disk",
+                       os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
     def writable_layer(self, sandbox_id: str) -> Path:
-        return self._dir(sandbox_id) / "disk" / "upper"
+        return self.spaces.get(sandbox_id).path() / "disk" / "upper"
 
     async def snapshot_disk(self, sandbox_id: str, runtime: dict[str, Any], dest: Path) -> int:
         """A consistent copy of the disk image. On the reflink volume: every process of the
@@ -283,7 +307,7 @@ class ContainerSubstrate(Substrate):
         if not paused:
             cgroups.set_frozen(self.cgroup_parent, sandbox_id, True)
         try:
-            mount = os.open(d / "disk", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            mount = self._open_disk(sandbox_id)
             try:  # nothing writes while frozen: the count after the sync is the clone's
                 count = disk_writes.synced_count(mount)
             finally:
@@ -303,7 +327,7 @@ class ContainerSubstrate(Substrate):
         if paused:
             cgroups.set_frozen(self.cgroup_parent, sandbox_id, False)
         try:
-            mount = os.open(d / "disk", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            mount = self._open_disk(sandbox_id)
             try:
                 fcntl.ioctl(mount, FIFREEZE, 0)
                 try:
@@ -327,7 +351,7 @@ class ContainerSubstrate(Substrate):
         await asyncio.get_running_loop().run_in_executor(self._io, self._unfreeze, sandbox_id)
 
     def _unfreeze(self, sandbox_id: str) -> None:
-        mount = os.open(self._dir(sandbox_id) / "disk", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        mount = self._open_disk(sandbox_id)
         try:
             fcntl.ioctl(mount, FITHAW, 0)
             log.warning("thawed the file system of %s, left frozen by an interrupted snapshot",
@@ -341,11 +365,10 @@ class ContainerSubstrate(Substrate):
 
     async def disk_writes(self, sandbox_id: str, runtime: dict[str, Any]) -> int:
         return await asyncio.get_running_loop().run_in_executor(
-            self._io, self._synced_count, self._dir(sandbox_id))
+            self._io, self._synced_count, sandbox_id)
 
-    @staticmethod
-    def _synced_count(d: Path) -> int:
-        mount = os.open(d / "disk", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    def _synced_count(self, sandbox_id: str) -> int:
+        mount = self._open_disk(sandbox_id)
         try:
             return disk_writes.synced_count(mount)
         finally:
@@ -355,8 +378,8 @@ class ContainerSubstrate(Substrate):
         # gVisor's sentry, not the agent, holds the host end of the socket: no pid to check.
         peer = None if runtime["runtime"] == "runsc" else runtime["pid"]
         # No token: a sandbox started before agents were claimed (its agent takes none).
-        return AgentClient(self._dir(sandbox_id) / "disk" / "run" / "agent.sock", runtime.get("token"),
-                           peer)
+        return AgentClient(self.spaces.get(sandbox_id, runtime).path() / "disk" / "run" / "agent.sock",
+                           runtime.get("token"), peer)
 
     def alive(self, sandbox_id: str, runtime: dict[str, Any]) -> bool:
         return self._pids.alive(sandbox_id, runtime.get("pid"))
@@ -427,21 +450,30 @@ class ContainerSubstrate(Substrate):
                         "removes it", sandbox_id, runtime)
 
     def _teardown(self, sandbox_id: str, d: Path) -> None:
-        """What the runtime leaves or never made: cgroups, the overlay, the disk, the bundle
-        dir. Once the disk is unmounted, the dir holds only what dsec wrote (see tree.py)."""
+        """What the runtime leaves or never made: cgroups, the overlay, the disk, their mount
+        namespace, the bundle dir. Once the disk is unmounted, the dir holds only what dsec
+        wrote (see tree.py)."""
         cgroups.remove_cgroups(cgroups.sandbox_dirs(self.cgroup_parent, sandbox_id))
-        _unmount_bundle(d)
+        space = self.spaces.removing(sandbox_id)
         try:
-            remove_tree(d)
-        except OSError:  # the stop still answers; the next start finds the dir and retries
-            log.exception("could not remove all of sandbox %s's directory", sandbox_id)
+            if space is not None:  # none: nothing of it is mounted where this server can reach
+                try:
+                    with inside(space.namespace):
+                        _unmount_bundle(d)
+                finally:
+                    space.close()
+            try:
+                remove_tree(d)
+            except OSError:  # the stop still answers; the next start finds the dir and retries
+                log.exception("could not remove all of sandbox %s's directory", sandbox_id)
+        finally:
+            self.spaces.removed(sandbox_id)
 
     async def leftovers(self) -> set[str]:
         ids = {p.name for p in self.root.iterdir()} if self.root.exists() else set()
         for runtime in RUNTIMES:
             ids.update(_state_ids(self.runtime_root / runtime))
         ids.update(cgroups.sandbox_cgroups(self.cgroup_parent))
-        ids.update(m.relative_to(self.root).parts[0] for m in _mounts_under(self.root))
         ids.update(self.network.ids())
         return ids
 
@@ -472,13 +504,16 @@ def _clone_disk(image: Path, d: Path) -> None:
     log.info("sandbox %s: disk from %s (%s)", d.name, image, method)
 
 
-def _mount_disk(d: Path) -> None:
-    """The copy ``_clone_disk`` made as the sandbox's disk, mounted; what the snapshot's
-    agent left in its run dir (socket, sessions) goes: processes start fresh."""
+def _mount_disk(d: Path, namespace: int) -> str:
+    """The copy ``_clone_disk`` made as the sandbox's disk, mounted in its mount namespace;
+    what the snapshot's agent left in its run dir (socket, sessions) goes: processes start
+    fresh."""
     os.rename(d / NEW_DISK, d / "disk.img")
     (d / "disk").mkdir(exist_ok=True)
-    loop_mount(d / "disk.img", d / "disk")
-    remove_tree(d / "disk" / "run")
+    dev = loop_mount(d / "disk.img", d / "disk", namespace=namespace)
+    with inside(namespace):
+        remove_tree(d / "disk" / "run")
+    return dev
 
 
 def _unmount_bundle(d: Path, wait: bool = True) -> None:
@@ -489,15 +524,3 @@ def _unmount_bundle(d: Path, wait: bool = True) -> None:
     if os.path.ismount(rootfs):
         unmount_or_detach(rootfs)
     unmount_image(d / "disk", d / "disk.img", discard=True, wait=wait)
-
-
-def _mounts_under(d: Path) -> list[Path]:
-    """Mount points below ``d``, the last mounted first (an overlay before the disk under it)."""
-    prefix = str(d) + "/"
-    found = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            target = line.split()[4].replace("\\040", " ")
-            if target.startswith(prefix):
-                found.append(Path(target))
-    return found[::-1]

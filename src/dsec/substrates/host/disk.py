@@ -60,16 +60,16 @@ class DiskPool:
                 os.rename(tmp, path)  # only a whole golden image is ever cloned
         return path
 
-    def attach(self, image: Path, target: Path, size_mb: int) -> str:
-        """A fresh ``size_mb`` file system at ``image``, mounted at ``target`` (blocking); the
-        loop device's name."""
+    def attach(self, image: Path, target: Path, size_mb: int, namespace: int | None = None) -> str:
+        """A fresh ``size_mb`` file system at ``image``, mounted at ``target`` (in the mount
+        namespace ``namespace``, if given; blocking); the loop device's name."""
         if size_mb in self.sizes:
             method = clone_file(self.golden(size_mb), image)
             log.debug("disk %s: a %s of the golden image", image, method)
         else:
             format_image(image, size_mb)
         target.mkdir()
-        return loop_mount(image, target)
+        return loop_mount(image, target, namespace=namespace)
 
 
 def format_image(image: Path, size_mb: int) -> None:

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from ...images.mount import unmount_or_detach
+from .mountns import inside
 
 log = logging.getLogger("dsec.loop")
 
@@ -40,17 +41,22 @@ _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctype
                         ctypes.c_char_p]
 
 
-def loop_mount(image: Path, target: Path, fstype: str = "ext4", data: str | None = None) -> str:
+def loop_mount(image: Path, target: Path, fstype: str = "ext4", data: str | None = None,
+               namespace: int | None = None) -> str:
     """Attach ``image`` to a free loop device with autoclear and mount it at ``target``
-    (nosuid, nodev); the device's name (``loop12``). The device is held open until the mount
-    holds it, or autoclear would detach it at once."""
+    (nosuid, nodev), in the mount namespace ``namespace`` (an fd) if given; the device's
+    name (``loop12``). The image is opened in the calling thread's namespace, the host's, so
+    the device's backing file keeps its host path (``holder``) whatever becomes of the
+    other. The device is held open until the mount holds it, or autoclear would detach it
+    at once."""
     backing = os.open(image, os.O_RDWR | os.O_CLOEXEC)
     try:
         loop, dev = _free_loop(backing, image)
     finally:
         os.close(backing)
     try:
-        mount_device(dev, target, fstype, data)
+        with inside(namespace):
+            mount_device(dev, target, fstype, data)
     finally:
         os.close(loop)  # without a mount, the last close detaches the device (autoclear)
     return dev

@@ -22,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from ...protocol.errors import NotSupported
+from .mountns import inside, own_fs
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.posix_spawn_file_actions_addopen.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p,
@@ -34,8 +35,9 @@ _libc.posix_spawn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_char_p, cty
                               ctypes.POINTER(ctypes.c_char_p)]
 # posix_spawn_file_actions_t is 80 bytes in glibc (x86-64, arm64): room to spare
 _FILE_ACTIONS_BYTES = 256
-# Threads that wait for a child's exec: enough for a burst's runtimes to start in parallel.
-_spawner = ThreadPoolExecutor(8, thread_name_prefix="dsec-spawn")
+# Threads that wait for a child's exec: enough for a burst's runtimes to start in parallel;
+# each may start its child in a sandbox's mount namespace (mountns.py).
+_spawner = ThreadPoolExecutor(8, thread_name_prefix="dsec-spawn", initializer=own_fs)
 
 
 def resolve(program: str) -> str:
@@ -104,11 +106,12 @@ class Spawned:
 
     @classmethod
     async def start(cls, argv: list[str], capture_stdout: bool, stderr: Path | None,
-                    idle_priority: bool = False) -> Spawned:
-        """The child started from a spawn thread (see the module's docstring). If the caller
-        is cancelled meanwhile, the child is killed and reaped once it has started."""
+                    idle_priority: bool = False, mount_namespace: int | None = None) -> Spawned:
+        """The child started from a spawn thread (see the module's docstring), in the mount
+        namespace ``mount_namespace`` (an fd) if given. If the caller is cancelled meanwhile,
+        the child is killed and reaped once it has started."""
         spawning = asyncio.get_running_loop().run_in_executor(
-            _spawner, cls._spawn, argv, capture_stdout, stderr, idle_priority)
+            _spawner, cls._spawn, argv, capture_stdout, stderr, idle_priority, mount_namespace)
         try:
             return await asyncio.shield(spawning)
         except asyncio.CancelledError:
@@ -117,14 +120,15 @@ class Spawned:
 
     @classmethod
     def _spawn(cls, argv: list[str], capture_stdout: bool, stderr: Path | None,
-               idle_priority: bool) -> Spawned:
+               idle_priority: bool, mount_namespace: int | None) -> Spawned:
         out_r, out_w = os.pipe2(os.O_CLOEXEC) if capture_stdout else (-1, -1)
         argv = [resolve(argv[0]), *argv[1:]]
         if idle_priority:  # SCHED_IDLE, inherited by all the child starts (posix_spawn refuses it)
             argv = [resolve("chrt"), "--idle", "0", *argv]
         try:
-            pid = posix_spawn(argv, out_w if capture_stdout else "/dev/null",
-                              str(stderr or "/dev/null"))
+            with inside(mount_namespace):  # the child is made in this thread's namespaces
+                pid = posix_spawn(argv, out_w if capture_stdout else "/dev/null",
+                                  str(stderr or "/dev/null"))
         except BaseException:
             if out_r >= 0:
                 os.close(out_r)

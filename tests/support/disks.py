@@ -1,0 +1,40 @@
+"""The host's trace of sandbox disks: the loop devices backed by their files. A container
+sandbox's disk and overlay are mounted in a mount namespace of its own, never in the host's
+table, so a leak check that reads the host's mounts alone would not see a disk left
+attached: it looks at the loop devices too."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from conftest import Server
+
+
+def attached_disks(sandboxes: Path) -> list[str]:
+    """The files under ``sandboxes`` that a loop device is attached to."""
+    root = str(sandboxes) + "/"
+    found = []
+    for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
+        try:
+            name = backing.read_text().strip()
+        except OSError:  # detached while being read
+            continue
+        if name.startswith(root):
+            found.append(name)
+    return found
+
+
+def bundle_with_mounts(server: Server, sandbox_id: str) -> Path:
+    """A container sandbox's bundle dir with its disk and rootfs mounted, as its server sees
+    it: through the server's fd on the dir opened in the sandbox's mount namespace (the
+    host's table has neither mount)."""
+    assert server.proc is not None, "the server runs"
+    bundle = str(server.volume / "sandboxes" / sandbox_id)
+    for fd in Path(f"/proc/{server.proc.pid}/fd").iterdir():
+        try:
+            if os.readlink(fd) == bundle:
+                return fd
+        except OSError:  # closed meanwhile
+            continue
+    raise AssertionError(f"server {server.proc.pid} holds no fd on {bundle}")
