@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,22 @@ async def test_a_linked_agent_socket_stays_refused_after_a_server_restart(
             await again.stop()
     finally:
         host.close()
+
+
+async def test_a_disk_left_mounted_in_the_hosts_table_goes_with_its_sandbox(
+        fresh_server: Server) -> None:
+    """A dsec from before mount namespaces mounted a sandbox's disk in the host's table; an
+    adopted sandbox of it still has that mount when it stops: the removal unmounts it too,
+    and nothing is left."""
+    edge = first_edge_id(fresh_server)
+    async with fresh_server.client() as client:
+        sb = await client.create(ttl_s=120)
+        bundle = fresh_server.volume / "sandboxes" / sb.id
+        dev = next(b.parent.parent.name for b in Path("/sys/block").glob("loop*/loop/backing_file")
+                   if b.read_text().strip() == str(bundle / "disk.img"))
+        subprocess.run(["mount", "-o", "nosuid,nodev", f"/dev/{dev}", str(bundle / "disk")],
+                       check=True)
+        assert str(bundle / "disk") in host_mounts()
+        await sb.stop()
+    assert await settled(lambda: host_traces(fresh_server, edge)) == {
+        k: [] for k in host_traces(fresh_server, edge)}

@@ -462,6 +462,7 @@ class ContainerSubstrate(Substrate):
                         _unmount_bundle(d)
                 finally:
                     space.close()
+            _unmount_bundle(d)  # what a dsec before mount namespaces mounted in the host's
             try:
                 remove_tree(d)
             except OSError:  # the stop still answers; the next start finds the dir and retries
