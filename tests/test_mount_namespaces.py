@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
-import subprocess
 from pathlib import Path
 
 import pytest
 
 import dsec
 from conftest import Server, make_server, stop_server
+from dsec.substrates.host.loop import holder, mount_device
 from test_recovery import first_edge_id, host_traces, settled
 
 
@@ -126,10 +126,9 @@ async def test_a_disk_left_mounted_in_the_hosts_table_goes_with_its_sandbox(
     async with fresh_server.client() as client:
         sb = await client.create(ttl_s=120)
         bundle = fresh_server.volume / "sandboxes" / sb.id
-        dev = next(b.parent.parent.name for b in Path("/sys/block").glob("loop*/loop/backing_file")
-                   if b.read_text().strip() == str(bundle / "disk.img"))
-        subprocess.run(["mount", "-o", "nosuid,nodev", f"/dev/{dev}", str(bundle / "disk")],
-                       check=True)
+        dev = holder(bundle / "disk.img")
+        assert dev is not None
+        mount_device(dev, bundle / "disk", "ext4")
         assert str(bundle / "disk") in host_mounts()
         await sb.stop()
     assert await settled(lambda: host_traces(fresh_server, edge)) == {

@@ -138,10 +138,11 @@ class ContainerSubstrate(Substrate):
                    warm: bool = False) -> dict[str, Any]:
         """Run the bundle at ``d`` in its mount namespace and claim its agent with ``token``:
         the runtime facts."""
+        space = self.spaces.get(sandbox_id)
         crun = await Spawned.start([*base, "run", "--detach", "--bundle", str(d), "--pid-file",
                                     str(d / "pid"), sandbox_id], capture_stdout=True,
                                    stderr=d / "runtime.log", idle_priority=warm,
-                                   mount_namespace=self.spaces.get(sandbox_id).namespace)
+                                   mount_namespace=space.namespace)
         try:
             ready = await asyncio.wait_for(crun.first_byte(), START_TIMEOUT_S)
             code = await asyncio.wait_for(crun.wait(), START_TIMEOUT_S)
@@ -157,8 +158,7 @@ class ContainerSubstrate(Substrate):
                                f"{log_text[-2000:] or 'no output'}")
         pid = int((d / "pid").read_text())
         self._pids.adopt(sandbox_id, pid)  # it is ours: it just said R
-        facts = {"runtime": runtime, "pid": pid, "token": token,
-                 "disk": self.spaces.get(sandbox_id).disk}
+        facts = {"runtime": runtime, "pid": pid, "token": token, "disk": space.disk}
         # Claimed before this returns: no user command can have run yet to claim it first.
         await self.agent(sandbox_id, facts).claim()
         return facts
