@@ -4,6 +4,7 @@ ones are removed, and once all are stopped nothing of them is left on the host."
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import tempfile
 import time
@@ -202,3 +203,33 @@ async def test_failed_create_leaks_nothing(fresh_server: Server, oci_images: dic
         assert await client.list() == []
     assert host_traces(fresh_server, edge_id) == {k: [] for k in
                                                   ("mounts", "cgroups", "processes", "containers", "dirs", "loops")}
+
+
+async def test_unbootable_creates_in_a_burst_take_no_start_slot(
+        images, oci_images: dict[str, str]) -> None:  # type: ignore[no-untyped-def]
+    """A tenant's unbootable creates, mixed into a burst four times the edge's start slots
+    (two per core, substrates/container/starts.py): each fails typed, every good one runs,
+    and the slots all come back: a second burst, three times the slots, completes too. (No
+    warm pool: every create starts its own container.)"""
+    srv = make_server("--capacity", "60", "--warm-pool", "0").start()
+    try:
+        edge_id = first_edge_id(srv)
+        slots = 2 * len(os.sched_getaffinity(0))
+        async with srv.client() as client:
+            async def run_once(image: str) -> str:
+                async with await client.create(image=image, ttl_s=120) as sb:
+                    return (await sb.run("echo up")).stdout
+
+            mixed = await asyncio.gather(*(run_once(oci_images[kind]) for _ in range(2 * slots)
+                                           for kind in ("bad", "good")), return_exceptions=True)
+            failed = mixed[0::2]
+            assert all(isinstance(e, dsec.SandboxError) and "failed to start" in str(e)
+                       for e in failed), failed
+            assert mixed[1::2] == ["up\n"] * (2 * slots)
+            again = await asyncio.gather(*(run_once(oci_images["good"]) for _ in range(3 * slots)))
+            assert again == ["up\n"] * (3 * slots)
+            assert await client.list() == []
+        assert await settled(lambda: host_traces(srv, edge_id)) == {
+            k: [] for k in ("mounts", "cgroups", "processes", "containers", "dirs", "loops")}
+    finally:
+        stop_server(srv)

@@ -48,6 +48,7 @@ from ..host.spawn import Spawned
 from ..host.tree import remove_tree
 from ..host.volume import DiskVolume
 from .spaces import MountSpace, MountSpaces
+from .starts import StartSlots
 
 log = logging.getLogger("dsec.container")
 RUNTIMES = ("crun", "runc", "runsc")
@@ -88,6 +89,7 @@ class ContainerSubstrate(Substrate):
         # threads, they never stall the event loop. They enter sandboxes' mount namespaces.
         self._io = ThreadPoolExecutor(16, thread_name_prefix="dsec-fs", initializer=own_fs)
         self.network = WiredSandboxes(f"{edge_id}/", self._io)
+        self._slots = StartSlots()  # a burst's starts a few at a time, in order (starts.py)
 
     async def prepare(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -126,7 +128,8 @@ class ContainerSubstrate(Substrate):
     async def _start(self, plan: StartPlan, runtime: str, base: list[str], d: Path) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
         try:
-            await loop.run_in_executor(self._io, self._bundle, plan, d)
+            async with self._slots.bundle(plan.warm):
+                await loop.run_in_executor(self._io, self._bundle, plan, d)
         except OSError as exc:
             if plan.disk_from is None or exc.errno != errno.ENOSPC:
                 raise
@@ -138,30 +141,36 @@ class ContainerSubstrate(Substrate):
                    warm: bool = False) -> dict[str, Any]:
         """Run the bundle at ``d`` in its mount namespace and claim its agent with ``token``:
         the runtime facts."""
-        space = self.spaces.get(sandbox_id)
-        crun = await Spawned.start([*base, "run", "--detach", "--bundle", str(d), "--pid-file",
-                                    str(d / "pid"), sandbox_id], capture_stdout=True,
-                                   stderr=d / "runtime.log", idle_priority=warm,
-                                   mount_namespace=space.namespace)
-        try:
-            ready = await asyncio.wait_for(crun.first_byte(), START_TIMEOUT_S)
-            code = await asyncio.wait_for(crun.wait(), START_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            crun.kill()
-            await crun.wait()
-            raise SandboxError(f"{runtime} did not start the sandbox within {START_TIMEOUT_S:.0f}s") from None
-        finally:
-            crun.close()
-        if ready != b"R" or code != 0:
-            log_text = (d / "runtime.log").read_text(errors="replace").strip()
-            raise SandboxError(f"{runtime} failed to start the sandbox (exit {code}): "
-                               f"{log_text[-2000:] or 'no output'}")
-        pid = int((d / "pid").read_text())
-        self._pids.adopt(sandbox_id, pid)  # it is ours: it just said R
-        facts = {"runtime": runtime, "pid": pid, "token": token, "disk": space.disk}
-        # Claimed before this returns: no user command can have run yet to claim it first.
-        await self.agent(sandbox_id, facts).claim()
-        return facts
+        async with self._slots.run(warm):
+            space = self.spaces.get(sandbox_id)
+            crun = await Spawned.start([*base, "run", "--detach", "--bundle", str(d), "--pid-file",
+                                        str(d / "pid"), sandbox_id], capture_stdout=True,
+                                       stderr=d / "runtime.log", idle_priority=warm,
+                                       mount_namespace=space.namespace)
+            try:
+                ready = await asyncio.wait_for(crun.first_byte(), START_TIMEOUT_S)
+                code = await asyncio.wait_for(crun.wait(), START_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                crun.kill()
+                await crun.wait()
+                raise SandboxError(f"{runtime} did not start the sandbox within {START_TIMEOUT_S:.0f}s") from None
+            finally:
+                crun.close()
+            if ready != b"R" or code != 0:
+                log_text = (d / "runtime.log").read_text(errors="replace").strip()
+                raise SandboxError(f"{runtime} failed to start the sandbox (exit {code}): "
+                                   f"{log_text[-2000:] or 'no output'}")
+            pid = int((d / "pid").read_text())
+            self._pids.adopt(sandbox_id, pid)  # it is ours: it just said R
+            facts = {"runtime": runtime, "pid": pid, "token": token, "disk": space.disk}
+            # Claimed before this returns: no user command can have run yet to claim it first.
+            # Bounded like the start: a slot of starts.py is held until then.
+            try:
+                await asyncio.wait_for(self.agent(sandbox_id, facts).claim(), START_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                raise SandboxError(f"the agent did not answer within {START_TIMEOUT_S:.0f}s of the "
+                                   "sandbox's start") from None
+            return facts
 
     async def rollback(self, plan: StartPlan, runtime: dict[str, Any]) -> dict[str, Any]:
         """Its processes killed, its disk's content replaced by a copy of ``plan.disk_from``,
