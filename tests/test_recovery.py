@@ -4,7 +4,6 @@ ones are removed, and once all are stopped nothing of them is left on the host."
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import tempfile
 import time
@@ -15,6 +14,7 @@ import pytest
 
 import dsec
 from conftest import Server, make_server, stop_server
+from dsec.substrates.container.starts import StartSlots
 from support.disks import attached_disks
 
 
@@ -207,14 +207,14 @@ async def test_failed_create_leaks_nothing(fresh_server: Server, oci_images: dic
 
 async def test_unbootable_creates_in_a_burst_take_no_start_slot(
         images, oci_images: dict[str, str]) -> None:  # type: ignore[no-untyped-def]
-    """A tenant's unbootable creates, mixed into a burst four times the edge's start slots
-    (two per core, substrates/container/starts.py): each fails typed, every good one runs,
-    and the slots all come back: a second burst, three times the slots, completes too. (No
-    warm pool: every create starts its own container.)"""
+    """A tenant's unbootable creates, mixed into a burst four times the edge's runtime start
+    slots (substrates/container/starts.py): each fails typed, every good one runs, and the
+    slots all come back: a second burst, three times the slots, completes too. (No warm
+    pool: every create starts its own container.)"""
     srv = make_server("--capacity", "60", "--warm-pool", "0").start()
     try:
         edge_id = first_edge_id(srv)
-        slots = 2 * len(os.sched_getaffinity(0))
+        slots = StartSlots().runs_at_once  # as many as this host's server has
         async with srv.client() as client:
             async def run_once(image: str) -> str:
                 async with await client.create(image=image, ttl_s=120) as sb:

@@ -4,7 +4,6 @@ burst beyond the slots waits in the order it came; a pool refill never waits."""
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
 
@@ -13,8 +12,9 @@ from dsec.substrates.container.starts import StartSlots
 
 @pytest.mark.parametrize("stage", ["bundle", "run"])
 async def test_a_burst_beyond_the_slots_is_admitted_in_order_and_refills_pass(stage: str) -> None:
-    admit = getattr(StartSlots(), stage)
-    holding = [admit(False) for _ in range(2 * len(os.sched_getaffinity(0)))]
+    slots = StartSlots()
+    admit = getattr(slots, stage)
+    holding = [admit(False) for _ in range(getattr(slots, f"{stage}s_at_once"))]
     for slot in holding:
         await slot.__aenter__()
     admitted: list[int] = []
