@@ -152,6 +152,7 @@ class Edge:
         self.pools = {name: WarmPool(substrate, self.id, config.warm_pool)
                       for name, substrate in substrates.items()}
         self._live: dict[str, Live] = {}
+        self._paused: set[str] = set()  # the live ones paused: ``load`` counts without a scan
         self._tasks: set[asyncio.Future[None]] = set()
         # Destroys of halted sandboxes, off their stop's path (``_remove``): bounded, so a
         # burst of stops never forks a runtime per sandbox at once; awaited by ``close``.
@@ -253,6 +254,7 @@ class Edge:
         self._live[row.id] = Live(row, substrate, substrate.agent(row.id, row.runtime),
                                   row.request["env"], user=config.user,
                                   cwd=config.working_dir or DEFAULT_CWD)
+        self._count_paused(row)
         substrate.watch(row.id, row.runtime, lambda: self._exited(row.id))
 
     def _exited(self, sandbox_id: str) -> None:
@@ -270,8 +272,7 @@ class Edge:
     def load(self) -> int:
         """Sandboxes running or starting, and fn calls in flight: each holds a slot. A paused
         sandbox uses no CPU and holds none (its resume is never refused: it may overcommit)."""
-        paused = sum(1 for live in self._live.values() if live.row.state == "paused")
-        return len(self._live) - paused + self._starting + self._calling
+        return len(self._live) - len(self._paused) + self._starting + self._calling
 
     def _admit(self) -> None:
         if self.load() >= self.config.capacity:
@@ -418,6 +419,7 @@ class Edge:
         """The sandbox recorded ended and out of reach of any later call; None if it was
         not live. Its removal (``_remove``) follows."""
         live = self._live.pop(sandbox_id, None)
+        self._paused.discard(sandbox_id)
         if live is not None:
             self.store.mark_ended(sandbox_id, state, reason)
             self.metrics.ended.labels(live.row.substrate, state).inc()
@@ -777,7 +779,14 @@ class Edge:
 
     def _set_state(self, live: Live, state: str) -> None:
         live.row.state = state
+        self._count_paused(live.row)
         self.store.set_state(live.row.id, state)
+
+    def _count_paused(self, row: SandboxRow) -> None:
+        if row.state == "paused":
+            self._paused.add(row.id)
+        else:
+            self._paused.discard(row.id)
 
     # network
     async def _egress(self, substrate: Substrate, network: Network) -> Egress | None:
