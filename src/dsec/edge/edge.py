@@ -66,6 +66,7 @@ from ..store.sqlite import SandboxRow, SnapshotRow, StateStore
 from ..substrates.base import StartPlan, Substrate
 from ..substrates.fn.fn import FnSubstrate
 from ..substrates.host.image_copy import allocated_bytes
+from ..substrates.host.openfiles import RESERVE, ensure_open_files
 from ..substrates.host.tree import remove_tree
 from ..substrates.host.volume import DiskVolume
 from .commands import DEFAULT_CWD, as_user, check_env, exec_argv, sandbox_path
@@ -169,6 +170,7 @@ class Edge:
 
     # lifecycle of the edge itself
     async def start(self) -> None:
+        self._size_open_files()
         await asyncio.to_thread(self.volume.open)
         for substrate in self.substrates.values():
             await substrate.prepare()
@@ -176,6 +178,18 @@ class Edge:
         await asyncio.to_thread(self.uses.start, [image for live in self._live.values()
                                                   if (image := self._image_of(live.row))])
         self._reaper = asyncio.create_task(self._reap_forever(), name="dsec-reaper")
+
+    def _size_open_files(self) -> None:
+        """The server's limit on open files raised to what the capacity needs, or the start
+        refused: a node would otherwise fail creates with EMFILE below its capacity."""
+        per_sandbox = max((s.open_files for s in self.substrates.values()), default=0)
+        needed = self.config.capacity * per_sandbox + RESERVE
+        allowed = ensure_open_files(needed)
+        if allowed < needed:
+            raise NotSupported(
+                f"a capacity of {self.config.capacity} sandboxes needs {needed} open files of "
+                f"the server ({per_sandbox} per sandbox, {RESERVE} of its own), and it may "
+                f"open {allowed} (ulimit -n): raise the limit, or lower --capacity")
 
     async def close(self) -> None:
         """Stop serving; sandboxes keep running and are adopted by the next start. Warm-pool

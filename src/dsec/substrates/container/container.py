@@ -74,6 +74,7 @@ class ContainerSubstrate(Substrate):
     snapshots_paused = True  # the cgroup freezer is how it snapshots: a paused one stays so
     rollback_keeps_network = True  # its wiring is removed at the kill; the edge wires the new init
     terminals = True  # a devpts instance of its own (oci_spec.py)
+    open_files = 3  # its pidfd, its mount namespace and its bundle dir seen from there (spaces.py)
 
     def __init__(self, state_dir: Path, edge_id: str, volume: DiskVolume, runtime: str = "crun",
                  mounter: LayerMounter | None = None) -> None:
