@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
 
@@ -54,6 +54,7 @@ class Server:
     state_dir: Path
     args: list[str]
     proc: subprocess.Popen[bytes] | None = None
+    launcher: list[str] = field(default_factory=list)  # runs the server (prlimit, setpriv...)
 
     @property
     def url(self) -> str:
@@ -82,7 +83,8 @@ class Server:
         LOG_DIR.mkdir(exist_ok=True)
         log = open(LOG_DIR / f"{self.state_dir.name}.log", "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dsec", "serve", "--state-dir", str(self.state_dir), *self.args],
+            [*self.launcher, sys.executable, "-m", "dsec", "serve", "--state-dir",
+             str(self.state_dir), *self.args],
             stdout=log, stderr=log, start_new_session=True)
         deadline = time.monotonic() + 120
         with self.http() as http:

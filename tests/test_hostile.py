@@ -11,6 +11,7 @@ import asyncio
 import io
 import os
 import shutil
+import stat
 import tarfile
 import time
 from collections.abc import AsyncIterator
@@ -177,9 +178,11 @@ def test_disk_pool_clones_a_golden_image(tmp_path: Path) -> None:
     disks.mkdir()
     (disks / "16mb-halfmade.tmp").write_bytes(b"crashed mid-mkfs")
     (disks / "16mb-0a1b2c3d.img").write_bytes(b"a spare of an older dsec")
-    pool = DiskPool(disks, (16,))
+    (disks / "golden-16mb.img").write_bytes(b"a golden image of an older format")
+    pool = DiskPool(disks, (16,), ("upper/.dsec", "run"))
     pool.prepare()
-    assert sorted(p.name for p in disks.iterdir()) == ["golden-16mb.img"]
+    golden = [pool.golden(16).name]
+    assert sorted(p.name for p in disks.iterdir()) == golden
     mounted = []
     try:
         for name in ("a", "b"):
@@ -191,7 +194,16 @@ def test_disk_pool_clones_a_golden_image(tmp_path: Path) -> None:
         assert 12 << 20 < fs.f_blocks * fs.f_frsize <= 16 << 20
         pool.attach(volume.root / "c.img", volume.root / "c", 20)  # not pooled: formatted
         mounted.append(volume.root / "c")
-        assert sorted(p.name for p in disks.iterdir()) == ["golden-16mb.img"]
+        assert sorted(p.name for p in disks.iterdir()) == golden
+        for name in "abc":  # every fresh disk comes with the skeleton, root's, 0755
+            for rel in ("upper", "upper/.dsec", "run"):
+                st = os.lstat(volume.root / name / rel)
+                assert (stat.S_ISDIR(st.st_mode), stat.S_IMODE(st.st_mode), st.st_uid) == (True, 0o755, 0)
+            assert sorted(os.listdir(volume.root / name / "upper")) == [".dsec"]
+        again = DiskPool(disks, (16,), ("upper/.dsec", "run", "work"))  # another skeleton
+        again.prepare()  # the old golden image goes; the disks cloned from it stay whole
+        assert sorted(p.name for p in disks.iterdir()) == [again.golden(16).name] != golden
+        assert (volume.root / "a" / "mine").read_text() == "a"
     finally:
         for target in mounted:
             dev = mounted_loop(target)

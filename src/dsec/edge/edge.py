@@ -66,6 +66,7 @@ from ..store.sqlite import SandboxRow, SnapshotRow, StateStore
 from ..substrates.base import StartPlan, Substrate
 from ..substrates.fn.fn import FnSubstrate
 from ..substrates.host.image_copy import allocated_bytes
+from ..substrates.host.openfiles import RESERVE, ensure_open_files
 from ..substrates.host.tree import remove_tree
 from ..substrates.host.volume import DiskVolume
 from .commands import DEFAULT_CWD, as_user, check_env, exec_argv, sandbox_path
@@ -152,6 +153,7 @@ class Edge:
         self.pools = {name: WarmPool(substrate, self.id, config.warm_pool)
                       for name, substrate in substrates.items()}
         self._live: dict[str, Live] = {}
+        self._paused: set[str] = set()  # the live ones paused: ``load`` counts without a scan
         self._tasks: set[asyncio.Future[None]] = set()
         # Destroys of halted sandboxes, off their stop's path (``_remove``): bounded, so a
         # burst of stops never forks a runtime per sandbox at once; awaited by ``close``.
@@ -168,6 +170,7 @@ class Edge:
 
     # lifecycle of the edge itself
     async def start(self) -> None:
+        self._size_open_files()
         await asyncio.to_thread(self.volume.open)
         for substrate in self.substrates.values():
             await substrate.prepare()
@@ -175,6 +178,18 @@ class Edge:
         await asyncio.to_thread(self.uses.start, [image for live in self._live.values()
                                                   if (image := self._image_of(live.row))])
         self._reaper = asyncio.create_task(self._reap_forever(), name="dsec-reaper")
+
+    def _size_open_files(self) -> None:
+        """The server's limit on open files raised to what the capacity needs, or the start
+        refused: a node would otherwise fail creates with EMFILE below its capacity."""
+        per_sandbox = max((s.open_files for s in self.substrates.values()), default=0)
+        needed = self.config.capacity * per_sandbox + RESERVE
+        allowed = ensure_open_files(needed)
+        if allowed < needed:
+            raise NotSupported(
+                f"a capacity of {self.config.capacity} sandboxes needs {needed} open files of "
+                f"the server ({per_sandbox} per sandbox, {RESERVE} of its own), and it may "
+                f"open {allowed} (ulimit -n): raise the limit, or lower --capacity")
 
     async def close(self) -> None:
         """Stop serving; sandboxes keep running and are adopted by the next start. Warm-pool
@@ -253,6 +268,7 @@ class Edge:
         self._live[row.id] = Live(row, substrate, substrate.agent(row.id, row.runtime),
                                   row.request["env"], user=config.user,
                                   cwd=config.working_dir or DEFAULT_CWD)
+        self._count_paused(row)
         substrate.watch(row.id, row.runtime, lambda: self._exited(row.id))
 
     def _exited(self, sandbox_id: str) -> None:
@@ -270,8 +286,7 @@ class Edge:
     def load(self) -> int:
         """Sandboxes running or starting, and fn calls in flight: each holds a slot. A paused
         sandbox uses no CPU and holds none (its resume is never refused: it may overcommit)."""
-        paused = sum(1 for live in self._live.values() if live.row.state == "paused")
-        return len(self._live) - paused + self._starting + self._calling
+        return len(self._live) - len(self._paused) + self._starting + self._calling
 
     def _admit(self) -> None:
         if self.load() >= self.config.capacity:
@@ -418,6 +433,7 @@ class Edge:
         """The sandbox recorded ended and out of reach of any later call; None if it was
         not live. Its removal (``_remove``) follows."""
         live = self._live.pop(sandbox_id, None)
+        self._paused.discard(sandbox_id)
         if live is not None:
             self.store.mark_ended(sandbox_id, state, reason)
             self.metrics.ended.labels(live.row.substrate, state).inc()
@@ -777,7 +793,14 @@ class Edge:
 
     def _set_state(self, live: Live, state: str) -> None:
         live.row.state = state
+        self._count_paused(live.row)
         self.store.set_state(live.row.id, state)
+
+    def _count_paused(self, row: SandboxRow) -> None:
+        if row.state == "paused":
+            self._paused.add(row.id)
+        else:
+            self._paused.discard(row.id)
 
     # network
     async def _egress(self, substrate: Substrate, network: Network) -> Egress | None:

@@ -47,6 +47,9 @@ class Substrate(ABC):
     # Whether its sandboxes have a devpts of their own for terminals (``Edge.start_pty``); the
     # edge refuses a terminal otherwise.
     terminals: bool = False
+    # Files of the server a live sandbox holds open (its pidfd): the edge's limit on open
+    # files is sized to its capacity times the largest of these (host/openfiles.py).
+    open_files: int = 1
 
     async def prepare(self) -> None:  # noqa: B027 (optional hook: nothing to do by default)
         """One-time host preparation when the edge starts."""

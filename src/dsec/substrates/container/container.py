@@ -55,6 +55,11 @@ RUNTIMES = ("crun", "runc", "runsc")
 FIFREEZE, FITHAW = 0xC0045877, 0xC0045878  # linux/fs.h: _IOWR('X', 119|120, int)
 START_TIMEOUT_S = 30.0
 NEW_DISK = "disk.img.new"  # a copy of a snapshot's image, before it becomes disk.img
+# A sandbox's disk holds the overlay's work dir and the agent's run dir, and in the overlay's
+# upper dir the mount point of /.dsec and the default cwd. A fresh disk comes with them
+# (DiskPool's skeleton); a snapshot's may not (``_layers``).
+DISK_DIRS = ("work", "run")
+UPPER_DIRS = ("upper/.dsec", "upper/work")
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -69,6 +74,7 @@ class ContainerSubstrate(Substrate):
     snapshots_paused = True  # the cgroup freezer is how it snapshots: a paused one stays so
     rollback_keeps_network = True  # its wiring is removed at the kill; the edge wires the new init
     terminals = True  # a devpts instance of its own (oci_spec.py)
+    open_files = 3  # its pidfd, its mount namespace and its bundle dir seen from there (spaces.py)
 
     def __init__(self, state_dir: Path, edge_id: str, volume: DiskVolume, runtime: str = "crun",
                  mounter: LayerMounter | None = None) -> None:
@@ -81,7 +87,7 @@ class ContainerSubstrate(Substrate):
         self.cgroup_parent = f"/dsec-{edge_id}"
         self.edge_id = edge_id
         self.mounter = mounter or LayerMounter()
-        self.disks = DiskPool(volume.root / "disks", (DEFAULT_DISK_MB,))
+        self.disks = DiskPool(volume.root / "disks", (DEFAULT_DISK_MB,), DISK_DIRS + UPPER_DIRS)
         self.spaces = MountSpaces(self._dir)
         self._tree: Path | None = None  # mounted read-only at /.dsec
         self._pids = PidWatch(self.cgroup_parent)
@@ -277,16 +283,16 @@ class ContainerSubstrate(Substrate):
     def _layers(self, plan: StartPlan, d: Path, lowers: list[Path]) -> None:
         """The overlay of the image's layers under the disk's upper dir, and config.json."""
         disk = d / "disk"
-        upper, work, run, rootfs = disk / "upper", disk / "work", disk / "run", d / "rootfs"
-        for p in (work, run):
-            p.mkdir(exist_ok=True)
+        for rel in DISK_DIRS:
+            (disk / rel).mkdir(exist_ok=True)
         # Mount points and the default cwd exist in the writable layer before it is mounted. A
         # snapshot's layer has them, or whatever its sandbox made of them (a symlink, maybe
         # dangling, a whiteout): that is left as it is, never followed.
-        for p in (upper / ".dsec", upper / "work"):
-            if not os.path.lexists(p):
-                p.mkdir(parents=True)
-        overlay_mount(lowers, upper, work, rootfs)
+        for rel in UPPER_DIRS:
+            if not os.path.lexists(disk / rel):
+                (disk / rel).mkdir(parents=True)
+        run, rootfs = disk / "run", d / "rootfs"
+        overlay_mount(lowers, disk / "upper", disk / "work", rootfs)
         assert self._tree is not None, "prepare() runs before start()"
         config = container_config(plan.sandbox_id, plan.request, str(rootfs), str(self._tree),
                                   str(run), self.cgroup_parent)

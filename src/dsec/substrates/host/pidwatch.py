@@ -3,36 +3,24 @@
 A pid stored before an edge restart is trusted only while the process is still in the
 sandbox's cgroup (pids are reused); a pidfd, once open, names the process for good.
 
-A pidfd is an open file of the edge's process for as long as its sandbox lives, so a watch
-raises the process's soft limit on open files to its hard limit (``raise_open_files``): the
-usual soft limit of 1,024 (systemd's default, many shells') would stop a node near 1,000
-sandboxes, while the hard limit is what the operator allowed.
+A pidfd is an open file of the edge's process for as long as its sandbox lives: the edge sizes
+its limit on open files to its capacity (``host/openfiles.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import resource
 import select
 import signal
 from pathlib import Path
 from typing import Callable
 
 
-def raise_open_files() -> int:
-    """Raise this process's soft limit on open files to its hard limit; the new soft limit."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:  # Linux bounds the hard limit (fs.nr_open): never infinite for files
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-
-
 class PidWatch:
     def __init__(self, cgroup_parent: str) -> None:
         self.cgroup_parent = cgroup_parent
         self._pidfds: dict[str, int] = {}
-        raise_open_files()
 
     def adopt(self, sandbox_id: str, pid: int) -> None:
         """Our own freshly started process: no ownership check needed."""
