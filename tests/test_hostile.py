@@ -12,6 +12,7 @@ import io
 import os
 import shutil
 import stat
+import subprocess
 import tarfile
 import time
 from collections.abc import AsyncIterator
@@ -211,6 +212,35 @@ def test_disk_pool_clones_a_golden_image(tmp_path: Path) -> None:
             assert dev is not None and backing_file(dev) != str(target.with_suffix(".img"))
         volume.close()
     assert mounted_loop(volume.root) is None  # nothing on it in use: unmounted
+
+
+def test_a_loop_device_another_process_took_is_never_shared(tmp_path: Path) -> None:
+    """The devices a teardown saw detach are tried first at the next attach: one another
+    process configured meanwhile is skipped, never configured over."""
+    volume = DiskVolume(tmp_path, "e0", size_gb=8)
+    volume.open()
+    pool = DiskPool(volume.root / "disks", (16,))
+    pool.prepare()
+    other = volume.root / "other.img"
+    other.write_bytes(bytes(1 << 20))
+    mounted: list[Path] = []
+    try:
+        released = pool.attach(volume.root / "a.img", volume.root / "a", 16)
+        unmount_image(volume.root / "a", volume.root / "a.img")  # waits until it detached
+        subprocess.run(["losetup", f"/dev/{released}", str(other)], check=True)  # taken first
+        try:
+            for name in "bcd":
+                dev = pool.attach(volume.root / f"{name}.img", volume.root / name, 16)
+                mounted.append(volume.root / name)
+                assert dev != released
+                assert backing_file(dev) == str(volume.root / f"{name}.img")
+            assert backing_file(released) == str(other)
+        finally:
+            subprocess.run(["losetup", "-d", f"/dev/{released}"], check=True)
+    finally:
+        for target in mounted:
+            unmount_image(target, target.with_suffix(".img"))
+        volume.close()
 
 
 # --- probing the host --------------------------------------------------------------------
