@@ -8,6 +8,8 @@ not enough. See docs/SECURITY.md for the threat model.
 from __future__ import annotations
 
 import asyncio
+import errno
+import fcntl
 import io
 import os
 import shutil
@@ -26,6 +28,7 @@ from dsec.api.limits import MAX_BODY_BYTES
 from dsec.protocol.models import DEFAULT_MAX_OUTPUT
 from dsec.substrates.host.disk import DiskPool
 from dsec.substrates.host.loop import backing_file, mounted_loop, unmount_image
+from dsec.substrates.host.sealed import F_ADD_SEALS
 from dsec.substrates.host.volume import DiskVolume
 from support.disks import bundle_with_mounts
 from test_recovery import first_edge_id, host_traces
@@ -289,6 +292,50 @@ async def test_overwritten_image_tools_come_back_in_the_next_sandbox(client, hos
     assert (await second.run("sha256sum /usr/bin/python3.11 /bin/cat")).stdout == digest
     assert (await second.run(["/bin/bash", "-c", "ls / >/dev/null && echo fine"])).stdout == "fine\n"
     assert (await running.run("sha256sum /usr/bin/python3.11 /bin/cat")).stdout == digest
+
+
+async def test_the_runtime_runs_from_a_sealed_copy_no_sandbox_can_reach(client, hostile,
+                                                                       server) -> None:
+    """CVE-2019-5736's target is the runtime binary every sandbox starts from. The server
+    starts crun from one sealed in-memory copy (substrates/host/sealed.py): a sandbox sees
+    no trace of it among everything it can open, writing what it can reach changes nothing,
+    root on the host cannot write, shrink or unseal the copy, and the next sandbox starts
+    from the same bytes as /usr/bin/crun."""
+    sb = await create(client, hostile)
+    r = await sb.run("for f in /proc/[0-9]*/exe /proc/[0-9]*/fd/* /proc/[0-9]*/map_files/*; "
+                     "do l=$(readlink $f) && echo \"$f -> $l\"; done; "
+                     "for f in /proc/[0-9]*/exe; do (echo evil >> $f) 2>/dev/null && "
+                     "echo WROTE $f; done; true")
+    assert r.exit_code == 0 and "->" in r.stdout, r
+    assert "memfd:" not in r.stdout and "crun" not in r.stdout and "WROTE" not in r.stdout
+    assert server.proc is not None
+    copies = [fd for fd in Path(f"/proc/{server.proc.pid}/fd").iterdir()
+              if os.readlink(fd).startswith("/memfd:crun")]
+    assert len(copies) == 1, copies
+    fd = await _open_for_writing(copies[0])  # root on the host, through the server's fd
+    try:
+        for change in (lambda: os.write(fd, b"evil"), lambda: os.pwrite(fd, b"evil", 1 << 20),
+                       lambda: os.ftruncate(fd, 0),
+                       lambda: fcntl.fcntl(fd, F_ADD_SEALS, 0)):  # a seal added: none may be
+            with pytest.raises(PermissionError):
+                change()
+        assert os.pread(fd, 64 << 20, 0) == Path(shutil.which("crun") or "crun").read_bytes()
+    finally:
+        os.close(fd)
+    nxt = await create(client, hostile)
+    assert (await nxt.run("echo started")).stdout == "started\n"
+
+
+async def _open_for_writing(path: Path) -> int:
+    """``path`` opened read-write: refused (ETXTBSY) while a runtime runs from it."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return os.open(path, os.O_RDWR)
+        except OSError as exc:
+            if exc.errno != errno.ETXTBSY or time.monotonic() > deadline:
+                raise
+        await asyncio.sleep(0.01)
 
 
 # --- the in-sandbox agent ------------------------------------------------------------------

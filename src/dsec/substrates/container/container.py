@@ -44,6 +44,7 @@ from ..host.loop import loop_mount, unmount_image
 from ..host.mountns import inside, own_fs
 from ..host.oci_spec import container_config
 from ..host.pidwatch import PidWatch
+from ..host.sealed import sealed_copy
 from ..host.spawn import Spawned
 from ..host.tree import remove_tree
 from ..host.volume import DiskVolume
@@ -52,6 +53,8 @@ from .starts import StartSlots
 
 log = logging.getLogger("dsec.container")
 RUNTIMES = ("crun", "runc", "runsc")
+# Runtimes that copy their own binary at each call unless it is a sealed memfd (sealed.py)
+SELF_COPYING = ("crun", "runc")
 FIFREEZE, FITHAW = 0xC0045877, 0xC0045878  # linux/fs.h: _IOWR('X', 119|120, int)
 START_TIMEOUT_S = 30.0
 NEW_DISK = "disk.img.new"  # a copy of a snapshot's image, before it becomes disk.img
@@ -114,7 +117,10 @@ class ContainerSubstrate(Substrate):
         return self.root / sandbox_id
 
     def _runtime_cmd(self, runtime: str) -> list[str]:
-        cmd = [spawn.resolve(runtime), "--root", str(self.runtime_root / runtime)]  # NotSupported if absent
+        binary = spawn.resolve(runtime)  # NotSupported if absent
+        if runtime in SELF_COPYING:
+            binary = sealed_copy(binary)
+        cmd = [binary, "--root", str(self.runtime_root / runtime)]
         if runtime == "runsc":
             # --host-uds: the agent binds its socket on the host; --oci-seccomp: the deny-list of
             # oci_spec.py holds inside gVisor too (io_uring, mount, ...), not only on its sentry

@@ -62,10 +62,12 @@ def _strings(items: list[bytes]) -> ctypes.Array[ctypes.c_char_p]:
     return (ctypes.c_char_p * (len(items) + 1))(*items, None)
 
 
-def posix_spawn(argv: list[str], stdout: int | str, stderr: str) -> int:
+def posix_spawn(argv: list[str], stdout: int | str, stderr: str, keep: int | None = None) -> int:
     """glibc's posix_spawn of ``argv`` (an absolute path first) with the server's
     environment; stdin /dev/null, stdout a path or dup2'd from an fd, stderr a path
-    (created, 0600). The GIL is released for the call (ctypes). The child's pid."""
+    (created, 0600); the fd ``keep``, if given, stays open across the exec (every other fd
+    of the server is close-on-exec). The GIL is released for the call (ctypes). The
+    child's pid."""
     args = _strings([_c(a) for a in argv])
     env = _strings([_c(k + b"=" + v) for k, v in os.environb.items()])
     buffer = ctypes.create_string_buffer(_FILE_ACTIONS_BYTES)
@@ -80,12 +82,20 @@ def posix_spawn(argv: list[str], stdout: int | str, stderr: str) -> int:
                                                           os.O_WRONLY, 0))
         _check(_libc.posix_spawn_file_actions_addopen(
             actions, 2, _c(stderr), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+        if keep is not None:  # dup2 onto itself clears its close-on-exec flag (glibc >= 2.29)
+            _check(_libc.posix_spawn_file_actions_adddup2(actions, keep, keep))
         pid = ctypes.c_int()
         _check(_libc.posix_spawn(ctypes.byref(pid), args[0], actions, None,
                                  args, env))
         return pid.value
     finally:
         _libc.posix_spawn_file_actions_destroy(actions)
+
+
+def _own_fd(program: str) -> int | None:
+    """The fd of this process ``program`` is run from, if it is one (``/proc/self/fd/N``)."""
+    head, _, fd = program.rpartition("/")
+    return int(fd) if head == "/proc/self/fd" and fd.isdigit() else None
 
 
 def _check(err: int) -> None:
@@ -123,12 +133,14 @@ class Spawned:
                idle_priority: bool, mount_namespace: int | None) -> Spawned:
         out_r, out_w = os.pipe2(os.O_CLOEXEC) if capture_stdout else (-1, -1)
         argv = [resolve(argv[0]), *argv[1:]]
+        keep = None
         if idle_priority:  # SCHED_IDLE, inherited by all the child starts (posix_spawn refuses it)
+            keep = _own_fd(argv[0])  # a program run from an fd of ours (sealed.py): chrt runs it
             argv = [resolve("chrt"), "--idle", "0", *argv]
         try:
             with inside(mount_namespace):  # the child is made in this thread's namespaces
                 pid = posix_spawn(argv, out_w if capture_stdout else "/dev/null",
-                                  str(stderr or "/dev/null"))
+                                  str(stderr or "/dev/null"), keep)
         except BaseException:
             if out_r >= 0:
                 os.close(out_r)

@@ -1,0 +1,65 @@
+"""The sealed copy the server runs an OCI runtime from (``substrates/host/sealed.py``): the
+same bytes as the binary, with every seal, so nobody can change it; it runs; a child does
+not inherit it, except the one chrt starts for an idle-priority start (chrt execs it)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dsec.substrates.host.sealed import ALL_SEALS, F_ADD_SEALS, F_GET_SEALS, sealed_copy
+from dsec.substrates.host.spawn import Spawned
+
+
+def _fd(path: str) -> int:
+    return int(path.rpartition("/")[2])
+
+
+def test_the_copy_is_the_binary_sealed_and_made_once(tmp_path: Path) -> None:
+    binary = tmp_path / "tool"
+    shutil.copy(shutil.which("true") or "/bin/true", binary)
+    path = sealed_copy(str(binary))
+    assert sealed_copy(str(binary)) == path  # one copy per binary and process
+    fd = _fd(path)
+    assert fcntl.fcntl(fd, F_GET_SEALS) == ALL_SEALS
+    assert fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+    assert Path(path).read_bytes() == binary.read_bytes()
+    binary.write_bytes(b"#!/bin/sh\nexit 7\n")  # the file changes: the copy does not
+    assert Path(path).read_bytes() != binary.read_bytes()
+    writable = os.open(path, os.O_RDWR)
+    try:
+        for change in (lambda: os.write(writable, b"x"), lambda: os.ftruncate(writable, 1),
+                       lambda: os.pwrite(writable, b"x", 1 << 20),
+                       lambda: fcntl.fcntl(writable, F_ADD_SEALS, 0)):
+            with pytest.raises(PermissionError):
+                change()
+    finally:
+        os.close(writable)
+
+
+async def test_it_runs_and_its_child_does_not_keep_it(tmp_path: Path) -> None:
+    shell = sealed_copy(shutil.which("sh") or "/bin/sh")
+    listing = ("readlink /proc/$$/exe >&2; for f in /proc/$$/fd/*; do readlink $f >&2; done; "
+               "grep '^policy' /proc/$$/sched >&2")
+    exe, fds, policy = await _child(tmp_path, [shell, "-c", listing], idle_priority=False)
+    assert exe.startswith("/memfd:sh") and policy == os.SCHED_OTHER
+    assert not [fd for fd in fds if fd.startswith("/memfd:")]
+    # through chrt: the copy is kept open for chrt to exec it
+    exe, fds, policy = await _child(tmp_path, [shell, "-c", listing], idle_priority=True)
+    assert exe.startswith("/memfd:sh") and policy == os.SCHED_IDLE
+    assert [fd for fd in fds if fd.startswith("/memfd:")] == [exe]
+
+
+async def _child(tmp_path: Path, argv: list[str], idle_priority: bool) -> tuple[str, list[str], int]:
+    """What the child runs from, what its fds are and its scheduling policy, as it says on
+    its stderr."""
+    out = tmp_path / "out"
+    child = await Spawned.start(argv, capture_stdout=False, stderr=out,
+                                idle_priority=idle_priority)
+    assert await child.wait() == 0
+    exe, *fds, policy = out.read_text().split("\n")[:-1]
+    return exe, fds, int(policy.split(":")[1])
