@@ -16,15 +16,17 @@ from dsec.substrates.host.spawn import Spawned
 
 
 def _fd(path: str) -> int:
-    return int(path.rpartition("/")[2])
+    """The fd of this process the link ``path`` names."""
+    return int(os.readlink(path).rpartition("/")[2])
 
 
 def test_the_copy_is_the_binary_sealed_and_made_once(tmp_path: Path) -> None:
     binary = tmp_path / "tool"
     shutil.copy(shutil.which("true") or "/bin/true", binary)
-    path = sealed_copy(str(binary))
-    assert sealed_copy(str(binary)) == path  # one copy per binary and process
+    path = sealed_copy(str(binary), tmp_path / "bin")
+    assert sealed_copy(str(binary), tmp_path / "bin") == path == str(tmp_path / "bin" / "tool")
     fd = _fd(path)
+    assert _fd(sealed_copy(str(binary), tmp_path / "elsewhere")) == fd  # one copy per binary
     assert fcntl.fcntl(fd, F_GET_SEALS) == ALL_SEALS
     assert fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
     assert Path(path).read_bytes() == binary.read_bytes()
@@ -42,24 +44,25 @@ def test_the_copy_is_the_binary_sealed_and_made_once(tmp_path: Path) -> None:
 
 
 async def test_it_runs_and_its_child_does_not_keep_it(tmp_path: Path) -> None:
-    shell = sealed_copy(shutil.which("sh") or "/bin/sh")
-    listing = ("readlink /proc/$$/exe >&2; for f in /proc/$$/fd/*; do readlink $f >&2; done; "
-               "grep '^policy' /proc/$$/sched >&2")
-    exe, fds, policy = await _child(tmp_path, [shell, "-c", listing], idle_priority=False)
-    assert exe.startswith("/memfd:sh") and policy == os.SCHED_OTHER
+    shell = sealed_copy(shutil.which("sh") or "/bin/sh", tmp_path / "bin")
+    listing = ("cat /proc/$$/comm >&2; readlink /proc/$$/exe >&2; "
+               "for f in /proc/$$/fd/*; do readlink $f >&2; done; grep '^policy' /proc/$$/sched >&2")
+    name, exe, fds, policy = await _child(tmp_path, [shell, "-c", listing], idle_priority=False)
+    assert name == "sh" and exe.startswith("/memfd:sh") and policy == os.SCHED_OTHER
     assert not [fd for fd in fds if fd.startswith("/memfd:")]
     # through chrt: the copy is kept open for chrt to exec it
-    exe, fds, policy = await _child(tmp_path, [shell, "-c", listing], idle_priority=True)
-    assert exe.startswith("/memfd:sh") and policy == os.SCHED_IDLE
+    name, exe, fds, policy = await _child(tmp_path, [shell, "-c", listing], idle_priority=True)
+    assert name == "sh" and exe.startswith("/memfd:sh") and policy == os.SCHED_IDLE
     assert [fd for fd in fds if fd.startswith("/memfd:")] == [exe]
 
 
-async def _child(tmp_path: Path, argv: list[str], idle_priority: bool) -> tuple[str, list[str], int]:
-    """What the child runs from, what its fds are and its scheduling policy, as it says on
-    its stderr."""
+async def _child(tmp_path: Path, argv: list[str],
+                 idle_priority: bool) -> tuple[str, str, list[str], int]:
+    """The child's name, what it runs from, what its fds are and its scheduling policy, as
+    it says on its stderr."""
     out = tmp_path / "out"
     child = await Spawned.start(argv, capture_stdout=False, stderr=out,
                                 idle_priority=idle_priority)
     assert await child.wait() == 0
-    exe, *fds, policy = out.read_text().split("\n")[:-1]
-    return exe, fds, int(policy.split(":")[1])
+    name, exe, *fds, policy = out.read_text().split("\n")[:-1]
+    return name, exe, fds, int(policy.split(":")[1])

@@ -119,7 +119,7 @@ class ContainerSubstrate(Substrate):
     def _runtime_cmd(self, runtime: str) -> list[str]:
         binary = spawn.resolve(runtime)  # NotSupported if absent
         if runtime in SELF_COPYING:
-            binary = sealed_copy(binary)
+            binary = sealed_copy(binary, self.runtime_root / "bin")
         cmd = [binary, "--root", str(self.runtime_root / runtime)]
         if runtime == "runsc":
             # --host-uds: the agent binds its socket on the host; --oci-seccomp: the deny-list of

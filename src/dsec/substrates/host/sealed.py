@@ -15,7 +15,9 @@ then sealed, so neither the server, the runtime nor anything a sandbox runs can 
 ever (a sealed memfd refuses writes, truncation and growth to root too). The runtime runs
 from ``/proc/self/fd/N`` of the process that starts it (``spawn.posix_spawn`` execs in the
 child, which holds a copy of the server's fds until the exec closes them: the fd is
-close-on-exec, so the runtime does not inherit it). A warm pool's refill reaches the
+close-on-exec, so the runtime does not inherit it), through a link named like the binary in
+a directory of the server's state (the kernel names a process after the path it was
+executed by: ``crun`` in ``ps`` and ``pgrep``, not ``33``). A warm pool's refill reaches the
 runtime through ``chrt``, so there the runtime keeps the fd; crun and runc mark every fd
 above 2 close-on-exec before they exec a container's init, so no sandbox holds it. An
 upgrade of the binary on disk is picked up when the server restarts.
@@ -26,6 +28,7 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
+from pathlib import Path
 
 # linux/fcntl.h
 F_ADD_SEALS, F_GET_SEALS = 1033, 1034
@@ -33,16 +36,32 @@ F_SEAL_SEAL, F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_WRITE = 0x1, 0x2, 0x4, 0x8
 ALL_SEALS = F_SEAL_SEAL | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE  # what runtimes check for
 
 _lock = threading.Lock()
-_copies: dict[str, str] = {}  # the binary's path -> the copy's /proc/self/fd path
+_fds: dict[str, int] = {}  # the binary's path -> its sealed copy's fd
+_links: dict[tuple[str, Path], str] = {}
 
 
-def sealed_copy(binary: str) -> str:
-    """The path to run ``binary`` (an absolute path) from: a sealed copy of it, made at the
-    first call and held open for the process's life."""
+def sealed_copy(binary: str, links: Path) -> str:
+    """The path to run ``binary`` (an absolute path) from: a link in ``links`` (made if
+    need be) to a sealed copy of it, made at the first call and held open for the process's
+    life."""
     with _lock:
-        if binary not in _copies:
-            _copies[binary] = f"/proc/self/fd/{_seal(binary)}"
-        return _copies[binary]
+        if (binary, links) not in _links:
+            if binary not in _fds:
+                _fds[binary] = _seal(binary)
+            _links[binary, links] = _link(links, os.path.basename(binary),
+                                          f"/proc/self/fd/{_fds[binary]}")
+        return _links[binary, links]
+
+
+def _link(links: Path, name: str, target: str) -> str:
+    """``links/name`` made a symlink to ``target``, replacing what was there (a previous
+    server's link names its own fd)."""
+    links.mkdir(mode=0o700, parents=True, exist_ok=True)
+    staged = links / f".{name}.{os.getpid()}"
+    staged.unlink(missing_ok=True)
+    os.symlink(target, staged)
+    os.replace(staged, links / name)
+    return str(links / name)
 
 
 def _seal(binary: str) -> int:

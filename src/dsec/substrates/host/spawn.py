@@ -93,8 +93,12 @@ def posix_spawn(argv: list[str], stdout: int | str, stderr: str, keep: int | Non
 
 
 def _own_fd(program: str) -> int | None:
-    """The fd of this process ``program`` is run from, if it is one (``/proc/self/fd/N``)."""
-    head, _, fd = program.rpartition("/")
+    """The fd of this process ``program`` is run from, if it is a link to one
+    (``/proc/self/fd/N``: sealed.py)."""
+    try:
+        head, _, fd = os.readlink(program).rpartition("/")
+    except OSError:  # not a link
+        return None
     return int(fd) if head == "/proc/self/fd" and fd.isdigit() else None
 
 
