@@ -1,6 +1,7 @@
 """The sealed copy the server runs an OCI runtime from (``substrates/host/sealed.py``): the
-same bytes as the binary, with every seal, so nobody can change it; it runs; a child does
-not inherit it, except the one chrt starts for an idle-priority start (chrt execs it)."""
+same bytes as the binary, with every seal, so nobody can change it; copied anew when the
+binary changes; it runs under its own name; a child does not inherit it, except the one
+chrt starts for an idle-priority start (chrt execs it)."""
 
 from __future__ import annotations
 
@@ -30,8 +31,12 @@ def test_the_copy_is_the_binary_sealed_and_made_once(tmp_path: Path) -> None:
     assert fcntl.fcntl(fd, F_GET_SEALS) == ALL_SEALS
     assert fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
     assert Path(path).read_bytes() == binary.read_bytes()
-    binary.write_bytes(b"#!/bin/sh\nexit 7\n")  # the file changes: the copy does not
-    assert Path(path).read_bytes() != binary.read_bytes()
+    old = binary.read_bytes()
+    binary.write_bytes(b"#!/bin/sh\nexit 7\n")  # the file changes (an upgrade): the copy does not
+    assert Path(path).read_bytes() == old
+    assert sealed_copy(str(binary), tmp_path / "bin") == path  # the next start: a new copy
+    assert Path(path).read_bytes() == binary.read_bytes() and _fd(path) != fd
+    assert os.pread(fd, len(old) + 1, 0) == old  # the old copy stays, for who runs from it
     writable = os.open(path, os.O_RDWR)
     try:
         for change in (lambda: os.write(writable, b"x"), lambda: os.ftruncate(writable, 1),

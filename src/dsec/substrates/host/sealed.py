@@ -10,17 +10,18 @@ other start waits on) and a second dynamic link, in each ``crun run``, ``kill`` 
 ``/proc/self/exe`` is already a memfd with every seal (write, grow, shrink, and no more
 seals) skips that: its ``is_self_cloned`` check, the one runc's ``memfd-bind`` relies on.
 
-The copy is made once per binary and process, at its first use: the file read into a memfd,
+The copy is made at a binary's first use and again whenever its file changed (a ``stat``
+per start: an upgraded runtime runs from the next start on): the file read into a memfd,
 then sealed, so neither the server, the runtime nor anything a sandbox runs can change it,
-ever (a sealed memfd refuses writes, truncation and growth to root too). The runtime runs
-from ``/proc/self/fd/N`` of the process that starts it (``spawn.posix_spawn`` execs in the
-child, which holds a copy of the server's fds until the exec closes them: the fd is
-close-on-exec, so the runtime does not inherit it), through a link named like the binary in
-a directory of the server's state (the kernel names a process after the path it was
-executed by: ``crun`` in ``ps`` and ``pgrep``, not ``33``). A warm pool's refill reaches the
-runtime through ``chrt``, so there the runtime keeps the fd; crun and runc mark every fd
-above 2 close-on-exec before they exec a container's init, so no sandbox holds it. An
-upgrade of the binary on disk is picked up when the server restarts.
+ever (a sealed memfd refuses writes, truncation and growth to root too). A copy stays open
+for the process's life, as a start may still run from it. The runtime runs from
+``/proc/self/fd/N`` of the process that starts it (``spawn.posix_spawn`` execs in the child,
+which holds a copy of the server's fds until the exec closes them: the fd is close-on-exec,
+so the runtime does not inherit it), through a link named like the binary in a directory of
+the server's state (the kernel names a process after the path it was executed by: ``crun``
+in ``ps`` and ``pgrep``, not ``33``). A warm pool's refill reaches the runtime through
+``chrt``, so there the runtime keeps the fd; crun and runc mark every fd above 2
+close-on-exec before they exec a container's init, so no sandbox holds it.
 """
 
 from __future__ import annotations
@@ -35,22 +36,31 @@ F_ADD_SEALS, F_GET_SEALS = 1033, 1034
 F_SEAL_SEAL, F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_WRITE = 0x1, 0x2, 0x4, 0x8
 ALL_SEALS = F_SEAL_SEAL | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE  # what runtimes check for
 
+Version = tuple[int, int, int, int]  # a file's device, inode, size and mtime
 _lock = threading.Lock()
-_fds: dict[str, int] = {}  # the binary's path -> its sealed copy's fd
-_links: dict[tuple[str, Path], str] = {}
+_copies: dict[str, tuple[Version, int]] = {}  # the binary's path -> (its version, its copy's fd)
+_links: dict[tuple[str, Path], tuple[int, str]] = {}  # (binary, dir) -> (the fd linked, link)
 
 
 def sealed_copy(binary: str, links: Path) -> str:
     """The path to run ``binary`` (an absolute path) from: a link in ``links`` (made if
-    need be) to a sealed copy of it, made at the first call and held open for the process's
-    life."""
+    need be) to a sealed copy of it. The copy is made at the first call, and again when the
+    file was replaced or changed since (an upgrade of the runtime applies to the next
+    start); a copy is held open for the process's life (a start may still run from it)."""
+    current = _version(os.stat(binary))
     with _lock:
-        if (binary, links) not in _links:
-            if binary not in _fds:
-                _fds[binary] = _seal(binary)
-            _links[binary, links] = _link(links, os.path.basename(binary),
-                                          f"/proc/self/fd/{_fds[binary]}")
-        return _links[binary, links]
+        copy = _copies.get(binary)
+        if copy is None or copy[0] != current:
+            copy = _copies[binary] = _seal(binary)
+        linked = _links.get((binary, links))
+        if linked is None or linked[0] != copy[1]:
+            linked = _links[binary, links] = (copy[1], _link(
+                links, os.path.basename(binary), f"/proc/self/fd/{copy[1]}"))
+        return linked[1]
+
+
+def _version(st: os.stat_result) -> Version:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _link(links: Path, name: str, target: str) -> str:
@@ -64,11 +74,13 @@ def _link(links: Path, name: str, target: str) -> str:
     return str(links / name)
 
 
-def _seal(binary: str) -> int:
+def _seal(binary: str) -> tuple[Version, int]:
+    """The version of ``binary`` copied and the sealed copy's fd."""
     fd = os.memfd_create(os.path.basename(binary), os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         with open(binary, "rb") as source:
-            size = os.fstat(source.fileno()).st_size
+            st = os.fstat(source.fileno())
+            size = st.st_size
             copied = 0
             while copied < size:
                 sent = os.sendfile(fd, source.fileno(), copied, size - copied)
@@ -79,4 +91,4 @@ def _seal(binary: str) -> int:
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return _version(st), fd
