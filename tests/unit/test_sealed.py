@@ -21,7 +21,7 @@ def _fd(path: str) -> int:
     return int(os.readlink(path).rpartition("/")[2])
 
 
-def test_the_copy_is_the_binary_sealed_and_made_once(tmp_path: Path) -> None:
+def test_the_copy_is_the_binary_sealed_and_made_anew_when_it_changes(tmp_path: Path) -> None:
     binary = tmp_path / "tool"
     shutil.copy(shutil.which("true") or "/bin/true", binary)
     path = sealed_copy(str(binary), tmp_path / "bin")
