@@ -8,6 +8,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,8 @@ def test_the_copy_is_the_binary_sealed_and_made_anew_when_it_changes(tmp_path: P
     binary = tmp_path / "tool"
     shutil.copy(shutil.which("true") or "/bin/true", binary)
     path = sealed_copy(str(binary), tmp_path / "bin")
-    assert sealed_copy(str(binary), tmp_path / "bin") == path == str(tmp_path / "bin" / "tool")
+    mine = tmp_path / "bin" / str(os.getpid())
+    assert sealed_copy(str(binary), tmp_path / "bin") == path == str(mine / "tool")
     fd = _fd(path)
     assert _fd(sealed_copy(str(binary), tmp_path / "elsewhere")) == fd  # one copy per binary
     assert fcntl.fcntl(fd, F_GET_SEALS) == ALL_SEALS
@@ -46,6 +48,21 @@ def test_the_copy_is_the_binary_sealed_and_made_anew_when_it_changes(tmp_path: P
                 change()
     finally:
         os.close(writable)
+
+
+async def test_links_are_per_process_and_those_of_the_dead_go(tmp_path: Path) -> None:
+    """A link names an fd of its process: each process has its own; those of processes
+    that no longer run are removed when a new process makes its first."""
+    ended = subprocess.Popen(["true"])
+    ended.wait()  # reaped: its pid is gone
+    links = tmp_path / "bin"
+    dead, alive = links / str(ended.pid), links / "1"  # pid 1 always runs
+    for d in (dead, alive):
+        d.mkdir(parents=True)
+        (d / "crun").symlink_to("/proc/self/fd/33")
+    path = sealed_copy(shutil.which("true") or "/bin/true", links)
+    assert Path(path).parent == links / str(os.getpid())
+    assert not dead.exists() and (alive / "crun").is_symlink()
 
 
 async def test_it_runs_and_its_child_does_not_keep_it(tmp_path: Path) -> None:

@@ -87,6 +87,7 @@ class ContainerSubstrate(Substrate):
         self.volume = volume  # opened by the edge before prepare()
         self.root = volume.root / "sandboxes"
         self.runtime_root = state_dir / "runtime"
+        self.sealed_links = state_dir / "bin"  # links to the runtimes' sealed copies (sealed.py)
         self.cgroup_parent = f"/dsec-{edge_id}"
         self.edge_id = edge_id
         self.mounter = mounter or LayerMounter()
@@ -119,7 +120,7 @@ class ContainerSubstrate(Substrate):
     def _runtime_cmd(self, runtime: str) -> list[str]:
         binary = spawn.resolve(runtime)  # NotSupported if absent
         if runtime in SELF_COPYING:
-            binary = sealed_copy(binary, self.runtime_root / "bin")
+            binary = sealed_copy(binary, self.sealed_links)
         cmd = [binary, "--root", str(self.runtime_root / runtime)]
         if runtime == "runsc":
             # --host-uds: the agent binds its socket on the host; --oci-seccomp: the deny-list of

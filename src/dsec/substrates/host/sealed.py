@@ -18,8 +18,9 @@ for the process's life, as a start may still run from it. The runtime runs from
 ``/proc/self/fd/N`` of the process that starts it (``spawn.posix_spawn`` execs in the child,
 which holds a copy of the server's fds until the exec closes them: the fd is close-on-exec,
 so the runtime does not inherit it), through a link named like the binary in a directory of
-the server's state (the kernel names a process after the path it was executed by: ``crun``
-in ``ps`` and ``pgrep``, not ``33``). A warm pool's refill reaches the runtime through
+the server's state for this process (the kernel names a process after the path it was
+executed by: ``crun`` in ``ps`` and ``pgrep``, not ``33``; the link names an fd of this
+process, so no other process may use it). A warm pool's refill reaches the runtime through
 ``chrt``, so there the runtime keeps the fd; crun and runc mark every fd above 2
 close-on-exec before they exec a container's init, so no sandbox holds it.
 """
@@ -64,14 +65,27 @@ def _version(st: os.stat_result) -> Version:
 
 
 def _link(links: Path, name: str, target: str) -> str:
-    """``links/name`` made a symlink to ``target``, replacing what was there (a previous
-    server's link names its own fd)."""
-    links.mkdir(mode=0o700, parents=True, exist_ok=True)
-    staged = links / f".{name}.{os.getpid()}"
+    """``links/<pid>/name`` made a symlink to ``target`` (an fd of this process: each process
+    links its own), replacing what was there; the links of processes gone are removed."""
+    mine = links / str(os.getpid())
+    if not mine.exists():
+        _forget_the_dead(links)
+    mine.mkdir(mode=0o700, parents=True, exist_ok=True)
+    staged = mine / f".{name}"
     staged.unlink(missing_ok=True)
     os.symlink(target, staged)
-    os.replace(staged, links / name)
-    return str(links / name)
+    os.replace(staged, mine / name)
+    return str(mine / name)
+
+
+def _forget_the_dead(links: Path) -> None:
+    """The link dirs of processes that no longer run (a dir holds only links this module
+    made). A pid reused since keeps its dir: a few bytes, replaced if it is a server's."""
+    for d in links.glob("[0-9]*") if links.is_dir() else ():
+        if d.name.isdigit() and not Path(f"/proc/{d.name}").exists():
+            for link in d.iterdir():
+                link.unlink(missing_ok=True)
+            d.rmdir()
 
 
 def _seal(binary: str) -> tuple[Version, int]:
