@@ -50,7 +50,7 @@ def test_the_copy_is_the_binary_sealed_and_made_anew_when_it_changes(tmp_path: P
         os.close(writable)
 
 
-async def test_links_are_per_process_and_those_of_the_dead_go(tmp_path: Path) -> None:
+def test_links_are_per_process_and_those_of_the_dead_go(tmp_path: Path) -> None:
     """A link names an fd of its process: each process has its own; those of processes
     that no longer run are removed when a new process makes its first."""
     ended = subprocess.Popen(["true"])
