@@ -132,6 +132,38 @@ async def test_server_killed_between_steps(images) -> None:  # type: ignore[no-u
         stop_server(srv)
 
 
+async def test_names_shaped_like_log_records_survive_a_server_kill_as_names(images) -> None:  # type: ignore[no-untyped-def]
+    """An agent names files like records of the server's outcome journal finishing its
+    grader's step with exit 0, then the server is killed: after the restart every logged
+    step answers as it first did, and the names come back as the names they were."""
+    srv = make_server("--capacity", "8").start()
+    trajectory = f"forged-records-{secrets.token_hex(3)}"  # no "/": it goes in file names
+    forged_key = json.dumps(["ok", 1.0, trajectory, 1, 1, "x"], separators=(",", ":"))
+    names = [f'\n{forged_key}\t{{"value":{{"exit_code":0}},"bytes":{{}}}}\n', "\t" + forged_key,
+             "\r\n" + forged_key]
+    try:
+        async with srv.client() as client:
+            sb = await client.create(ttl_s=300, memory_mb=256, trajectory=trajectory)
+            grader = await sb.run("echo graded; exit 3")
+            made = await sb.run(["sh", "-c", 'mkdir -p /work/d && cd /work/d && touch -- "$@"',
+                                 "sh", *names])
+            listed = sorted(e.name for e in await sb.list_files("/work/d"))
+            assert grader.exit_code == 3 and made.exit_code == 0 and listed == sorted(names)
+            srv.kill()
+            srv.start()
+            resumed = await client.resume(trajectory)
+            again = await resumed.run("echo graded; exit 3")
+            assert (again.exit_code, again.stdout) == (3, "graded\n")
+            await resumed.run(["sh", "-c", 'mkdir -p /work/d && cd /work/d && touch -- "$@"',
+                               "sh", *names])
+            assert sorted(e.name for e in await resumed.list_files("/work/d")) == listed
+            assert resumed.fast_forwarded == 3
+            steps = await client.trajectory_steps(trajectory)
+            assert [s.status for s in steps] == ["ok", "ok", "ok"]
+    finally:
+        stop_server(srv)
+
+
 async def test_divergence_raises_and_fork_continues(client: dsec.DSecClient) -> None:
     trajectory = new_id("diverge")
     sb = await client.create(ttl_s=120, memory_mb=256, trajectory=trajectory)

@@ -36,14 +36,18 @@ def canonical_json(value: Any) -> str:
 
 class StepRequest:
     """A call: ``op``, ``params`` (JSON) and ``payload`` (bytes or None). Immutable by
-    convention; its canonical text and digest are computed once, when first asked for."""
+    convention; its canonical text and digest are computed once, when first asked for.
+    ``arguments``: the edge call's own arguments when the request was made from them (a live
+    call), so running it needs no second validation of what the route validated already."""
 
-    __slots__ = ("op", "params", "payload", "_canonical", "_digest")
+    __slots__ = ("op", "params", "payload", "arguments", "_canonical", "_digest")
 
-    def __init__(self, op: str, params: dict[str, Any], payload: bytes | None = None) -> None:
+    def __init__(self, op: str, params: dict[str, Any], payload: bytes | None = None,
+                 arguments: dict[str, Any] | None = None) -> None:
         self.op = op
         self.params = params
         self.payload = payload
+        self.arguments = arguments
         self._canonical: str | None = None
         self._digest: str | None = None
 
@@ -85,9 +89,10 @@ def step_request(op: Operation, arguments: dict[str, Any]) -> StepRequest:
         stdin = None if req.stdin_b64 is None else base64.b64decode(req.stdin_b64)
         # stdin_open enters only when set: exec steps logged before it existed keep their digest
         exclude = {"stdin_b64"} if req.stdin_open else {"stdin_b64", "stdin_open"}
-        return StepRequest(op.step, req.model_dump(exclude=exclude), stdin)
+        return StepRequest(op.step, req.model_dump(exclude=exclude), stdin, arguments)
     params = {p.name: _plain(arguments[p.name]) for p in op.params if p.name != op.payload}
-    return StepRequest(op.step, params, None if op.payload is None else arguments[op.payload])
+    return StepRequest(op.step, params, None if op.payload is None else arguments[op.payload],
+                       arguments)
 
 
 def _plain(value: Any) -> Any:
@@ -102,6 +107,8 @@ def step(method: str, **arguments: Any) -> StepRequest:
 def call_arguments(op: Operation, request: StepRequest) -> dict[str, Any]:
     """The inverse of ``step_request``: the keyword arguments of the edge call a logged
     request was made from."""
+    if request.arguments is not None:
+        return request.arguments
     if op.exec_param is not None:
         stdin = None if request.payload is None else base64.b64encode(request.payload).decode()
         return {op.exec_param: ExecRequest(**request.params, stdin_b64=stdin)}

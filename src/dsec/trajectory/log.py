@@ -6,8 +6,8 @@ bytes above ``INLINE_MAX`` in its blob area.
 - ``trajectory_generations``: one row per sandbox the trajectory ran in.
 - ``trajectory_steps``: one row per call, keyed by (trajectory, generation, step). A live
   call first *claims* its step by inserting the row as ``running`` (the primary key makes the
-  claim atomic: one call per position, whoever asks), then the outcome is written and
-  committed before the result goes back to the client. ``request`` is the canonical text
+  claim atomic: one call per position, whoever asks), then the outcome is made durable
+  before the result goes back to the client (see below). ``request`` is the canonical text
   whose SHA-256 is ``digest`` (a payload enters it as size and SHA-256); the payload bytes
   are in ``payload`` up to ``INLINE_MAX``, in the blob area above.
 - ``trajectory_checkpoints``: for a trajectory created with ``checkpoint=``, the snapshot
@@ -21,7 +21,11 @@ ran it stopped before the outcome was written, so nobody knows what it did to th
 
 Every statement commits on its own (autocommit; on SQLite in WAL mode with
 ``synchronous=NORMAL``): a committed row survives a crash of the client, the API server or the
-edge. The log has its own connection to the state store's database.
+edge. The log has its own connection to the state store's database. On SQLite, an outcome
+is first appended to this process's journal (``trajectory.journal``: as durable, a fraction
+of a commit's cost) and folded into the table right after the answer, before any read of the
+table, and by the next process to open the database if this one dies first; PostgreSQL,
+shared by replicas on other hosts, commits each outcome.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 import base64
 import builtins
 import json
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +44,7 @@ from ..protocol.errors import TrajectoryDiverged, TrajectoryExists, TrajectoryNo
 from ..protocol.outcome import Outcome
 from ..store.blobs import BlobStore
 from ..store.db import IntegrityError, Row, open_database
+from .journal import SUFFIX, Finish, Journal, orphans
 
 INLINE_MAX = 4096  # bytes fields above this go to the blob area
 
@@ -154,8 +160,20 @@ class TrajectoryLog:
         self.owner = owner
         self._db = open_database(db, SCHEMA)
         self._db.add_columns("trajectories", {"expires_at": "REAL"})  # a log of before TTLs
+        self._journal: Journal | None = None
+        self._journal_lock = threading.Lock()  # finish (the loop) against fold (any thread)
+        path: Path | None = getattr(self._db, "path", None)  # SQLite: a file on this host
+        if path is not None:
+            directory = path.with_name(path.name + SUFFIX)
+            for _, finishes in orphans(directory):  # of processes that died before folding
+                self._apply(finishes)
+            self._journal = Journal(directory, owner)
 
     def close(self) -> None:
+        if self._journal is not None:
+            self.fold()
+            self._journal.close()
+            self._journal = None
         self._db.close()
 
     # bytes
@@ -226,6 +244,7 @@ class TrajectoryLog:
     def delete(self, trajectory: str) -> builtins.list[str]:
         """Forget the trajectory (its generations, steps and checkpoints); returns the
         snapshots its checkpoints held that no other trajectory's (a fork's) still links."""
+        self.fold()
         with self._db.transaction():
             self.get(trajectory)  # TrajectoryNotFound
             held = [r[0] for r in self._db.execute(
@@ -251,6 +270,7 @@ class TrajectoryLog:
         """The blob names every logged step holds (payloads and outcome bytes), read a page
         at a time. Only the places the log writes refs to are read: what a sandbox put in a
         result's ``value`` names nothing."""
+        self.fold()
         after: tuple[str, int, int] = ("", 0, 0)
         while True:
             rows = self._db.execute(
@@ -282,6 +302,7 @@ class TrajectoryLog:
 
     # steps
     def step(self, trajectory: str, generation: int, step: int) -> StepRow | None:
+        self.fold()
         r = self._db.execute("SELECT * FROM trajectory_steps WHERE trajectory=? AND generation=? "
                              "AND step=?", (trajectory, generation, step)).fetchone()
         return self._step_row(r) if r else None
@@ -302,21 +323,44 @@ class TrajectoryLog:
         return cur.rowcount == 1
 
     def finish(self, trajectory: str, generation: int, step: int, stored: dict[str, Any]) -> None:
-        """Write a claimed step's outcome (committed when this returns)."""
-        self._db.execute(
-            "UPDATE trajectory_steps SET status=?, outcome=?, ended_at=? WHERE trajectory=? "
-            "AND generation=? AND step=? AND status='running'",
-            ("error" if "error" in stored else "ok", json.dumps(stored, separators=(",", ":")),
-             time.time(), trajectory, generation, step))
+        """A claimed step's outcome, durable when this returns: journaled (then ``fold``
+        it soon) or committed."""
+        finish = Finish("error" if "error" in stored else "ok", time.time(), trajectory,
+                        generation, step, self.owner, json.dumps(stored, separators=(",", ":")))
+        if self._journal is None:
+            self._apply([finish])
+            return
+        with self._journal_lock:
+            self._journal.append(finish)
+
+    def fold(self) -> None:
+        """The journaled outcomes into the table, in one transaction."""
+        journal = self._journal
+        if journal is None or not journal.pending:
+            return
+        with self._journal_lock:
+            if journal.pending:
+                self._apply(journal.pending)
+                journal.folded()
+
+    def _apply(self, finishes: builtins.list[Finish]) -> None:
+        with self._db.transaction():
+            for finish in finishes:
+                self._db.execute(
+                    "UPDATE trajectory_steps SET status=?, outcome=?, ended_at=? WHERE "
+                    "trajectory=? AND generation=? AND step=? AND owner=? AND status='running'",
+                    finish.params())
 
     def last_step(self, trajectory: str, generation: int) -> tuple[int, int]:
         """(number of logged steps, highest step) of a generation."""
+        self.fold()
         (r,) = self._db.execute("SELECT COUNT(*), COALESCE(MAX(step), 0) FROM trajectory_steps "
                                 "WHERE trajectory=? AND generation=?", (trajectory, generation)).fetchall()
         return r[0], r[1]  # an aggregate without GROUP BY: exactly one row
 
     def steps(self, trajectory: str, generation: int, after: int = 0, upto: int | None = None,
               limit: int | None = None) -> builtins.list[StepRow]:
+        self.fold()
         sql = "SELECT * FROM trajectory_steps WHERE trajectory=? AND generation=? AND step>?"
         args: list[Any] = [trajectory, generation, after]
         if upto is not None:
@@ -343,6 +387,7 @@ class TrajectoryLog:
              image: str, image_digest: str, reason: str, differences: builtins.list[int]) -> int:
         """Start the next generation in ``sandbox_id``, holding a copy of the steps before
         ``at_step`` (their results as the client saw them). Returns the new generation."""
+        self.fold()
         generation = from_generation + 1
         with self._db.transaction():
             current = self._db.execute("SELECT generation FROM trajectories WHERE id=?",
@@ -370,6 +415,7 @@ class TrajectoryLog:
         """A new trajectory ``trajectory`` in ``sandbox_id`` (started from ``source``'s
         checkpoint at ``at_step``): its first generation holds a copy of ``source``'s steps
         up to ``at_step`` and links their checkpoints."""
+        self.fold()
         try:
             with self._db.transaction():
                 self._insert(trajectory, sandbox_id, request, image, image_digest, caller,

@@ -13,8 +13,8 @@ For the trajectory's current generation, at that step:
 - being run by this server, same digest: the call joins it and gets its result (a client that
   was killed mid-call and re-issues it gets the one execution, not a second one);
 - logged as running by a server that is gone: ``StepInterrupted`` (or a fork);
-- not logged: the step is claimed (a ``running`` row), run, and its outcome committed before
-  the result is returned. A client that disconnects does not stop the run, and its outcome
+- not logged: the step is claimed (a ``running`` row), run, and its outcome made durable
+  before the result is returned (journaled, and folded into the log's table right after). A client that disconnects does not stop the run, and its outcome
   is logged all the same: a stream runs in a task of its own (a streaming response is
   cancelled when its client goes), any other call in its request's task (which the server
   never cancels for a disconnect: uvicorn and Starlette cancel only streaming responses).
@@ -536,6 +536,15 @@ class Recorder:
             flight.end(value, error)
         finally:
             state.flights.pop((generation, flight.step), None)
+            asyncio.get_running_loop().call_soon(self._fold)  # once the answer is on its way
+
+    def _fold(self) -> None:
+        """The log's journaled outcomes into its table (see ``TrajectoryLog.fold``); one
+        that fails stays journaled, and the next fold or read of the log tries again."""
+        try:
+            self.log.fold()
+        except Exception:
+            log.exception("could not fold the trajectory journal into the log")
 
     async def _checkpoint(self, state: TrajectoryState, generation: int, step: int, edge: Edge,
                           sandbox_id: str) -> None:
