@@ -100,11 +100,17 @@ def test_a_step_that_was_running_reads_as_interrupted_and_a_folded_one_is_kept(t
         log.close()
 
 
+def finished(root: Path, owner: str, exit_code: int) -> TrajectoryLog:
+    """A log of this process (``owner``) whose step 1 is finished: journaled, not folded."""
+    log = TrajectoryLog(root / "state.db", BlobStore(root / "blobs"), owner=owner)
+    log.create("t/1", "sb-1", {"image": "x"}, "img", "sha256:0", None)
+    log.claim("t/1", 1, 1, StepRequest("exec", {"command": "true"}), "sb-1", None)
+    log.finish("t/1", 1, 1, outcome(exit_code))
+    return log
+
+
 def test_a_live_servers_journal_is_left_to_it(tmp_path: Path) -> None:
-    live = TrajectoryLog(tmp_path / "state.db", BlobStore(tmp_path / "blobs"), owner="live")
-    live.create("t/1", "sb-1", {"image": "x"}, "img", "sha256:0", None)
-    live.claim("t/1", 1, 1, StepRequest("exec", {"command": "true"}), "sb-1", None)
-    live.finish("t/1", 1, 1, outcome(0))  # journaled, not folded yet
+    live = finished(tmp_path, "live", 0)
     other = reopen(tmp_path)  # another process on the same database, meanwhile
     try:
         seen = other.step("t/1", 1, 1)
@@ -153,11 +159,7 @@ def test_a_journal_left_by_a_process_that_died_holds_nothing_it_did_not_write(tm
 
 
 def test_a_closed_log_leaves_its_outcomes_in_the_table_and_no_journal(tmp_path: Path) -> None:
-    log = TrajectoryLog(tmp_path / "state.db", BlobStore(tmp_path / "blobs"), owner="clean")
-    log.create("t/1", "sb-1", {"image": "x"}, "img", "sha256:0", None)
-    log.claim("t/1", 1, 1, StepRequest("exec", {"command": "true"}), "sb-1", None)
-    log.finish("t/1", 1, 1, outcome(3))
-    log.close()
+    finished(tmp_path, "clean", 3).close()
     assert journals(tmp_path) == []
     again = reopen(tmp_path)
     try:
