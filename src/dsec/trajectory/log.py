@@ -48,6 +48,11 @@ from .journal import SUFFIX, Finish, Journal, orphans
 
 INLINE_MAX = 4096  # bytes fields above this go to the blob area
 
+# A claimed step's outcome; only a step its own owner left running (a late or replayed
+# journal record never touches a step someone else claimed, or one finished already).
+FINISH = ("UPDATE trajectory_steps SET status=?, outcome=?, ended_at=? WHERE trajectory=? AND "
+          "generation=? AND step=? AND owner=? AND status='running'")
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS trajectories (
     id TEXT PRIMARY KEY,
@@ -327,8 +332,8 @@ class TrajectoryLog:
         it soon) or committed."""
         finish = Finish("error" if "error" in stored else "ok", time.time(), trajectory,
                         generation, step, self.owner, json.dumps(stored, separators=(",", ":")))
-        if self._journal is None:
-            self._apply([finish])
+        if self._journal is None:  # PostgreSQL: committed on its own
+            self._db.execute(FINISH, finish.params())
             return
         with self._journal_lock:
             self._journal.append(finish)
@@ -346,10 +351,7 @@ class TrajectoryLog:
     def _apply(self, finishes: builtins.list[Finish]) -> None:
         with self._db.transaction():
             for finish in finishes:
-                self._db.execute(
-                    "UPDATE trajectory_steps SET status=?, outcome=?, ended_at=? WHERE "
-                    "trajectory=? AND generation=? AND step=? AND owner=? AND status='running'",
-                    finish.params())
+                self._db.execute(FINISH, finish.params())
 
     def last_step(self, trajectory: str, generation: int) -> tuple[int, int]:
         """(number of logged steps, highest step) of a generation."""
