@@ -66,6 +66,21 @@ async def test_a_missing_or_unrunnable_program(tmp_path: Path) -> None:
         await spawn.run([str(script)])
 
 
+def test_path_is_searched_once_per_program(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runtime is resolved at every create and stop, on the event loop: PATH is searched
+    the first time only. A program that is absent is searched again (and still refused)."""
+    monkeypatch.setattr(spawn, "_found", {})  # this test's own, whatever ran before
+    found = spawn.resolve("true")
+    assert os.path.isabs(found)
+    monkeypatch.setenv("PATH", str(tmp_path))  # from now on, a search would find nothing
+    assert spawn.resolve("true") == found
+    with pytest.raises(NotSupported):
+        spawn.resolve("dsec-no-such-program")
+    (tmp_path / "dsec-no-such-program").write_text("#!/bin/sh\n")
+    (tmp_path / "dsec-no-such-program").chmod(0o755)
+    assert spawn.resolve("dsec-no-such-program") == str(tmp_path / "dsec-no-such-program")
+
+
 async def test_a_cancelled_start_leaves_no_child() -> None:
     before = _children()
     for _ in range(20):
