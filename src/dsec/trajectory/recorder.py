@@ -14,10 +14,11 @@ For the trajectory's current generation, at that step:
   was killed mid-call and re-issues it gets the one execution, not a second one);
 - logged as running by a server that is gone: ``StepInterrupted`` (or a fork);
 - not logged: the step is claimed (a ``running`` row), run, and its outcome made durable
-  before the result is returned (journaled, and folded into the log's table right after). A client that disconnects does not stop the run, and its outcome
-  is logged all the same: a stream runs in a task of its own (a streaming response is
-  cancelled when its client goes), any other call in its request's task (which the server
-  never cancels for a disconnect: uvicorn and Starlette cancel only streaming responses).
+  before the result is returned (journaled on SQLite, and folded into the log's table right
+  after). A client that disconnects does not stop the run, and its outcome is logged all the
+  same: a stream runs in a task of its own (a streaming response is cancelled when its
+  client goes), any other call in its request's task (which the server never cancels for a
+  disconnect: uvicorn and Starlette cancel only streaming responses).
 
 Calls on one trajectory may run concurrently; each is logged at its own position, so the
 log's order is the client's issue order. Gaps are allowed (a later step may finish first); a
