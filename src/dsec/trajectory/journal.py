@@ -106,7 +106,7 @@ class Journal:
         os.close(self._fd)
 
 
-def orphans(directory: Path) -> Iterator[tuple[Path, list[Finish]]]:
+def orphans(directory: Path) -> Iterator[list[Finish]]:
     """The records of each journal in ``directory`` that no live process holds, with its
     lock held until the caller asks for the next one (then the file is removed)."""
     if not directory.is_dir():
@@ -127,7 +127,7 @@ def orphans(directory: Path) -> Iterator[tuple[Path, list[Finish]]]:
             if len(finishes) < len(lines):
                 log.warning("journal %s: %d unreadable records dropped", path,
                             len(lines) - len(finishes))
-            yield path, finishes
+            yield finishes
             path.unlink(missing_ok=True)
         finally:
             os.close(fd)

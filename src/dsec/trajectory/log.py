@@ -170,7 +170,7 @@ class TrajectoryLog:
         path: Path | None = getattr(self._db, "path", None)  # SQLite: a file on this host
         if path is not None:
             directory = path.with_name(path.name + SUFFIX)
-            for _, finishes in orphans(directory):  # of processes that died before folding
+            for finishes in orphans(directory):  # of processes that died before folding
                 self._apply(finishes)
             self._journal = Journal(directory, owner)
 
