@@ -1,17 +1,25 @@
-"""A node's own limits sized to its ``--capacity``: the server's open files.
+"""What a server sets on its node: its open files sized to its ``--capacity``, and on a
+cgroup v1 host the kernel's ``favordynmods`` mode.
 
 Each live container holds three files of the server open (its pidfd, its mount namespace, its
 bundle dir seen from there), so a server started by a unit or shell with a low ``ulimit -n``
 would fail creates with EMFILE below its capacity. It raises its limit to what the capacity
 needs when it may (CAP_SYS_RESOURCE), and otherwise refuses to start, saying why; below the
-limit it starts and serves."""
+limit it starts and serves.
+
+On a host with cgroup v1 hierarchies, a server holds a hierarchy of its own mounted with
+``favordynmods`` (``cgroups.hold_favordynmods``) in a mount namespace nobody else sees."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import make_server, stop_server
+from dsec.substrates.host import cgroups
 
 # As a unit with LimitNOFILE=2048 and without CAP_SYS_RESOURCE would start it: the capability
 # out of the bounding set (root's capabilities after exec), then the limit.
@@ -42,6 +50,29 @@ async def test_a_capacity_within_the_limit_starts_and_serves() -> None:
         assert [line.split()[3:5] for line in limits.splitlines()
                 if line.startswith("Max open files")] == [["2048", "2048"]]
         async with server.client() as client:
+            sb = await client.create(image="debian-minbase")
+            assert (await sb.run("echo served")).stdout == "served\n"
+            await sb.stop()
+    finally:
+        stop_server(server)
+
+
+@pytest.mark.skipif(cgroups.is_cgroup2_only(), reason="a cgroup v2 host: nothing to hold")
+async def test_a_v1_host_is_in_favordynmods_mode_while_a_server_runs() -> None:
+    server = make_server("--warm-pool", "0").start()
+    try:
+        assert server.proc is not None
+        hierarchy = f"name={cgroups.FAVOR_HIERARCHY}"
+        # The mount is in none of the host's namespaces: only in one the server holds open.
+        assert hierarchy not in open("/proc/self/mountinfo").read()
+        fds = f"/proc/{server.proc.pid}/fd"
+        held = [os.path.join(fds, fd) for fd in os.listdir(fds)
+                if os.readlink(os.path.join(fds, fd)).startswith("mnt:")]
+        tables = [subprocess.run(["nsenter", f"--mount={ns}", "cat", "/proc/self/mountinfo"],
+                                 capture_output=True, text=True, check=True).stdout for ns in held]
+        mounts = [line for table in tables for line in table.splitlines() if hierarchy in line]
+        assert mounts and all(" - cgroup cgroup " in m and "favordynmods" in m for m in mounts)
+        async with server.client() as client:  # sandboxes start and run beside it
             sb = await client.create(image="debian-minbase")
             assert (await sb.run("echo served")).stdout == "served\n"
             await sb.stop()

@@ -100,6 +100,7 @@ class ContainerSubstrate(Substrate):
         self._io = ThreadPoolExecutor(16, thread_name_prefix="dsec-fs", initializer=own_fs)
         self.network = WiredSandboxes(f"{edge_id}/", self._io)
         self._slots = StartSlots()  # a burst's starts a few at a time, in order (starts.py)
+        self._favoring: int | None = None  # cgroups.hold_favordynmods's namespace, while held
 
     async def prepare(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -108,11 +109,31 @@ class ContainerSubstrate(Substrate):
             (self.runtime_root / runtime).mkdir(parents=True, exist_ok=True)
         if self.default_runtime == "crun":
             cgroups.prepare_hybrid_host()
+        if not cgroups.is_cgroup2_only():
+            await self._favor_dynmods()
         self._tree = await asyncio.to_thread(sandbox_tree)
         await self.network.recover()
 
+    async def _favor_dynmods(self) -> None:
+        """Starts no longer wait for an RCU grace period where the runtime moves them into v1
+        cgroups (``cgroups.hold_favordynmods``). Not a guarantee: a kernel without the mode
+        starts sandboxes as before, and the log says so."""
+        try:
+            self._favoring = await asyncio.get_running_loop().run_in_executor(
+                self._io, cgroups.hold_favordynmods)
+        except OSError as exc:
+            log.warning("cgroup v1 host: each sandbox start waits for an RCU grace period (about "
+                        "10 ms) where its runtime joins its cgroups; the kernel's favordynmods "
+                        "mode would spare it, but it refused it: %s", exc)
+        else:
+            log.info("cgroup v1 host: the kernel is in its favordynmods mode while this server "
+                     "runs (sandbox starts join their cgroups without an RCU grace period)")
+
     async def close(self) -> None:
         cgroups.remove_parent_if_unused(self.cgroup_parent)
+        if self._favoring is not None:
+            os.close(self._favoring)
+            self._favoring = None
 
     def _dir(self, sandbox_id: str) -> Path:
         return self.root / sandbox_id

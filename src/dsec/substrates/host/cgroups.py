@@ -13,8 +13,10 @@ import time
 from pathlib import Path
 
 from ...protocol.errors import NotSupported
+from . import mountns
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
 CPU_PERIOD_US = 100_000
 
 
@@ -45,6 +47,37 @@ def prepare_hybrid_host() -> list[str]:
                 "use runtime='runc' instead")
         bound.append(controller)
     return bound
+
+
+# A cgroup v1 hierarchy of dsec's own, without controllers, whose only job is its mount option
+# (see ``hold_favordynmods``).
+FAVOR_HIERARCHY = "dsec-favordynmods"
+
+
+def hold_favordynmods() -> int:
+    """Keep the kernel in its ``favordynmods`` mode while the returned fd is open; on a host
+    with cgroup v1 hierarchies only (call from a thread of ``mountns.own_fs``).
+
+    Why: moving a task into a v1 cgroup (crun writes ``cgroup.procs`` at every start)
+    takes the kernel's thread-group lock for writing, and that lock, idle, waits for an RCU
+    grace period first: about 10 ms of each cold create here, half of it (``perf sched``:
+    ``synchronize_rcu <- rcu_sync_enter <- cgroup_procs_write_start``, 11 ms in each of 16
+    creates). A hierarchy mounted with ``favordynmods`` keeps the lock's readers on their
+    slow path instead, so a writer never waits; forks and exits pay a memory barrier more.
+    It is a mode of the whole kernel, held for as long as such a hierarchy is mounted: this
+    one is mounted in a private mount namespace that nothing else sees, alive while the fd on
+    that namespace is open, so the mode ends with the server (a crash included). Every
+    server of a host mounts the same hierarchy. Raises OSError where the kernel has no such
+    option (before 6.0) or no v1 cgroups."""
+    namespace = mountns.new_private()
+    try:
+        with mountns.inside(namespace):  # over /mnt of the private copy: the host's is untouched
+            mountns.mount(b"cgroup", b"/mnt", b"cgroup", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                          f"none,name={FAVOR_HIERARCHY},favordynmods".encode())
+    except BaseException:
+        os.close(namespace)
+        raise
+    return namespace
 
 
 def sandbox_cgroups(parent: str) -> dict[str, list[Path]]:
