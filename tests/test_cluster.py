@@ -170,6 +170,11 @@ async def test_a_trajectory_resumes_through_the_other_replica(replicas: list[Ser
         assert (await resumed.run("echo $RANDOM > /work/r; cat /work/r")).stdout == first.stdout
         assert resumed.fast_forwarded == 1
         assert (await resumed.run("cat /work/r")).stdout == first.stdout  # ran, not logged
+        # An unnumbered call (as a harness without the SDK makes) through the first replica,
+        # which last saw step 1: it is appended after step 2.
+        assert (await (await a.get(sb.id)).run("echo appended")).stdout == "appended\n"
+        steps = await b.trajectory_steps(trajectory)
+        assert [(s.step, s.status) for s in steps] == [(1, "ok"), (2, "ok"), (3, "ok")]
         await resumed.stop()
 
 

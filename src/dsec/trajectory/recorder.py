@@ -471,10 +471,13 @@ class Recorder:
 
     def _append(self, state: TrajectoryState, call: Call, request: StepRequest,
                 streaming: bool) -> Flight:
+        """The call as the step after the generation's last. Claimed at this server's head
+        first, without a read: only when that position is taken (by another server sharing
+        the log) is the log asked where it ends."""
         generation = state.generation
-        step = max(state.head, self.log.last_step(state.id, generation)[1]) + 1
+        step = state.head + 1
         while (flight := self._start(state, generation, step, request, call, streaming)) is None:
-            step += 1
+            step = max(step, self.log.last_step(state.id, generation)[1]) + 1
         return flight
 
     def _start(self, state: TrajectoryState, generation: int, step: int, request: StepRequest,
