@@ -19,6 +19,8 @@ from pathlib import Path
 from rich.console import Console
 
 from dsec.client.aio import Sandbox
+from dsec.substrates.container.container import RUNTIME_DIR
+from dsec.substrates.host.volume import VOLUME_DIR
 
 from .bench import (
     IMAGE,
@@ -69,7 +71,7 @@ async def _stops_until_clean(created: Created, state: Path, n: int) -> Sample:
     t0 = time.perf_counter()
     await asyncio.gather(*(sb.stop() for sb in sandboxes))
     returned = (time.perf_counter() - t0) * 1000
-    runtime = state / "runtime" / "crun"
+    runtime = state / VOLUME_DIR / RUNTIME_DIR / "crun"
     bundles = state / "volume" / "sandboxes"
     while any((runtime / i).exists() or (bundles / i).exists() for i in ids):
         if time.perf_counter() - t0 > 120:

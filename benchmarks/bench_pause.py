@@ -24,6 +24,8 @@ from rich.console import Console
 
 from dsec.client.aio import Sandbox
 from dsec.images.store import ImageStore
+from dsec.substrates.container.container import RUNTIME_DIR
+from dsec.substrates.host.volume import VOLUME_DIR
 
 from .bench import BENCH_ROOT, IMAGE, Sample, bench_server, compare, phase
 
@@ -38,7 +40,7 @@ async def pause_series(console: Console, quick: bool = False) -> list[Sample]:
             sb = await created.client.create(image=IMAGE, ttl_s=600)
             created.sandboxes.append(sb)
             await sb.start(["sh", "-c", "while :; do :; done"])
-            crun = ["crun", "--root", str(root / "pause" / "runtime" / "crun")]
+            crun = ["crun", "--root", str(root / "pause" / VOLUME_DIR / RUNTIME_DIR / "crun")]
 
             async def host(verb: str) -> float:
                 t0 = time.perf_counter()

@@ -31,6 +31,7 @@ from test_recovery import settled
 pytest.importorskip("ray", reason="the cluster tests need the `cluster` extra (Ray)")
 from dsec.cluster.local import TOLERANT_HEALTH_CHECKS, LocalRayCluster  # noqa: E402
 from dsec.store.local_postgres import LocalPostgres  # noqa: E402
+from dsec.substrates.container.container import RUNTIME_DIR  # noqa: E402
 from dsec.substrates.host.volume import VOLUME_DIR  # noqa: E402
 
 CAPACITY = 100
@@ -76,7 +77,7 @@ def host_traces(state_dir: Path, edge: str) -> dict[str, list[str]]:
     cgroups = [str(p) for p in Path("/sys/fs/cgroup").glob(f"*/dsec-{edge}/*") if p.is_dir()]
     return {"mounts": mounts, "cgroups": cgroups, "loops": attached_disks(sandboxes),
             "dirs": [p.name for p in sandboxes.glob("*")],
-            "containers": [p.name for p in (root / "runtime").glob("*/*")]}
+            "containers": [p.name for p in (root / VOLUME_DIR / RUNTIME_DIR).glob("*/*")]}
 
 
 async def burst(clients: list[dsec.DSecClient], n: int, on_created=None) -> list[dsec.AsyncSandbox]:  # type: ignore[no-untyped-def]

@@ -14,6 +14,7 @@ import pytest
 
 import dsec
 from conftest import Server, make_server, stop_server
+from dsec.substrates.container.container import RUNTIME_DIR
 from dsec.substrates.container.starts import StartSlots
 from support.disks import attached_disks
 
@@ -38,7 +39,7 @@ def host_traces(server: Server, edge_id: str) -> dict[str, list[str]]:
                 procs.append(cg.parent.name)
         except OSError:
             pass
-    containers = [p.name for p in (server.state_dir / "runtime").glob("*/*")]
+    containers = [p.name for p in (server.volume / RUNTIME_DIR).glob("*/*")]
     dirs = [p.name for p in (server.volume / "sandboxes").glob("*")]
     return {"mounts": mounts, "cgroups": cgroups, "processes": procs,
             "containers": containers, "dirs": dirs, "loops": attached_disks(Path(root))}

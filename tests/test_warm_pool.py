@@ -16,6 +16,7 @@ import pytest
 
 import dsec
 from conftest import Server, make_server, own_server, stop_server, warm_count
+from dsec.substrates.container.container import RUNTIME_DIR
 
 POOL = 3
 srv, client = own_server("--capacity", "32", "--warm-pool", str(POOL))
@@ -23,7 +24,7 @@ srv, client = own_server("--capacity", "32", "--warm-pool", str(POOL))
 
 def _runtime_ids(server: Server) -> set[str]:
     """Sandboxes crun knows on this server: live ones and pooled ones."""
-    runtime = server.state_dir / "runtime" / "crun"
+    runtime = server.volume / RUNTIME_DIR / "crun"
     return set(os.listdir(runtime)) if runtime.exists() else set()
 
 

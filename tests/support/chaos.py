@@ -25,6 +25,7 @@ from typing import Any, Awaitable, Callable, Iterator
 
 import dsec
 from conftest import LOG_DIR, Server
+from dsec.substrates.container.container import RUNTIME_DIR
 from support.disks import attached_disks
 
 CALL_BOUND_S = 90.0  # generous: a loaded 2-core host; a typed error comes far sooner
@@ -278,6 +279,6 @@ def host_traces(server: Server, edge: str, sandbox_ids: set[str]) -> dict[str, l
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
     named = [n for n in netns if n and (edge in n or any(s in n for s in sandbox_ids))]
     return {"mounts": mounts, "cgroups": cgroups, "processes": procs, "netns": named,
-            "containers": [p.name for p in (server.state_dir / "runtime").glob("*/*")],
+            "containers": [p.name for p in (server.volume / RUNTIME_DIR).glob("*/*")],
             "dirs": [p.name for p in (server.volume / "sandboxes").glob("*")],
             "loops": attached_disks(server.volume / "sandboxes")}

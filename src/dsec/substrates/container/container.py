@@ -17,6 +17,7 @@ starts in); the host reaches them through ``MountSpace.path()``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -57,6 +58,7 @@ RUNTIMES = ("crun", "runc", "runsc")
 SELF_COPYING = ("crun", "runc")
 FIFREEZE, FITHAW = 0xC0045877, 0xC0045878  # linux/fs.h: _IOWR('X', 119|120, int)
 START_TIMEOUT_S = 30.0
+RUNTIME_DIR = "runtime"  # the runtimes' records of their containers (see state_root)
 NEW_DISK = "disk.img.new"  # a copy of a snapshot's image, before it becomes disk.img
 # A sandbox's disk holds the overlay's work dir and the agent's run dir, and in the overlay's
 # upper dir the mount point of /.dsec and the default cwd. A fresh disk comes with them
@@ -86,7 +88,8 @@ class ContainerSubstrate(Substrate):
         self.default_runtime = runtime
         self.volume = volume  # opened by the edge before prepare()
         self.root = volume.root / "sandboxes"
-        self.runtime_root = state_dir / "runtime"
+        self.runtime_root = volume.root / RUNTIME_DIR  # see state_root; set by prepare()
+        self._earlier_runtime_root = state_dir / RUNTIME_DIR
         self.sealed_links = state_dir / "bin"  # links to the runtimes' sealed copies (sealed.py)
         self.cgroup_parent = f"/dsec-{edge_id}"
         self.edge_id = edge_id
@@ -105,6 +108,7 @@ class ContainerSubstrate(Substrate):
     async def prepare(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         self.disks.prepare()
+        self.runtime_root = state_root(self._earlier_runtime_root, self.volume.root / RUNTIME_DIR)
         for runtime in RUNTIMES:
             (self.runtime_root / runtime).mkdir(parents=True, exist_ok=True)
         if self.default_runtime == "crun":
@@ -520,6 +524,30 @@ class ContainerSubstrate(Substrate):
         ids.update(cgroups.sandbox_cgroups(self.cgroup_parent))
         ids.update(self.network.ids())
         return ids
+
+
+def state_root(earlier: Path, volume: Path) -> Path:
+    """Where the runtimes keep their records of the containers (``--root``, a dir each):
+    ``volume``, the edge's disk volume beside the bundles, unless a dsec from before this one
+    kept them at ``earlier`` (the state dir) and some are still there. Then there, until they
+    are gone, so that no live sandbox's record is lost; an emptied ``earlier`` is removed.
+
+    Why the volume: a runtime makes and removes a few files per container at every start
+    and stop. The state dir's file system is whatever the host has; on this project's
+    machines, ext4 without a journal mounted with ``discard``, where each removal waits for
+    its discard and each new inode is searched for past every inode freed in the last 12
+    hours (8-10 % of all CPU in a burst of creates, ``perf``). The volume is dsec's own XFS
+    file system (volume.py): bursts of 100 and ``create_many`` ran 10-15 % faster there."""
+    held = [rt for rt in RUNTIMES if _state_ids(earlier / rt)]
+    if held:
+        log.warning("the runtimes keep their records of containers in %s while it holds some "
+                    "an earlier dsec made (%s); once it holds none, they keep them in %s",
+                    earlier, ", ".join(held), volume)
+        return earlier
+    for d in [*(earlier / rt for rt in RUNTIMES), earlier]:
+        with contextlib.suppress(OSError):  # absent, or holding something no runtime made
+            d.rmdir()
+    return volume
 
 
 def _state_ids(runtime_root: Path) -> set[str]:
