@@ -168,6 +168,11 @@ async def test_disk_fill_ends_with_enospc(client, sandbox, hostile, server) -> N
     size = int((await sb.run("stat -c %s /work/f")).stdout)
     assert 16 << 20 < size <= 32 << 20
     assert shutil.disk_usage(server.state_dir).free > host_free - (256 << 20)
+    # While it is full, sandboxes still start and stop: the runtime's records of containers
+    # are on the volume that holds its disk.
+    other = await create(client, hostile)
+    assert (await other.run("echo started")).stdout == "started\n"
+    await other.stop()
     await sb.remove("/work/f")
     await sb.write_file("/work/after", b"room again")  # freed space is usable again
     assert (await sandbox.run("head -c 64000000 /dev/zero > /work/big && echo ok")).stdout == "ok\n"

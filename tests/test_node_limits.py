@@ -8,7 +8,7 @@ needs when it may (CAP_SYS_RESOURCE), and otherwise refuses to start, saying why
 limit it starts and serves.
 
 On a host with cgroup v1 hierarchies, a server holds a hierarchy of its own mounted with
-``favordynmods`` (``cgroups.hold_favordynmods``) in a mount namespace nobody else sees."""
+``favordynmods`` (``cgroups.hold_favordynmods``), attached to no mount table."""
 
 from __future__ import annotations
 
@@ -62,16 +62,15 @@ async def test_a_v1_host_is_in_favordynmods_mode_while_a_server_runs() -> None:
     server = make_server("--warm-pool", "0").start()
     try:
         assert server.proc is not None
-        hierarchy = f"name={cgroups.FAVOR_HIERARCHY}"
-        # The mount is in none of the host's namespaces: only in one the server holds open.
-        assert hierarchy not in open("/proc/self/mountinfo").read()
-        fds = f"/proc/{server.proc.pid}/fd"
-        held = [os.path.join(fds, fd) for fd in os.listdir(fds)
-                if os.readlink(os.path.join(fds, fd)).startswith("mnt:")]
-        tables = [subprocess.run(["nsenter", f"--mount={ns}", "cat", "/proc/self/mountinfo"],
-                                 capture_output=True, text=True, check=True).stdout for ns in held]
-        mounts = [line for table in tables for line in table.splitlines() if hierarchy in line]
-        assert mounts and all(" - cgroup cgroup " in m and "favordynmods" in m for m in mounts)
+        pid = server.proc.pid
+        # The hierarchy is mounted nowhere: the server holds its root by an fd.
+        assert cgroups.FAVOR_HIERARCHY not in open("/proc/self/mountinfo").read()
+        assert f"name={cgroups.FAVOR_HIERARCHY}:/" in open(f"/proc/{pid}/cgroup").read()
+        fds = [f"/proc/{pid}/fd/{fd}" for fd in os.listdir(f"/proc/{pid}/fd")]
+        held = [fd for fd in fds if subprocess.run(["stat", "-L", "-f", "-c", "%T", fd],
+                                                   capture_output=True, text=True
+                                                   ).stdout.strip() == "cgroupfs"]
+        assert len(held) == 1 and "cgroup.procs" in os.listdir(held[0])
         async with server.client() as client:  # sandboxes start and run beside it
             sb = await client.create(image="debian-minbase")
             assert (await sb.run("echo served")).stdout == "served\n"

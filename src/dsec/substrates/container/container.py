@@ -123,8 +123,7 @@ class ContainerSubstrate(Substrate):
         cgroups (``cgroups.hold_favordynmods``). Not a guarantee: a kernel without the mode
         starts sandboxes as before, and the log says so."""
         try:
-            self._favoring = await asyncio.get_running_loop().run_in_executor(
-                self._io, cgroups.hold_favordynmods)
+            self._favoring = await asyncio.to_thread(cgroups.hold_favordynmods)
         except OSError as exc:
             log.warning("cgroup v1 host: each sandbox start waits for an RCU grace period (about "
                         "10 ms) where its runtime joins its cgroups; the kernel's favordynmods "

@@ -6,6 +6,7 @@ hierarchy); dsec only prepares the host, reads counters and sweeps what a crash 
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import subprocess
@@ -13,10 +14,8 @@ import time
 from pathlib import Path
 
 from ...protocol.errors import NotSupported
-from . import mountns
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
 CPU_PERIOD_US = 100_000
 
 
@@ -52,11 +51,18 @@ def prepare_hybrid_host() -> list[str]:
 # A cgroup v1 hierarchy of dsec's own, without controllers, whose only job is its mount option
 # (see ``hold_favordynmods``).
 FAVOR_HIERARCHY = "dsec-favordynmods"
+# fsopen(2), fsconfig(2), fsmount(2): numbered alike on every architecture
+_SYS_FSOPEN, _SYS_FSCONFIG, _SYS_FSMOUNT = 430, 431, 432
+_FSOPEN_CLOEXEC = _FSMOUNT_CLOEXEC = 1
+_FSCONFIG_SET_FLAG, _FSCONFIG_SET_STRING, _FSCONFIG_CMD_CREATE = 0, 1, 6
+_MOUNT_ATTR_NOSUID, _MOUNT_ATTR_NODEV, _MOUNT_ATTR_NOEXEC = 2, 4, 8
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
 
 
 def hold_favordynmods() -> int:
-    """Keep the kernel in its ``favordynmods`` mode while the returned fd is open; on a host
-    with cgroup v1 hierarchies only (call from a thread of ``mountns.own_fs``).
+    """Keep the kernel in its ``favordynmods`` mode while the returned fd is open (blocking:
+    the mode waits for an RCU grace period to begin); on a host with cgroup v1 hierarchies.
 
     Why: moving a task into a v1 cgroup (crun writes ``cgroup.procs`` at every start)
     takes the kernel's thread-group lock for writing, and that lock, idle, waits for an RCU
@@ -65,19 +71,30 @@ def hold_favordynmods() -> int:
     creates). A hierarchy mounted with ``favordynmods`` keeps the lock's readers on their
     slow path instead, so a writer never waits; forks and exits pay a memory barrier more.
     It is a mode of the whole kernel, held for as long as such a hierarchy is mounted: this
-    one is mounted in a private mount namespace that nothing else sees, alive while the fd on
-    that namespace is open, so the mode ends with the server (a crash included). Every
-    server of a host mounts the same hierarchy. Raises OSError where the kernel has no such
-    option (before 6.0) or no v1 cgroups."""
-    namespace = mountns.new_private()
+    one is a mount attached nowhere (``fsmount``), alive while its fd is open, so the mode
+    ends with the server (a crash included) and no mount table shows it. Every server of a
+    host mounts the same hierarchy. Raises OSError where the kernel has no such option
+    (before 6.0), no new mount API (before 5.2) or no v1 cgroups."""
+    context = _syscall(_SYS_FSOPEN, b"cgroup", _FSOPEN_CLOEXEC)
     try:
-        with mountns.inside(namespace):  # over /mnt of the private copy: the host's is untouched
-            mountns.mount(b"cgroup", b"/mnt", b"cgroup", MS_NOSUID | MS_NODEV | MS_NOEXEC,
-                          f"none,name={FAVOR_HIERARCHY},favordynmods".encode())
-    except BaseException:
-        os.close(namespace)
-        raise
-    return namespace
+        _syscall(_SYS_FSCONFIG, context, _FSCONFIG_SET_FLAG, b"none", None, 0)
+        _syscall(_SYS_FSCONFIG, context, _FSCONFIG_SET_STRING, b"name",
+                 FAVOR_HIERARCHY.encode(), 0)
+        _syscall(_SYS_FSCONFIG, context, _FSCONFIG_SET_FLAG, b"favordynmods", None, 0)
+        _syscall(_SYS_FSCONFIG, context, _FSCONFIG_CMD_CREATE, None, None, 0)
+        return _syscall(_SYS_FSMOUNT, context, _FSMOUNT_CLOEXEC,
+                        _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV | _MOUNT_ATTR_NOEXEC)
+    finally:
+        os.close(context)
+
+
+def _syscall(*args: int | bytes | None) -> int:
+    result = int(_libc.syscall(*args))
+    if result < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mounting cgroup {FAVOR_HIERARCHY} with favordynmods: "
+                           f"{os.strerror(err)}")
+    return result
 
 
 def sandbox_cgroups(parent: str) -> dict[str, list[Path]]:

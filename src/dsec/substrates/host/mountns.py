@@ -75,11 +75,6 @@ def inside(namespace: int | None) -> Iterator[None]:
         _back_to_host()
 
 
-def mount(source: bytes, target: bytes, fstype: bytes, flags: int, data: bytes) -> None:
-    """mount(2) in the calling thread's mount namespace."""
-    _call(_libc.mount(source, target, fstype, flags, data), f"mount {fstype.decode()} on {target.decode()}")
-
-
 def new_private() -> int:
     """A new mount namespace, a copy of the host's where no mount propagates in or out; an
     fd on it. The calling thread (see ``own_fs``) is back in the host's namespace after."""
