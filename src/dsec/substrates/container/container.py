@@ -103,7 +103,7 @@ class ContainerSubstrate(Substrate):
         self._io = ThreadPoolExecutor(16, thread_name_prefix="dsec-fs", initializer=own_fs)
         self.network = WiredSandboxes(f"{edge_id}/", self._io)
         self._slots = StartSlots()  # a burst's starts a few at a time, in order (starts.py)
-        self._favoring: int | None = None  # cgroups.hold_favordynmods's namespace, while held
+        self._favoring: int | None = None  # the fd of cgroups.hold_favordynmods, while held
 
     async def prepare(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
