@@ -476,24 +476,30 @@ class ContainerSubstrate(Substrate):
         self._pids.forget(sandbox_id)
         await asyncio.get_running_loop().run_in_executor(
             self._io, cgroups.thaw_if_frozen, self.cgroup_parent, sandbox_id)
-        for runtime in RUNTIMES:
-            await self._delete_state(runtime, sandbox_id)
+        await self._delete_state(sandbox_id)
         await self.network.remove(sandbox_id)
         await asyncio.get_running_loop().run_in_executor(self._io, self._teardown, sandbox_id, d)
 
-    async def _delete_state(self, runtime: str, sandbox_id: str) -> None:
-        """The runtime's record of the sandbox, deleted by the runtime; asked twice, since a
+    async def _delete_state(self, sandbox_id: str) -> None:
+        """The runtimes' records of the sandbox, deleted by their runtime; asked twice, since a
         signal to the server's whole process group (systemd's stop, a terminal's Ctrl-C) also
         ends the ``delete`` under way, and a stop returns before its removal is done. What is
-        still held after that is logged and left to the next start's ``recover``."""
-        root = self.runtime_root / runtime
-        for _ in range(2):
-            if not _holds_state(root, sandbox_id):
-                return
-            await spawn.run([*self._runtime_cmd(runtime), "delete", "--force", sandbox_id])
-        if _holds_state(root, sandbox_id):
-            log.warning("sandbox %s: %s still holds state after two deletes; the next start "
-                        "removes it", sandbox_id, runtime)
+        still held after that is logged and left to the next start's ``recover``. The looks
+        run in a thread: in a burst of starts a lookup in a runtime's directory waits for the
+        runtimes making entries there (up to 11 ms seen), which must not stall the loop."""
+        loop = asyncio.get_running_loop()
+        for runtime in await loop.run_in_executor(self._io, self._holding_state, sandbox_id):
+            for _ in range(2):
+                await spawn.run([*self._runtime_cmd(runtime), "delete", "--force", sandbox_id])
+                if not await loop.run_in_executor(self._io, _holds_state,
+                                                  self.runtime_root / runtime, sandbox_id):
+                    break
+            else:
+                log.warning("sandbox %s: %s still holds state after two deletes; the next "
+                            "start removes it", sandbox_id, runtime)
+
+    def _holding_state(self, sandbox_id: str) -> list[str]:
+        return [rt for rt in RUNTIMES if _holds_state(self.runtime_root / rt, sandbox_id)]
 
     def _teardown(self, sandbox_id: str, d: Path) -> None:
         """What the runtime leaves or never made: cgroups, the overlay, the disk, their mount
