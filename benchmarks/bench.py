@@ -472,6 +472,28 @@ async def warm_pool_phase(console: Console, bare: BareCrun, root: Path, n: int,
                                      Sample(f"dsec create (warm pool): burst {n}", []),
                                      warm.first_output, n, 1, concurrent=True, settle_s=2.0)
             await warm.stop_all()
+    samples += await grown_pool_phase(console, bare, root, n)
+    return samples
+
+
+async def grown_pool_phase(console: Console, bare: BareCrun, root: Path, n: int) -> list[Sample]:
+    """A burst of ``n`` on a server with the default pool (2) that may grow to ``n``
+    (``--warm-pool-max``), after a burst of ``n`` grew it, against a bare ``crun run`` burst:
+    a trainer's next training step."""
+    async with bench_server(root / "grown", "--warm-pool", "2", "--warm-pool-max",
+                            str(n)) as grown:
+        with phase(console, f"a burst of {n} from the pool the burst before it grew"):
+            await grown.first_output()  # asks for the image: its pool fills to 2
+            await grown.stop_all()
+            await grown.wait_warm(2)
+            await asyncio.gather(*(grown.first_output() for _ in range(n)))  # grows it
+            await grown.stop_all()
+            await grown.wait_warm(n)
+            samples = await compare(Sample(f"bare crun run: burst {n} (once more)", []),
+                                    bare.run_echo,
+                                    Sample(f"dsec create (pool grown by a burst): burst {n}", []),
+                                    grown.first_output, n, 1, concurrent=True, settle_s=2.0)
+            await grown.stop_all()
     return samples
 
 

@@ -150,3 +150,44 @@ async def test_a_crash_while_claiming_leaks_nothing(images: object) -> None:
     finally:
         stop_server(server)
 
+
+
+async def test_a_burst_grows_its_images_pool_for_the_next_burst_then_it_shrinks(
+        images: object) -> None:
+    """With ``--warm-pool-max``, a burst of creates leaves its image's pool refilled to the
+    burst's size (at most the maximum), so the next burst is claimed from it. A caller's
+    burst cannot take capacity from others through the pool: it grows only into the edge's
+    free capacity, and creates up to the capacity still succeed while it holds some. Once the
+    burst's hold is over it shrinks back to ``--warm-pool``, the rest stopped and removed."""
+    server = make_server("--capacity", "10", "--warm-pool", "1", "--warm-pool-max", "6",
+                         "--warm-pool-hold-s", "45").start()
+    try:
+        async with server.client() as c:
+            await (await c.create(ttl_s=60)).stop()  # the image gets a pool
+            await _until(lambda: _count_is(c, 1), "the pool did not fill to --warm-pool")
+            burst = await asyncio.gather(*(c.create(ttl_s=60) for _ in range(8)))
+            await asyncio.gather(*(sb.stop() for sb in burst))
+            await _until(lambda: _count_is(c, 6), "the pool did not grow to --warm-pool-max")
+            pooled = await _pooled_ids(server, c)
+            again = await asyncio.gather(*(c.create(ttl_s=60) for _ in range(6)))
+            assert {sb.id for sb in again} == pooled  # every one claimed, none started cold
+            # 6 live of a capacity of 10: the pool refills to the 4 left, and no further
+            await _until(lambda: _count_is(c, 4), "the pool did not refill into the free capacity")
+            await asyncio.sleep(2)
+            assert await warm_count(c, "container") == 4
+            # a grown pool never takes capacity from callers: 4 more creates get it all
+            more = await asyncio.gather(*(c.create(ttl_s=60) for _ in range(4)))
+            with pytest.raises(dsec.CapacityExhausted):
+                await c.create(ttl_s=60)
+            assert await warm_count(c, "container") == 0
+            await asyncio.gather(*(sb.stop() for sb in [*again, *more]))
+            await _until(lambda: _count_is(c, 6), "the pool did not regrow once capacity was free")
+            await _until(lambda: _count_is(c, 1), "the pool did not shrink after the hold")
+            await _until(lambda: _no_more_than_pooled(server, c, 1),
+                         "the pool's surplus was not removed")
+    finally:
+        stop_server(server)
+
+
+async def _no_more_than_pooled(server: Server, c: dsec.DSecClient, n: int) -> bool:
+    return len(await _pooled_ids(server, c)) <= n

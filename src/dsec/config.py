@@ -67,6 +67,12 @@ class Settings:
                              option="--capacity")
     warm_pool: int = _setting(2, "sandboxes kept started per image that was asked for (0: none)",
                               option="--warm-pool")
+    warm_pool_max: int = _setting(0, "the most sandboxes a burst of creates of an image grows "
+                                  "its warm pool to, for --warm-pool-hold-s after the burst "
+                                  "(the free capacity bounds it too; --warm-pool or less: the "
+                                  "pool never grows)", option="--warm-pool-max")
+    warm_pool_hold_s: int = _setting(600, "seconds a warm pool grown by a burst of creates "
+                                     "keeps its size after the burst", option="--warm-pool-hold-s")
     runtime: str = _setting("crun", "OCI runtime of containers", option="--runtime",
                             choices=("crun", "runc", "runsc"))
     edge_id: str = _setting("", "edge id (default: derived from host and state dir; "

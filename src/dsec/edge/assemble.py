@@ -32,7 +32,8 @@ def build_edge(settings: Settings, store: StateStore, metrics: EdgeMetrics, stat
     default to the settings' (a Ray node brings its own)."""
     config = EdgeConfig(state_dir=state_dir, edge_id=edge_id or settings.edge_id,
                         capacity=settings.capacity if capacity is None else capacity,
-                        warm_pool=settings.warm_pool, port_idle_s=settings.port_idle_s,
+                        warm_pool=settings.warm_pool, warm_pool_max=settings.warm_pool_max,
+                        warm_pool_hold_s=settings.warm_pool_hold_s, port_idle_s=settings.port_idle_s,
                         shared_snapshots=shared_snapshots(settings), pull=settings.pull,
                         network_services=(settings.network_services
                                           or settings.state_dir / "network-services.toml"))
@@ -40,7 +41,8 @@ def build_edge(settings: Settings, store: StateStore, metrics: EdgeMetrics, stat
     edge = Edge(config, store, ImageStore(settings.image_store),
                 all_substrates(settings, state_dir, config.edge_id, volume), metrics, volume)
     for vm in VM_SUBSTRATES:
-        edge.pools[vm.name].size = settings.vm_warm_pool
+        pool = edge.pools[vm.name]
+        pool.size = pool.grow_to = settings.vm_warm_pool  # a VM's memory is too dear to grow on
     return edge
 
 

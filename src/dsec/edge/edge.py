@@ -106,6 +106,8 @@ class EdgeConfig:
     edge_id: str = ""
     capacity: int = 256
     warm_pool: int = 2
+    warm_pool_max: int = 0  # what a burst grows an image's pool to, at most (pool.py)
+    warm_pool_hold_s: int = 600  # how long after the burst, in seconds
     reap_interval_s: float = 0.5
     network_services: Path | None = None  # the operator's service table (TOML)
     shared_snapshots: Path | None = None  # snapshots exported for every node (shared_snapshots.py)
@@ -150,7 +152,8 @@ class Edge:
         self.ports = PortConnections(config.port_idle_s)
         self.services = ServiceTable(config.network_services)
         metrics.watch(self)
-        self.pools = {name: WarmPool(substrate, self.id, config.warm_pool)
+        self.pools = {name: WarmPool(substrate, self.id, config.warm_pool, config.warm_pool_max,
+                                     config.warm_pool_hold_s, self._pool_room)
                       for name, substrate in substrates.items()}
         self._live: dict[str, Live] = {}
         self._paused: set[str] = set()  # the live ones paused: ``load`` counts without a scan
@@ -287,6 +290,11 @@ class Edge:
         """Sandboxes running or starting, and fn calls in flight: each holds a slot. A paused
         sandbox uses no CPU and holds none (its resume is never refused: it may overcommit)."""
         return len(self._live) - len(self._paused) + self._starting + self._calling
+
+    def _pool_room(self) -> int:
+        """Sandboxes the warm pools may still add: the free capacity beside the load and
+        what they hold (pooled sandboxes are no load, but hold the same files)."""
+        return self.config.capacity - self.load() - sum(p.held() for p in self.pools.values())
 
     def _admit(self) -> None:
         if self.load() >= self.config.capacity:
@@ -1141,6 +1149,8 @@ class Edge:
             await asyncio.sleep(self.config.reap_interval_s)
             try:
                 await self.reap()
+                for pool in self.pools.values():
+                    await pool.tend()
                 await asyncio.to_thread(self.uses.renew)
                 if self.shared is not None and time.monotonic() - swept > FETCHED_SWEEP_S:
                     swept = time.monotonic()
