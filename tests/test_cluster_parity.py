@@ -130,7 +130,8 @@ def serve_args(ray_cluster: LocalRayCluster, local_postgres: LocalPostgres, serv
     """Every ``serve`` option (None: a flag), none at its default where that can be told."""
     url = local_postgres.fresh_database("parity_" + secrets.token_hex(3))
     return {"--host": "127.0.0.1", "--port": str(free_port()), "--capacity": "5",
-            "--warm-pool": "0", "--runtime": "crun", "--edge-id": "ignored-in-a-cluster",
+            "--warm-pool": "0", "--warm-pool-max": "3", "--warm-pool-hold-s": "30",
+            "--runtime": "crun", "--edge-id": "ignored-in-a-cluster",
             "--log-format": "json", "--network-services": str(services), "--vm-accel": "tcg",
             "--kvm-device": "/dev/kvm", "--vm-warm-pool": "1", "--vm-snapshots": None,
             "--state-url": url, "--ray": ray_cluster.address, "--image-store": str(images.root),

@@ -70,6 +70,7 @@ class EdgeActor:
                 "capacity": edge.config.capacity, "substrates": sorted(edge.substrates),
                 "images": self._images(), "at": time.time(),
                 "sandboxes": dict(Counter(info.substrate for info in edge.list())),
+                "warm": {name: pool.counts() for name, pool in edge.pools.items()},
                 "settings": self.settings.as_dict()}
 
     def _images(self) -> list[str]:

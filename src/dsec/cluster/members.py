@@ -36,6 +36,7 @@ class Member:
     handle: Any  # ray ActorHandle
     load: EdgeLoad | None = None
     sandboxes: dict[str, int] = field(default_factory=dict)
+    warm: dict[str, dict[str, int]] = field(default_factory=dict)  # pooled, by substrate and image
     pid: int | None = None  # of the edge actor's process, as last reported
     dead: asyncio.Event = field(default_factory=asyncio.Event)
     error: str | None = None  # why it last failed to report, logged once per change
@@ -147,6 +148,7 @@ class Members:
                                substrates=status["substrates"], images=status["images"],
                                asked_at=asked_at)
         member.sandboxes = status["sandboxes"]
+        member.warm = status.get("warm", {})  # an edge of an earlier dsec reports none
         member.pid = status["pid"]
         self.placement.reported(member.load)
 
@@ -159,5 +161,5 @@ class Members:
                         "load": load.load if load else None,
                         "capacity": load.capacity if load else None,
                         "substrates": load.substrates if load else [],
-                        "sandboxes": m.sandboxes})
+                        "sandboxes": m.sandboxes, "warm": m.warm})
         return out
