@@ -175,16 +175,10 @@ class Spawned:
         return data
 
     async def wait(self) -> int:
-        """The exit code (minus the signal that killed it). The status is read without
-        reaping; the reap is left to a spawn thread: it waits on the kernel's process-table
-        lock, which a burst of starts holds (up to 12 ms seen), and must not stall the loop."""
         if self.returncode is None:
             await _readable(self._pidfd)  # a pidfd turns readable when the process exits
-            ended = os.waitid(os.P_PIDFD, self._pidfd, os.WEXITED | os.WNOWAIT)
-            assert ended is not None  # without WNOHANG, waitid waits
-            self.returncode = (ended.si_status if ended.si_code == os.CLD_EXITED
-                               else -ended.si_status)
-            _spawner.submit(os.waitpid, self.pid, 0)
+            _, status = os.waitpid(self.pid, 0)
+            self.returncode = os.waitstatus_to_exitcode(status)
             self.close()
         return self.returncode
 
