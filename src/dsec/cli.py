@@ -661,7 +661,7 @@ def project_quota(name: str, sandboxes: int | None, cpu: float | None,
               help="run one series alone: create (cold creates one at a time and in a "
                    "burst, stops, against bare crun), create-parts (crun run with dsec's "
                    "container config, one difference at a time, against crun spec's), warm (creates from a warm pool, one at a time and "
-                   "in a burst, against bare crun), fn (call latency and throughput), microvm or vm "
+                   "in a burst, and a burst from a pool a burst grew, against bare crun), fn (call latency and throughput), microvm or vm "
                    "(against containers), cluster (a local Ray cluster against one node), "
                    "projects (nested-project key against the admin key), network (policy cost "
                    "on create, set_network), state (snapshot, create from one, fork, rollback), "
