@@ -9,6 +9,7 @@ succeeds elsewhere; a joining node receives placements; nothing is left on survi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import secrets
@@ -38,18 +39,26 @@ CAPACITY = 100
 IMAGE = "debian-minbase"
 
 
-@pytest.fixture(scope="module")
-def ray_cluster(images) -> Iterator[LocalRayCluster]:  # type: ignore[no-untyped-def]
-    state = TEST_ROOT / f"cl-{secrets.token_hex(3)}"
+@contextlib.contextmanager
+def started_cluster(prefix: str, capacities: list[int | None]) -> Iterator[LocalRayCluster]:
+    """A local Ray cluster of one node per capacity (None: the head, with no edge) in a state
+    dir of its own, stopped and removed afterwards. Its health checks are ones a loaded
+    machine does not fail by starving a raylet (the benchmark measures death reports with
+    tight ones)."""
+    state = TEST_ROOT / f"{prefix}-{secrets.token_hex(3)}"
     state.mkdir(parents=True)
-    # Health checks that a loaded machine does not fail by starving a raylet (the benchmark
-    # measures death reports with tight ones).
-    cluster = LocalRayCluster(state, [CAPACITY] * 3, TOLERANT_HEALTH_CHECKS)
+    cluster = LocalRayCluster(state, capacities, TOLERANT_HEALTH_CHECKS)  # type: ignore[arg-type]
     try:
         yield cluster.start()
     finally:
         cluster.stop()  # every Ray process it started, and what the killed node left
         shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(images) -> Iterator[LocalRayCluster]:  # type: ignore[no-untyped-def]
+    with started_cluster("cl", [CAPACITY] * 3) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -21,27 +20,21 @@ from typing import Any, Iterator
 import pytest
 
 import dsec
-from conftest import TEST_ROOT, Server, free_port
+from conftest import Server, free_port
 
 pytest.importorskip("ray", reason="the cluster tests need the `cluster` extra (Ray)")
-from dsec.cluster.local import TOLERANT_HEALTH_CHECKS, LocalRayCluster  # noqa: E402
+from dsec.cluster.local import LocalRayCluster  # noqa: E402
 from dsec.store.local_postgres import LocalPostgres  # noqa: E402
 from dsec.substrates.host.volume import VOLUME_DIR  # noqa: E402
-from test_cluster import died, wait_for_edge  # noqa: E402
+from test_cluster import died, started_cluster, wait_for_edge  # noqa: E402
 
 FN_IMAGE = "python-3.11"
 
 
 @pytest.fixture(scope="module")
 def ray_cluster(images) -> Iterator[LocalRayCluster]:  # type: ignore[no-untyped-def]
-    state = TEST_ROOT / f"cs-{secrets.token_hex(3)}"
-    state.mkdir(parents=True)
-    cluster = LocalRayCluster(state, [None, 8, 8], TOLERANT_HEALTH_CHECKS)  # type: ignore[list-item]
-    try:
-        yield cluster.start()
-    finally:
-        cluster.stop()
-        shutil.rmtree(state, ignore_errors=True)
+    with started_cluster("cs", [None, 8, 8]) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import shutil
 import signal
 import time
 from typing import Any, Iterator
@@ -17,24 +16,18 @@ from typing import Any, Iterator
 import pytest
 
 import dsec
-from conftest import TEST_ROOT, Server, free_port
+from conftest import Server, free_port
 
 pytest.importorskip("ray", reason="the cluster tests need the `cluster` extra (Ray)")
-from dsec.cluster.local import TOLERANT_HEALTH_CHECKS, LocalRayCluster  # noqa: E402
+from dsec.cluster.local import LocalRayCluster  # noqa: E402
 from dsec.store.local_postgres import LocalPostgres  # noqa: E402
-from test_cluster import wait_for_edge  # noqa: E402
+from test_cluster import started_cluster, wait_for_edge  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def ray_cluster(images: Any) -> Iterator[LocalRayCluster]:
-    state = TEST_ROOT / f"cw-{secrets.token_hex(3)}"
-    state.mkdir(parents=True)
-    cluster = LocalRayCluster(state, [None, 10], TOLERANT_HEALTH_CHECKS)  # type: ignore[list-item]
-    try:
-        yield cluster.start()
-    finally:
-        cluster.stop()
-        shutil.rmtree(state, ignore_errors=True)
+    with started_cluster("cw", [None, 10]) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="module")
