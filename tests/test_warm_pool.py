@@ -179,7 +179,7 @@ async def test_a_burst_grows_its_images_pool_for_the_next_burst_then_it_shrinks(
             more = await asyncio.gather(*(c.create(ttl_s=60) for _ in range(4)))
             with pytest.raises(dsec.CapacityExhausted):
                 await c.create(ttl_s=60)
-            assert await warm_count(c, "container") == 0
+            assert await warm_count(c, "container") <= 1  # --warm-pool's own, as ever
             await asyncio.gather(*(sb.stop() for sb in [*again, *more]))
             await _until(lambda: _count_is(c, 6), "the pool did not regrow once capacity was free")
             await _until(lambda: _count_is(c, 1), "the pool did not shrink after the hold")

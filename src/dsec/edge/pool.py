@@ -8,13 +8,13 @@ sandboxes are leftovers like any other and the restarted edge removes them.
 An image's pool holds ``size`` sandboxes, and after a burst of its creates as many as the
 burst asked for (up to ``grow_to``) until ``hold_s`` after the last burst that large: a
 trainer opens its rollouts' sandboxes at every training step, so its next burst is served
-from the pool instead of starting every sandbox cold (a burst of 100 from the pool takes a
-third of a bare runtime's; cold, more than the bare runtime's). Then it shrinks back to
+from the pool instead of starting every sandbox cold (a burst of 100 from a grown pool took
+0.6-0.7 of a bare runtime's burst, cold 1.5-1.9: docs/BENCHMARKS.md). Then it shrinks back to
 ``size``, the sandboxes beyond it stopped. A burst is the creates of the image within
 ``BURST_S`` of each other's arrival, counted whether the pool had one ready or not. Pooled
-sandboxes are not an edge's load (a create is never refused for them), so a pool only grows
-into the edge's free capacity (``room``): live and pooled sandboxes together stay within
-what the edge sized its open files for.
+sandboxes are not an edge's load (a create is never refused for them), so a pool grows beyond
+``size`` only into the edge's free capacity (``room``): live and pooled sandboxes together
+stay within what the edge sized its open files for.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ class WarmPool:
     async def _fill(self, image: Image) -> None:
         """One start at a time and at idle CPU priority, so refilling never slows live work."""
         ready = self._ready.setdefault(image.digest, deque())
-        while len(ready) < self.target(image) and self.room() > 0:
+        while self._short(image, ready):
             sandbox_id = f"sb-{self.edge_id}-{secrets.token_hex(6)}"
             request = CreateRequest(substrate=self.substrate.name, image=image.name)
             try:
@@ -144,17 +144,22 @@ class WarmPool:
 
     async def tend(self) -> None:
         """Bring each image's pool to its target (the edge's reaper calls it): what it holds
-        beyond it (a burst's hold is over) or beyond the edge's free capacity (live sandboxes
-        took it meanwhile) is stopped, newest first; one below it with room refills."""
+        beyond it (a burst's hold is over), or beyond ``size`` and the edge's free capacity
+        (live sandboxes took it meanwhile), is stopped, newest first; one short refills."""
         for image in list(self._images.values()):  # a create may add one meanwhile
             filler = self._fillers.get(image.digest)
             if filler is not None and not filler.done():
                 continue  # a filler stops at the target itself; what it adds goes next time
             ready = self._ready.setdefault(image.digest, deque())
-            while ready and (len(ready) > self.target(image) or self.room() < 0):
+            while len(ready) > self.target(image) or (len(ready) > self.size and self.room() < 0):
                 await self.substrate.destroy(ready.pop().sandbox_id)
-            if len(ready) < self.target(image) and self.room() > 0:
+            if self._short(image, ready):
                 self.refill(image)
+
+    def _short(self, image: Image, ready: deque[Pooled]) -> bool:
+        """Whether the image's pool should start one more: below ``size``, or below its
+        target with free capacity."""
+        return len(ready) < self.target(image) and (len(ready) < self.size or self.room() > 0)
 
     async def close(self) -> None:
         for filler in self._fillers.values():
