@@ -1,8 +1,9 @@
 """The warm pool, attacked as a caller who wants another caller's sandbox or its leftovers: a
 pooled sandbox serves one caller only, is fresh (never recycled), a pooled sandbox that died
-in the pool is never handed out, a burst larger than the pool gets distinct sandboxes, and a
-crash of the edge while pooled sandboxes are being claimed leaks nothing. (Containers; the VM
-pool is opt-in and test_vm covers it.)"""
+in the pool is never handed out, a burst larger than the pool gets distinct sandboxes, a
+crash of the edge while pooled sandboxes are being claimed leaks nothing, and a pool grown by
+a burst (``--warm-pool-max``) never takes capacity from callers. (Containers; the VM pool is
+opt-in and test_vm covers it.)"""
 
 from __future__ import annotations
 
