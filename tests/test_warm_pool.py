@@ -152,7 +152,6 @@ async def test_a_crash_while_claiming_leaks_nothing(images: object) -> None:
         stop_server(server)
 
 
-
 async def test_a_burst_grows_its_images_pool_for_the_next_burst_then_it_shrinks(
         images: object) -> None:
     """With ``--warm-pool-max``, a burst of creates leaves its image's pool refilled to the
