@@ -124,8 +124,7 @@ class WarmPool:
         if self.size <= 0:
             return
         self._images[image.digest] = image
-        filler = self._fillers.get(image.digest)
-        if filler is None or filler.done():
+        if not self._filling(image):
             self._fillers[image.digest] = asyncio.create_task(self._fill(image),
                                                               name=f"dsec-pool-{image.name}")
 
@@ -147,14 +146,17 @@ class WarmPool:
         beyond it (a burst's hold is over), or beyond ``size`` and the edge's free capacity
         (live sandboxes took it meanwhile), is stopped, newest first; one short refills."""
         for image in list(self._images.values()):  # a create may add one meanwhile
-            filler = self._fillers.get(image.digest)
-            if filler is not None and not filler.done():
+            if self._filling(image):
                 continue  # a filler stops at the target itself; what it adds goes next time
             ready = self._ready.setdefault(image.digest, deque())
             while len(ready) > self.target(image) or (len(ready) > self.size and self.room() < 0):
                 await self.substrate.destroy(ready.pop().sandbox_id)
             if self._short(image, ready):
                 self.refill(image)
+
+    def _filling(self, image: Image) -> bool:
+        filler = self._fillers.get(image.digest)
+        return filler is not None and not filler.done()
 
     def _short(self, image: Image, ready: deque[Pooled]) -> bool:
         """Whether the image's pool should start one more: below ``size``, or below its
