@@ -55,6 +55,13 @@ def started_cluster(prefix: str, capacities: list[int | None]) -> Iterator[Local
         shutil.rmtree(state, ignore_errors=True)
 
 
+def replica_server(cluster: LocalRayCluster, state_url: str, *args: str) -> Server:
+    """An API replica over ``cluster`` (not started yet) on a free loopback port, its state in
+    the PostgreSQL database ``state_url``, with ``args`` on top."""
+    return Server(cluster.state_dir, ["--host", "127.0.0.1", "--port", str(free_port()),
+                                      "--ray", cluster.address, "--state-url", state_url, *args])
+
+
 @pytest.fixture(scope="module")
 def ray_cluster(images) -> Iterator[LocalRayCluster]:  # type: ignore[no-untyped-def]
     with started_cluster("cl", [CAPACITY] * 3) as cluster:
@@ -68,9 +75,7 @@ def replicas(ray_cluster: LocalRayCluster, local_postgres: LocalPostgres) -> Ite
     servers = []
     try:
         for _ in range(2):
-            servers.append(Server(ray_cluster.state_dir, [
-                "--host", "127.0.0.1", "--port", str(free_port()), "--ray", ray_cluster.address,
-                "--state-url", url, "--warm-pool", "0"]).start())
+            servers.append(replica_server(ray_cluster, url, "--warm-pool", "0").start())
         yield servers
     finally:
         for server in servers:

@@ -8,40 +8,32 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-import shutil
 import signal
 from collections.abc import Iterator
 
 import pytest
 
-from conftest import TEST_ROOT, Server, free_port
+from conftest import Server
 from dsec.images.store import ImageStore
 from dsec.store.local_postgres import LocalPostgres
 from test_layer_gc import GRACE_S, import_image, on_disk, own_layers
 from test_metrics import scrape
 
 pytest.importorskip("ray", reason="the cluster tests need the `cluster` extra (Ray)")
-from dsec.cluster.local import TOLERANT_HEALTH_CHECKS, LocalRayCluster  # noqa: E402
+from dsec.cluster.local import LocalRayCluster  # noqa: E402
+from test_cluster import replica_server, started_cluster  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[tuple[LocalRayCluster, ImageStore]]:
-    state = TEST_ROOT / f"lg-{secrets.token_hex(3)}"
-    state.mkdir(parents=True)
-    store = ImageStore(state / "images")  # every node's, as on a shared mount
-    ray_cluster = LocalRayCluster(state, [4, 4], TOLERANT_HEALTH_CHECKS)
-    try:
-        yield ray_cluster.start(), store
-    finally:
-        ray_cluster.stop()
-        shutil.rmtree(state, ignore_errors=True)
+    with started_cluster("lg", [4, 4]) as ray_cluster:
+        # every node's, as on a shared mount
+        yield ray_cluster, ImageStore(ray_cluster.state_dir / "images")
 
 
 def replica(ray_cluster: LocalRayCluster, store: ImageStore, url: str) -> Server:
-    return Server(ray_cluster.state_dir, [
-        "--host", "127.0.0.1", "--port", str(free_port()), "--ray", ray_cluster.address,
-        "--state-url", url, "--image-store", str(store.root), "--warm-pool", "0",
-        "--layer-grace-s", str(GRACE_S), "--gc-interval-s", "3600"]).start()
+    return replica_server(ray_cluster, url, "--image-store", str(store.root), "--warm-pool", "0",
+                          "--layer-grace-s", str(GRACE_S), "--gc-interval-s", "3600").start()
 
 
 async def test_a_layer_used_on_a_node_survives_two_replicas_collecting_at_once(

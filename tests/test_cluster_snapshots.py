@@ -20,13 +20,13 @@ from typing import Any, Iterator
 import pytest
 
 import dsec
-from conftest import Server, free_port
+from conftest import Server
 
 pytest.importorskip("ray", reason="the cluster tests need the `cluster` extra (Ray)")
 from dsec.cluster.local import LocalRayCluster  # noqa: E402
 from dsec.store.local_postgres import LocalPostgres  # noqa: E402
 from dsec.substrates.host.volume import VOLUME_DIR  # noqa: E402
-from test_cluster import died, started_cluster, wait_for_edge  # noqa: E402
+from test_cluster import died, replica_server, started_cluster, wait_for_edge  # noqa: E402
 
 FN_IMAGE = "python-3.11"
 
@@ -40,10 +40,8 @@ def ray_cluster(images) -> Iterator[LocalRayCluster]:  # type: ignore[no-untyped
 @pytest.fixture(scope="module")
 def replica(ray_cluster: LocalRayCluster, local_postgres: LocalPostgres) -> Iterator[Server]:
     url = local_postgres.fresh_database("snapshots_" + secrets.token_hex(3))
-    server = Server(ray_cluster.state_dir, [
-        "--host", "127.0.0.1", "--port", str(free_port()), "--ray", ray_cluster.address,
-        "--state-url", url, "--warm-pool", "0",
-        "--shared-snapshots", str(ray_cluster.state_dir / "shared")]).start()
+    server = replica_server(ray_cluster, url, "--warm-pool", "0", "--shared-snapshots",
+                            str(ray_cluster.state_dir / "shared")).start()
     for node in ray_cluster.nodes[1:]:
         wait_for_edge(server, ray_cluster.edge_of(node))
     yield server

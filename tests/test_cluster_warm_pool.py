@@ -16,12 +16,12 @@ from typing import Any, Iterator
 import pytest
 
 import dsec
-from conftest import Server, free_port
+from conftest import Server
 
 pytest.importorskip("ray", reason="the cluster tests need the `cluster` extra (Ray)")
 from dsec.cluster.local import LocalRayCluster  # noqa: E402
 from dsec.store.local_postgres import LocalPostgres  # noqa: E402
-from test_cluster import started_cluster, wait_for_edge  # noqa: E402
+from test_cluster import replica_server, started_cluster, wait_for_edge  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +33,8 @@ def ray_cluster(images: Any) -> Iterator[LocalRayCluster]:
 @pytest.fixture(scope="module")
 def replica(ray_cluster: LocalRayCluster, local_postgres: LocalPostgres) -> Iterator[Server]:
     url = local_postgres.fresh_database("warm_" + secrets.token_hex(3))
-    server = Server(ray_cluster.state_dir, [
-        "--host", "127.0.0.1", "--port", str(free_port()), "--ray", ray_cluster.address,
-        "--state-url", url, "--warm-pool", "1", "--warm-pool-max", "5",
-        "--warm-pool-hold-s", "30"]).start()
+    server = replica_server(ray_cluster, url, "--warm-pool", "1", "--warm-pool-max", "5",
+                            "--warm-pool-hold-s", "30").start()
     wait_for_edge(server, ray_cluster.edge_of(ray_cluster.nodes[1]))
     yield server
     server.kill(signal.SIGTERM)
