@@ -8,7 +8,8 @@ prints; the variants take turns, so each meets the same machine:
 
 - ``crun spec``'s config running ``echo hi`` (the baseline, as ``bench.BareCrun``);
 - dsec's config (``oci_spec.container_config``) running ``echo hi``, whole and then with one
-  part taken out: the seccomp filter, the cgroup limits, the masked and read-only /proc paths,
+  part taken out: the seccomp filter, its compiled form (crun then compiles the profile
+  itself, as before stop 34), the cgroup limits, the masked and read-only /proc paths,
   dsec's two binds, the network namespace, the rlimit and OOM score;
 - dsec's config as dsec starts it: the agent as init, ``--detach``, until it prints ``R``;
   and the same with the writable layer and run dir on a per-sandbox ext4 disk (disk.py),
@@ -21,6 +22,7 @@ The parts taken out are guarantees dsec keeps; the figures only say what each co
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import secrets
 import shutil
@@ -37,7 +39,8 @@ from dsec.substrates.host import spawn
 from dsec.substrates.host.cgroups import remove_cgroups, sandbox_dirs
 from dsec.substrates.host.disk import DiskPool
 from dsec.substrates.host.loop import unmount_image
-from dsec.substrates.host.oci_spec import container_config
+from dsec.substrates.host.oci_spec import SECCOMP_BPF_ANNOTATION, container_config
+from dsec.substrates.host.seccomp import container_filter_bpf
 from dsec.substrates.host.spawn import Spawned
 
 from .bench import BARE_CGROUP_PARENT, IMAGE, BareCrun, Sample, bare_workspace, phase
@@ -69,7 +72,11 @@ def _without_masks(c: dict[str, Any]) -> None:
 
 
 def _without_seccomp(c: dict[str, Any]) -> None:
-    del c["linux"]["seccomp"]
+    del c["linux"]["seccomp"], c["annotations"][SECCOMP_BPF_ANNOTATION]
+
+
+def _without_compiled_seccomp(c: dict[str, Any]) -> None:
+    del c["annotations"][SECCOMP_BPF_ANNOTATION]
 
 
 # name -> (edits of dsec's config, or None for crun spec's; the agent as init; the writable
@@ -78,6 +85,7 @@ VARIANTS: dict[str, tuple[tuple[Edit, ...] | None, bool, bool]] = {
     "crun spec's config, echo (baseline)": (None, False, False),
     "dsec's config, echo": ((), False, False),
     "  without seccomp": ((_without_seccomp,), False, False),
+    "  the profile compiled by crun, not loaded compiled": ((_without_compiled_seccomp,), False, False),
     "  without cgroup limits (memory, cpu, pids)": ((_without_limits,), False, False),
     "  without masked/read-only paths": ((_without_masks,), False, False),
     "  without dsec's binds (/.dsec, run dir)": ((_without_binds,), False, False),
@@ -113,6 +121,7 @@ class Parts:
         self.root, self.bare = root, bare
         root.mkdir()
         self.tree = str(sandbox_tree())
+        self.seccomp = base64.b64encode(container_filter_bpf()).decode()
         self.disks = DiskPool(root / "disks", (DEFAULT_DISK_MB,))
         self.disks.prepare()
 
@@ -156,7 +165,8 @@ class Parts:
             config = self.bare.config(cid, d / "rootfs", ["/bin/echo", "hi"])
         else:
             config = container_config(cid, CreateRequest(image=IMAGE), str(d / "rootfs"),
-                                      self.tree, str(layer / "run"), BARE_CGROUP_PARENT)
+                                      self.tree, str(layer / "run"), BARE_CGROUP_PARENT,
+                                      self.seccomp)
             for edit in edits:
                 edit(config)
         if not agent:

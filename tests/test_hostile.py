@@ -15,6 +15,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 import tarfile
 import time
 from collections.abc import AsyncIterator
@@ -283,6 +284,26 @@ async def test_mounts_and_namespaces_are_denied(client, hostile) -> None:
         assert r.exit_code != 0, command
     assert "/mnt" not in (await sb.run("cat /proc/mounts")).stdout
     assert await probe(sb, "mount") == {"mount": "EPERM"}
+
+
+async def test_the_seccomp_filter_holds_in_every_abi_a_process_can_call_in(client, hostile) -> None:
+    """A filter is a program per ABI: an agent that finds the x86-64 door shut tries the
+    i386 one (int 0x80) and the x32 one (the syscall number's bit 30) with a call the filter
+    denies and nothing else does (unshare(0) changes nothing and needs no privilege). The
+    server loads its compiled form of the profile into crun (``seccomp.container_filter_bpf``):
+    every ABI the host's kernel offers is open to what the profile allows, and refuses
+    unshare with EPERM: none is left unfiltered, none kills its caller. The same probe run on
+    the host, unfiltered, says which ABIs the kernel offers."""
+    sb = await with_probe(client, hostile)
+    unfiltered = subprocess.run([sys.executable, str(PROBE), "abis"], capture_output=True,
+                                text=True, check=True).stdout
+    host = dict(line.split("=", 1) for line in unfiltered.splitlines())
+    facts = await probe(sb, "abis")
+    assert host["x86_64_unshare"] == "0", host
+    for abi in ("x86_64", "i386", "x32"):
+        assert facts[f"{abi}_getpid"] == host[f"{abi}_getpid"], (abi, facts, host)
+        if not host[f"{abi}_unshare"].startswith("killed"):  # the kernel takes the call
+            assert facts[f"{abi}_unshare"] == "EPERM", (abi, facts, host)
 
 
 async def test_overwritten_image_tools_come_back_in_the_next_sandbox(client, hostile) -> None:

@@ -82,6 +82,50 @@ def mount() -> None:
     print(f"mount={'mounted' if rc == 0 else err_name(ctypes.get_errno())}")
 
 
+def abis() -> None:
+    """unshare(0), which changes nothing and needs no privilege, through each of the x86 ABIs
+    a 64-bit process can call the kernel in: the seccomp filter must refuse it in every one.
+    Each call is made in a child: a call the kernel or the filter kills is seen as killed.
+    getpid (always allowed) shows whether the kernel offers the ABI at all."""
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+
+    def int80(nr: int) -> int:  # the i386 ABI: push rbx; mov eax, nr; xor ebx, ebx; int 0x80; pop rbx; ret
+        page = libc.mmap(None, 4096, 7, 0x22, -1, 0)  # rwx, private anonymous
+        code = b"\x53\xb8" + nr.to_bytes(4, "little") + b"\x31\xdb\xcd\x80\x5b\xc3"
+        ctypes.memmove(page, code, len(code))
+        return ctypes.CFUNCTYPE(ctypes.c_int)(page)()
+
+    def syscall(nr: int) -> int:  # the x86-64 ABI, and x32's (nr | 0x40000000)
+        rc = libc.syscall(nr, 0)
+        return rc if rc >= 0 else -ctypes.get_errno()
+
+    calls = {"x86_64": (lambda: syscall(39), lambda: syscall(272)),
+             "i386": (lambda: int80(20), lambda: int80(310)),
+             "x32": (lambda: syscall(0x40000000 | 39), lambda: syscall(0x40000000 | 272))}
+    for abi, (getpid, unshare) in calls.items():
+        pid = in_child(getpid)
+        print(f"{abi}_getpid={'works' if pid.isdigit() else pid}")
+        print(f"{abi}_unshare={in_child(unshare)}")
+
+
+def in_child(call) -> str:  # type: ignore[no-untyped-def]
+    """``call()``'s result as a name (``0``, a pid, ``EPERM``), or how its child died."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        rc = call()
+        os.write(w, (str(rc) if rc >= 0 else err_name(-rc)).encode())
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        out = f.read().decode()
+    _, status = os.waitpid(pid, 0)
+    return out if os.WIFEXITED(status) else f"killed by signal {os.WTERMSIG(status)}"
+
+
 def frame(kind: str, fields: list[tuple[str, str]]) -> bytes:
     body = kind.encode()
     for k, v in fields:
@@ -149,4 +193,4 @@ def impostor() -> None:
 
 if __name__ == "__main__":
     {"proc": proc, "ptrace": ptrace, "mount": mount, "agent": agent,
-     "impostor": impostor}[sys.argv[1]](*sys.argv[2:])
+     "impostor": impostor, "abis": abis}[sys.argv[1]](*sys.argv[2:])

@@ -17,6 +17,7 @@ starts in); the host reaches them through ``MountSpace.path()``.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import ctypes
 import errno
@@ -46,6 +47,7 @@ from ..host.mountns import inside, own_fs
 from ..host.oci_spec import container_config
 from ..host.pidwatch import PidWatch
 from ..host.sealed import sealed_copy
+from ..host.seccomp import container_filter_bpf
 from ..host.spawn import Spawned
 from ..host.tree import remove_tree
 from ..host.volume import DiskVolume
@@ -97,6 +99,7 @@ class ContainerSubstrate(Substrate):
         self.disks = DiskPool(volume.root / "disks", (DEFAULT_DISK_MB,), DISK_DIRS + UPPER_DIRS)
         self.spaces = MountSpaces(self._dir)
         self._tree: Path | None = None  # mounted read-only at /.dsec
+        self._seccomp_bpf = ""  # the sandboxes' seccomp filter, compiled once (base64)
         self._pids = PidWatch(self.cgroup_parent)
         # Bundle set-up and teardown wait on kernel locks (mounts, cgroups) under load: in
         # threads, they never stall the event loop. They enter sandboxes' mount namespaces.
@@ -116,6 +119,7 @@ class ContainerSubstrate(Substrate):
         if not cgroups.is_cgroup2_only():
             await self._favor_dynmods()
         self._tree = await asyncio.to_thread(sandbox_tree)
+        self._seccomp_bpf = base64.b64encode(await asyncio.to_thread(container_filter_bpf)).decode()
         await self.network.recover()
 
     async def _favor_dynmods(self) -> None:
@@ -324,9 +328,9 @@ class ContainerSubstrate(Substrate):
                 (disk / rel).mkdir(parents=True)
         run, rootfs = disk / "run", d / "rootfs"
         overlay_mount(lowers, disk / "upper", disk / "work", rootfs)
-        assert self._tree is not None, "prepare() runs before start()"
+        assert self._tree is not None and self._seccomp_bpf, "prepare() runs before start()"
         config = container_config(plan.sandbox_id, plan.request, str(rootfs), str(self._tree),
-                                  str(run), self.cgroup_parent)
+                                  str(run), self.cgroup_parent, self._seccomp_bpf)
         (d / "config.json").write_text(json.dumps(config))
 
     def _open_disk(self, sandbox_id: str) -> int:

@@ -55,11 +55,18 @@ CLONE_NAMESPACE_FLAGS = (0x20000, 0x2000000, 0x4000000, 0x8000000, 0x10000000, 0
                          0x40000000)
 
 
+# the ABIs whose calls the profile filters (libseccomp's names); any other's are killed
+SECCOMP_ARCHES = ("x86_64", "x86", "x32")
+# crun loads these bytes (base64) as the filter and ignores the profile (crun(1)); other
+# runtimes ignore the annotation and compile the profile
+SECCOMP_BPF_ANNOTATION = "run.oci.seccomp_bpf_data"
+
+
 def seccomp_profile() -> dict[str, Any]:
     eperm = 1
     return {
         "defaultAction": "SCMP_ACT_ALLOW",
-        "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"],
+        "architectures": [f"SCMP_ARCH_{arch.upper()}" for arch in SECCOMP_ARCHES],
         "syscalls": [
             {"names": DENIED_SYSCALLS, "action": "SCMP_ACT_ERRNO", "errnoRet": eperm},
             # clone() may not make namespaces: one rule per flag, since a rule can only test
@@ -80,7 +87,10 @@ def container_config(
     dsec_tree: str,
     run_dir: str,
     cgroup_parent: str,
+    seccomp_bpf: str,
 ) -> dict[str, Any]:
+    """``seccomp_bpf``: ``seccomp_profile()`` compiled (``seccomp.container_filter_bpf``), in
+    base64."""
     env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
            "HOME": "/root", "LANG": "C.UTF-8"}
     env.update(request.env)
@@ -92,6 +102,7 @@ def container_config(
         "ociVersion": "1.0.2",
         "root": {"path": rootfs, "readonly": False},
         "hostname": sandbox_id[:63],
+        "annotations": {SECCOMP_BPF_ANNOTATION: seccomp_bpf},
         "process": {
             "terminal": False,
             "user": {"uid": 0, "gid": 0},

@@ -1,10 +1,14 @@
-"""A seccomp filter compiled on the host with libseccomp (ctypes), as raw BPF.
+"""Seccomp filters compiled on the host with libseccomp (ctypes), as raw BPF.
 
-The fn substrate's workers run the image's Python, which need not have libseccomp: the host
-compiles the filter once and each worker loads the bytes with one prctl. The deny-list is the
-container substrate's (``oci_spec``) plus ptrace, pidfd_getfd and chroot: an fn worker is
-root without capabilities, and must not trace its neighbours, take their file descriptors (the
-worker's socket to the server) or build itself a new root.
+Compiled once per server, loaded by each sandbox as bytes:
+- the container substrate's (``oci_spec``'s profile): crun would compile the profile of
+  config.json with libseccomp at every start (about 1 ms of CPU); given the bytes in the
+  ``run.oci.seccomp_bpf_data`` annotation, it loads them instead;
+- the fn substrate's: its workers run the image's Python, which need not have libseccomp,
+  and each loads the bytes with one prctl. Its deny-list is the container's plus ptrace,
+  pidfd_getfd and chroot: an fn worker is root without capabilities, and must not trace its
+  neighbours, take their file descriptors (the worker's socket to the server) or build itself
+  a new root. It allows the native ABI only.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import os
 import tempfile
 
 from ...protocol.errors import NotSupported
-from .oci_spec import CLONE_NAMESPACE_FLAGS, DENIED_SYSCALLS
+from .oci_spec import CLONE_NAMESPACE_FLAGS, DENIED_SYSCALLS, SECCOMP_ARCHES
 
 FN_DENIED = sorted({*DENIED_SYSCALLS, "ptrace", "pidfd_getfd", "chroot", "personality"})
 
@@ -38,10 +42,13 @@ def _lib() -> ctypes.CDLL:
     try:
         lib = ctypes.CDLL(name, use_errno=True)
     except OSError:
-        raise NotSupported("the fn substrate needs libseccomp (Debian package libseccomp2)") from None
+        raise NotSupported("sandboxes need libseccomp (Debian package libseccomp2)") from None
     lib.seccomp_init.restype = ctypes.c_void_p
     lib.seccomp_init.argtypes = [ctypes.c_uint32]
     lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+    lib.seccomp_arch_resolve_name.restype = ctypes.c_uint32
+    lib.seccomp_arch_resolve_name.argtypes = [ctypes.c_char_p]
+    lib.seccomp_arch_add.argtypes = [ctypes.c_void_p, ctypes.c_uint32]
     lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int,
                                            ctypes.c_uint, ctypes.POINTER(_ArgCmp)]
     lib.seccomp_export_bpf.argtypes = [ctypes.c_void_p, ctypes.c_int]
@@ -49,12 +56,28 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
+def container_filter_bpf() -> bytes:
+    """``oci_spec.seccomp_profile()``, compiled: the same rules for the same ABIs."""
+    return _deny_list_bpf(DENIED_SYSCALLS, SECCOMP_ARCHES)
+
+
 def fn_filter_bpf() -> bytes:
-    """The worker filter as a ``struct sock_filter[]`` for this (x86-64) host."""
+    """The fn worker's filter, for the host's own ABI only."""
+    return _deny_list_bpf(FN_DENIED, ())
+
+
+def _deny_list_bpf(denied: list[str], arches: tuple[str, ...]) -> bytes:
+    """A filter as a ``struct sock_filter[]``: every call allowed but ``denied`` (EPERM),
+    clone with a namespace flag (EPERM) and clone3 (ENOSYS), in the host's ABI and in
+    ``arches`` (libseccomp's names; a call of any other ABI kills the thread)."""
     lib = _lib()
     ctx = lib.seccomp_init(_SCMP_ACT_ALLOW)
     try:
-        for name in FN_DENIED:
+        for arch in arches:
+            rc = lib.seccomp_arch_add(ctx, lib.seccomp_arch_resolve_name(arch.encode()))
+            if rc not in (0, -errno.EEXIST):  # the host's own is in already
+                raise OSError(-rc, f"seccomp architecture {arch}: {os.strerror(-rc)}")
+        for name in denied:
             nr = lib.seccomp_syscall_resolve_name(name.encode())
             if nr >= 0:
                 _add(lib, ctx, _act_errno(errno.EPERM), nr, [])

@@ -1,0 +1,76 @@
+"""The seccomp filters the server compiles (``substrates/host/seccomp.py``), loaded into a
+child process as a sandbox loads them: what each refuses, with which errno, and what it
+lets through. Loading a filter needs no privilege once no_new_privs is set."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import struct
+
+import pytest
+
+from dsec.substrates.host.seccomp import container_filter_bpf, fn_filter_bpf
+
+libc = ctypes.CDLL(None, use_errno=True)
+PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
+SYS_PERSONALITY, SYS_UNSHARE, SYS_CLONE3, SYS_GETPID = 135, 272, 435, 39
+QUERY_PERSONALITY = 0xFFFFFFFF
+
+
+def results_under(bpf: bytes, calls: dict[str, tuple[int, ...]]) -> dict[str, str]:
+    """Each raw syscall's result (``ok`` or its errno's name) in a child that loaded ``bpf``."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: load the filter, make the calls, report, exit
+        try:
+            program = ctypes.create_string_buffer(bpf, len(bpf))
+            fprog = ctypes.create_string_buffer(
+                struct.pack("HxxxxxxQ", len(bpf) // 8, ctypes.addressof(program)))
+            if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) or \
+                    libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, fprog, 0, 0):
+                os.write(w, b"load=" + errno.errorcode[ctypes.get_errno()].encode())
+                os._exit(1)
+            out = []
+            for name, (nr, *args) in calls.items():
+                rc = libc.syscall(nr, *(ctypes.c_ulong(a) for a in args))
+                out.append(f"{name}={'ok' if rc >= 0 else errno.errorcode[ctypes.get_errno()]}")
+            os.write(w, "\n".join(out).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        report = f.read().decode()
+    os.waitpid(pid, 0)
+    return dict(line.split("=", 1) for line in report.splitlines())
+
+
+CALLS = {"getpid": (SYS_GETPID,), "unshare": (SYS_UNSHARE, 0), "clone3": (SYS_CLONE3, 0, 0),
+         "personality": (SYS_PERSONALITY, QUERY_PERSONALITY)}
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86-64 syscall numbers")
+def test_the_container_filter_refuses_the_profiles_calls_and_allows_the_rest() -> None:
+    assert results_under(container_filter_bpf(), CALLS) == {
+        "getpid": "ok", "personality": "ok",
+        "unshare": "EPERM",  # even unshare(0), which would change nothing
+        "clone3": "ENOSYS",  # so that libc falls back to clone, whose flags the filter sees
+    }
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86-64 syscall numbers")
+def test_the_fn_filter_refuses_more_than_the_containers() -> None:
+    assert results_under(fn_filter_bpf(), CALLS) == {
+        "getpid": "ok", "personality": "EPERM", "unshare": "EPERM", "clone3": "ENOSYS"}
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86-64 syscall numbers")
+def test_unfiltered_the_same_calls_go_through() -> None:
+    """The control: without a filter, unshare(0) and the personality query succeed, and
+    clone3 with no arguments is refused by the kernel as invalid, not as unimplemented."""
+    assert results_under(b"", {}) == {"load": "EINVAL"}  # an empty program is no filter
+    r = libc.syscall(SYS_UNSHARE, ctypes.c_ulong(0))
+    assert r == 0 and libc.syscall(SYS_PERSONALITY, ctypes.c_ulong(QUERY_PERSONALITY)) >= 0
+    assert libc.syscall(SYS_CLONE3, ctypes.c_ulong(0), ctypes.c_ulong(0)) == -1
+    assert ctypes.get_errno() in (errno.EINVAL, errno.EFAULT)
