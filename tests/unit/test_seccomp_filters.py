@@ -1,9 +1,11 @@
 """The seccomp filters the server compiles (``substrates/host/seccomp.py``), loaded into a
 child process as a sandbox loads them: what each refuses, with which errno, and what it
-lets through. Loading a filter needs no privilege once no_new_privs is set."""
+lets through (loading one needs no privilege once no_new_privs is set); and the OCI config
+that carries the container's."""
 
 from __future__ import annotations
 
+import base64
 import ctypes
 import errno
 import os
@@ -11,6 +13,12 @@ import struct
 
 import pytest
 
+from dsec.protocol.models import CreateRequest
+from dsec.substrates.host.oci_spec import (
+    SECCOMP_BPF_ANNOTATION,
+    container_config,
+    seccomp_profile,
+)
 from dsec.substrates.host.seccomp import container_filter_bpf, fn_filter_bpf
 
 libc = ctypes.CDLL(None, use_errno=True)
@@ -74,3 +82,17 @@ def test_unfiltered_the_same_calls_go_through() -> None:
     assert r == 0 and libc.syscall(SYS_PERSONALITY, ctypes.c_ulong(QUERY_PERSONALITY)) >= 0
     assert libc.syscall(SYS_CLONE3, ctypes.c_ulong(0), ctypes.c_ulong(0)) == -1
     assert ctypes.get_errno() in (errno.EINVAL, errno.EFAULT)
+
+
+def test_a_config_carries_the_compiled_filter_for_crun_and_the_profile_for_other_runtimes() -> None:
+    """crun loads the annotation's bytes and ignores the profile; runc and runsc ignore the
+    annotation and compile the profile. Without compiled bytes (no libseccomp on the server)
+    the profile alone is there, and crun compiles it."""
+    compiled = base64.b64encode(container_filter_bpf()).decode()
+    args = ("sb-1", CreateRequest(image="debian"), "/r", "/t", "/run", "/dsec")
+    config = container_config(*args, compiled)
+    assert base64.b64decode(config["annotations"][SECCOMP_BPF_ANNOTATION]) == container_filter_bpf()
+    assert config["linux"]["seccomp"] == seccomp_profile()
+    bare = container_config(*args, None)
+    assert SECCOMP_BPF_ANNOTATION not in bare["annotations"]
+    assert bare["linux"]["seccomp"] == seccomp_profile()

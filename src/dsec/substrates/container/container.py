@@ -99,7 +99,7 @@ class ContainerSubstrate(Substrate):
         self.disks = DiskPool(volume.root / "disks", (DEFAULT_DISK_MB,), DISK_DIRS + UPPER_DIRS)
         self.spaces = MountSpaces(self._dir)
         self._tree: Path | None = None  # mounted read-only at /.dsec
-        self._seccomp_bpf = ""  # the sandboxes' seccomp filter, compiled once (base64)
+        self._seccomp_bpf: str | None = None  # the sandboxes' seccomp filter, compiled once
         self._pids = PidWatch(self.cgroup_parent)
         # Bundle set-up and teardown wait on kernel locks (mounts, cgroups) under load: in
         # threads, they never stall the event loop. They enter sandboxes' mount namespaces.
@@ -119,7 +119,7 @@ class ContainerSubstrate(Substrate):
         if not cgroups.is_cgroup2_only():
             await self._favor_dynmods()
         self._tree = await asyncio.to_thread(sandbox_tree)
-        self._seccomp_bpf = base64.b64encode(await asyncio.to_thread(container_filter_bpf)).decode()
+        self._seccomp_bpf = await asyncio.to_thread(_compiled_seccomp)
         await self.network.recover()
 
     async def _favor_dynmods(self) -> None:
@@ -328,7 +328,7 @@ class ContainerSubstrate(Substrate):
                 (disk / rel).mkdir(parents=True)
         run, rootfs = disk / "run", d / "rootfs"
         overlay_mount(lowers, disk / "upper", disk / "work", rootfs)
-        assert self._tree is not None and self._seccomp_bpf, "prepare() runs before start()"
+        assert self._tree is not None, "prepare() runs before start()"
         config = container_config(plan.sandbox_id, plan.request, str(rootfs), str(self._tree),
                                   str(run), self.cgroup_parent, self._seccomp_bpf)
         (d / "config.json").write_text(json.dumps(config))
@@ -575,6 +575,18 @@ def _holds_state(runtime_root: Path, sandbox_id: str) -> bool:
     runsc = f"{sandbox_id}_sandbox:{sandbox_id}"
     return ((runtime_root / sandbox_id).is_dir() or (runtime_root / f"{runsc}.state").exists()
             or (runtime_root / f"{runsc}.lock").exists())
+
+
+def _compiled_seccomp() -> str | None:
+    """The sandboxes' seccomp filter compiled (base64), or None where the server cannot load
+    libseccomp (a static runtime needs none): the runtime then compiles config.json's
+    profile, the same filter, at each start."""
+    try:
+        return base64.b64encode(container_filter_bpf()).decode()
+    except NotSupported as exc:
+        log.warning("%s: the runtime compiles the seccomp profile at each sandbox start "
+                    "(about 1 ms of CPU each)", exc)
+        return None
 
 
 def _clone_disk(image: Path, d: Path) -> None:

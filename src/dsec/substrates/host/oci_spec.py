@@ -87,10 +87,10 @@ def container_config(
     dsec_tree: str,
     run_dir: str,
     cgroup_parent: str,
-    seccomp_bpf: str,
+    seccomp_bpf: str | None,
 ) -> dict[str, Any]:
     """``seccomp_bpf``: ``seccomp_profile()`` compiled (``seccomp.container_filter_bpf``), in
-    base64."""
+    base64; None leaves its compiling to the runtime."""
     env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
            "HOME": "/root", "LANG": "C.UTF-8"}
     env.update(request.env)
@@ -102,7 +102,7 @@ def container_config(
         "ociVersion": "1.0.2",
         "root": {"path": rootfs, "readonly": False},
         "hostname": sandbox_id[:63],
-        "annotations": {SECCOMP_BPF_ANNOTATION: seccomp_bpf},
+        "annotations": {SECCOMP_BPF_ANNOTATION: seccomp_bpf} if seccomp_bpf else {},
         "process": {
             "terminal": False,
             "user": {"uid": 0, "gid": 0},
