@@ -22,7 +22,6 @@ The parts taken out are guarantees dsec keeps; the figures only say what each co
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import secrets
 import shutil
@@ -40,7 +39,7 @@ from dsec.substrates.host.cgroups import remove_cgroups, sandbox_dirs
 from dsec.substrates.host.disk import DiskPool
 from dsec.substrates.host.loop import unmount_image
 from dsec.substrates.host.oci_spec import SECCOMP_BPF_ANNOTATION, container_config
-from dsec.substrates.host.seccomp import container_filter_bpf
+from dsec.substrates.host.seccomp import container_filter_b64
 from dsec.substrates.host.spawn import Spawned
 
 from .bench import BARE_CGROUP_PARENT, IMAGE, BareCrun, Sample, bare_workspace, phase
@@ -121,7 +120,7 @@ class Parts:
         self.root, self.bare = root, bare
         root.mkdir()
         self.tree = str(sandbox_tree())
-        self.seccomp = base64.b64encode(container_filter_bpf()).decode()
+        self.seccomp = container_filter_b64()
         self.disks = DiskPool(root / "disks", (DEFAULT_DISK_MB,))
         self.disks.prepare()
 

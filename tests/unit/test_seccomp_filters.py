@@ -19,7 +19,11 @@ from dsec.substrates.host.oci_spec import (
     container_config,
     seccomp_profile,
 )
-from dsec.substrates.host.seccomp import container_filter_bpf, fn_filter_bpf
+from dsec.substrates.host.seccomp import (
+    container_filter_b64,
+    container_filter_bpf,
+    fn_filter_bpf,
+)
 
 libc = ctypes.CDLL(None, use_errno=True)
 PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
@@ -88,9 +92,8 @@ def test_a_config_carries_the_compiled_filter_for_crun_and_the_profile_for_other
     """crun loads the annotation's bytes and ignores the profile; runc and runsc ignore the
     annotation and compile the profile. Without compiled bytes (no libseccomp on the server)
     the profile alone is there, and crun compiles it."""
-    compiled = base64.b64encode(container_filter_bpf()).decode()
     args = ("sb-1", CreateRequest(image="debian"), "/r", "/t", "/run", "/dsec")
-    config = container_config(*args, compiled)
+    config = container_config(*args, container_filter_b64())
     assert base64.b64decode(config["annotations"][SECCOMP_BPF_ANNOTATION]) == container_filter_bpf()
     assert config["linux"]["seccomp"] == seccomp_profile()
     bare = container_config(*args, None)

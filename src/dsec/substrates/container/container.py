@@ -17,7 +17,6 @@ starts in); the host reaches them through ``MountSpace.path()``.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import ctypes
 import errno
@@ -47,7 +46,7 @@ from ..host.mountns import inside, own_fs
 from ..host.oci_spec import container_config
 from ..host.pidwatch import PidWatch
 from ..host.sealed import sealed_copy
-from ..host.seccomp import container_filter_bpf
+from ..host.seccomp import container_filter_b64
 from ..host.spawn import Spawned
 from ..host.tree import remove_tree
 from ..host.volume import DiskVolume
@@ -582,7 +581,7 @@ def _compiled_seccomp() -> str | None:
     libseccomp (a static runtime needs none): the runtime then compiles config.json's
     profile, the same filter, at each start."""
     try:
-        return base64.b64encode(container_filter_bpf()).decode()
+        return container_filter_b64()
     except NotSupported as exc:
         log.warning("%s: the runtime compiles the seccomp profile at each sandbox start "
                     "(about 1 ms of CPU each)", exc)

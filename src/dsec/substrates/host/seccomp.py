@@ -13,6 +13,7 @@ Compiled once per server, loaded by each sandbox as bytes:
 
 from __future__ import annotations
 
+import base64
 import ctypes
 import ctypes.util
 import errno
@@ -59,6 +60,11 @@ def _lib() -> ctypes.CDLL:
 def container_filter_bpf() -> bytes:
     """``oci_spec.seccomp_profile()``, compiled: the same rules for the same ABIs."""
     return _deny_list_bpf(DENIED_SYSCALLS, SECCOMP_ARCHES)
+
+
+def container_filter_b64() -> str:
+    """``container_filter_bpf()`` in base64, as crun's annotation takes it."""
+    return base64.b64encode(container_filter_bpf()).decode()
 
 
 def fn_filter_bpf() -> bytes:
