@@ -3,7 +3,7 @@ connections leave them to it; what they committed is durable before any checkpoi
 process killed between a step's claim and its outcome leaves the step interrupted, the
 one before it whole); readers in other processes (``dsec ls``, a second server on the file)
 read every commit while the server writes and checkpoints; the thread is shared per file and
-stops with its last user."""
+stops with its last user; servers that open a new file at the same moment all get it in WAL mode."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from dsec.protocol.digest import StepRequest
@@ -137,3 +138,24 @@ def test_a_reader_in_another_process_reads_every_commit(tmp_path: Path) -> None:
         db.close()
     with sqlite3.connect(path) as check:  # the last connection closed: all in the file
         assert check.execute("SELECT COUNT(*) FROM t").fetchone()[0] == reads * 40
+
+
+def test_servers_opening_a_new_file_at_once_all_open_it(tmp_path: Path) -> None:
+    # the switch to WAL needs the file to itself; SQLite tells the losers "locked" at once
+    failures: list[BaseException] = []
+
+    def open_store(path: Path) -> None:
+        try:
+            StateStore(path).close()
+        except BaseException as e:  # noqa: BLE001 - collected for the assertion
+            failures.append(e)
+
+    for attempt in range(60):
+        path = tmp_path / f"{attempt}" / "state.db"
+        openers = [threading.Thread(target=open_store, args=(path,)) for _ in range(4)]
+        for t in openers:
+            t.start()
+        for t in openers:
+            t.join()
+        assert sqlite3.connect(path).execute("PRAGMA journal_mode").fetchone() == ("wal",)
+    assert failures == []

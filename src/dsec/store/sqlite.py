@@ -130,6 +130,24 @@ def _snapshot_row(r: Row) -> SnapshotRow:
     return SnapshotRow(**d)
 
 
+BUSY_TIMEOUT_MS = 5000
+
+
+def _switch_to_wal(db: sqlite3.Connection) -> None:
+    """Put the file in WAL mode. Two processes opening a new file at once collide on this
+    switch, and SQLite answers the loser "locked" at once, without its busy handler: retry
+    within the busy timeout, as any other statement would wait."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)
+
+
 def connect(path: Path, schema: str) -> sqlite3.Connection:
     """A connection to the state database in autocommit mode, WAL journal, with ``schema``
     applied: commits survive a crash of the process; readers in other processes never block.
@@ -138,9 +156,9 @@ def connect(path: Path, schema: str) -> sqlite3.Connection:
     path.parent.mkdir(parents=True, exist_ok=True)
     db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     db.row_factory = sqlite3.Row
-    db.execute("PRAGMA journal_mode=WAL")
+    db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+    _switch_to_wal(db)
     db.execute("PRAGMA synchronous=NORMAL")
-    db.execute("PRAGMA busy_timeout=5000")
     db.execute(f"PRAGMA wal_autocheckpoint={BACKSTOP_PAGES}")
     db.executescript(schema)
     return db
