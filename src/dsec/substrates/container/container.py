@@ -50,6 +50,7 @@ from ..host.seccomp import container_filter_b64
 from ..host.spawn import Spawned
 from ..host.tree import remove_tree
 from ..host.volume import DiskVolume
+from .disk_stock import DiskStock
 from .spaces import MountSpace, MountSpaces
 from .starts import StartSlots
 
@@ -96,6 +97,7 @@ class ContainerSubstrate(Substrate):
         self.edge_id = edge_id
         self.mounter = mounter or LayerMounter()
         self.disks = DiskPool(volume.root / "disks", (DEFAULT_DISK_MB,), DISK_DIRS + UPPER_DIRS)
+        self.stock = DiskStock(self.disks, volume.root / "disks" / "stock", DEFAULT_DISK_MB)
         self.spaces = MountSpaces(self._dir)
         self._tree: Path | None = None  # mounted read-only at /.dsec
         self._seccomp_bpf: str | None = None  # the sandboxes' seccomp filter, compiled once
@@ -110,6 +112,7 @@ class ContainerSubstrate(Substrate):
     async def prepare(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         self.disks.prepare()
+        await asyncio.to_thread(self.stock.prepare)
         self.runtime_root = state_root(self._earlier_runtime_root, self.volume.root / RUNTIME_DIR)
         for runtime in RUNTIMES:
             (self.runtime_root / runtime).mkdir(parents=True, exist_ok=True)
@@ -136,6 +139,7 @@ class ContainerSubstrate(Substrate):
                      "runs (sandbox starts join their cgroups without an RCU grace period)")
 
     async def close(self) -> None:
+        await asyncio.to_thread(self.stock.close)
         cgroups.remove_parent_if_unused(self.cgroup_parent)
         if self._favoring is not None:
             os.close(self._favoring)
@@ -303,11 +307,19 @@ class ContainerSubstrate(Substrate):
         of the sandbox's, and config.json (in a worker thread)."""
         d.mkdir()
         lowers = self.mounter.lowerdirs(plan.image)  # in the host's namespace: every sandbox's
-        space = self.spaces.make(plan.sandbox_id)
-        if plan.disk_from is None:
+        stocked = None
+        if plan.disk_from is None and plan.request.disk_mb == self.stock.size_mb:
+            stocked = self.stock.take(d / "disk.img", d / "disk")
+        if stocked is not None:
+            namespace, dev = stocked
+            space = self.spaces.make(plan.sandbox_id, namespace)
+            space.disk = dev
+        elif plan.disk_from is None:
+            space = self.spaces.make(plan.sandbox_id)
             space.disk = self.disks.attach(d / "disk.img", d / "disk", plan.request.disk_mb,
                                            space.namespace)
         else:
+            space = self.spaces.make(plan.sandbox_id)
             _clone_disk(plan.disk_from, d)
             space.disk = _mount_disk(d, space.namespace)
         (d / "rootfs").mkdir()
