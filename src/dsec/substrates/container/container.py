@@ -307,19 +307,11 @@ class ContainerSubstrate(Substrate):
         of the sandbox's, and config.json (in a worker thread)."""
         d.mkdir()
         lowers = self.mounter.lowerdirs(plan.image)  # in the host's namespace: every sandbox's
-        stocked = None
-        if plan.disk_from is None and plan.request.disk_mb == self.stock.size_mb:
-            stocked = self.stock.take(d / "disk.img", d / "disk")
-        if stocked is not None:
-            namespace, dev = stocked
-            space = self.spaces.make(plan.sandbox_id, namespace)
-            space.disk = dev
-        elif plan.disk_from is None:
-            space = self.spaces.make(plan.sandbox_id)
-            space.disk = self.disks.attach(d / "disk.img", d / "disk", plan.request.disk_mb,
-                                           space.namespace)
+        space = self.spaces.make(plan.sandbox_id)
+        if plan.disk_from is None:
+            disk = (d / "disk.img", d / "disk", plan.request.disk_mb, space.namespace)
+            space.disk = self.stock.take(*disk) or self.disks.attach(*disk)
         else:
-            space = self.spaces.make(plan.sandbox_id)
             _clone_disk(plan.disk_from, d)
             space.disk = _mount_disk(d, space.namespace)
         (d / "rootfs").mkdir()

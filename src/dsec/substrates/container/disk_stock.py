@@ -1,22 +1,22 @@
-"""A stock of fresh disks, each already mounted in a mount namespace of its own: what a cold
-create of the default disk size takes instead of attaching a disk on its path.
+"""A stock of fresh disks, each attached and mounted already, in no mount namespace yet: what a
+cold create of the default disk size takes instead of attaching a disk on its path.
 
 Attaching a sandbox's disk (``host/disk.py``: a clone of the golden image, a loop device
-configured over it, its ext4 file system mounted) and making the namespace it is mounted in
-(``spaces.py``) take 2–3 ms of every cold create, ahead of its runtime's start. A stocked disk
-has had all of it done: a create renames its image file into the sandbox's bundle dir, moves
-its mount (``MS_MOVE``, inside its namespace) onto the bundle's ``disk`` dir, and the namespace
-becomes the sandbox's ``MountSpace``. One thread refills the stock behind the takes, one disk
-at a time, once no disk was taken for ``QUIET_S``: off every create's path; a burst that
-empties it attaches its disks as before.
+configured over it, its ext4 file system mounted) takes 2–3 ms of every cold create, ahead of
+its runtime's start. A stocked disk has had all of it done: its file system is mounted with
+the mount API (``host/loop.py``: ``loop_mount_detached``), a mount held by an fd and in no
+namespace. A create renames the disk's image file into the sandbox's bundle dir and attaches
+the mount at the bundle's ``disk`` dir inside the sandbox's new namespace (``spaces.py``). One
+thread refills the stock, one disk at a time, once no disk was taken for ``QUIET_S``: off
+every create's path; a burst that empties the stock attaches its disks as before.
 
-A disk is stocked fresh and is never given back: what one sandbox wrote never reaches another.
-The quota is the same: a stocked disk is the same file system of ``DEFAULT_DISK_MB``.
+A disk is stocked fresh and never given back: what one sandbox wrote never reaches another.
+The quota is the same: a stocked disk is the same file system of the same size.
 
-Nothing of the stock is in the host's mount table, and nothing but this process's fds holds
-its namespaces: if the server dies, the kernel drops their mounts and autoclear detaches the
-loop devices; the next start deletes the image files and empty mount points left in the
-stock's directory (dsec's own: no sandbox can write there).
+Nothing of the stock is in any mount table, and nothing but this process's fds holds its
+mounts: if the server dies, the kernel drops them and autoclear detaches the loop devices;
+the next start deletes the image files left in the stock's directory (dsec's own: no sandbox
+can write there).
 """
 
 from __future__ import annotations
@@ -31,30 +31,30 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..host.disk import DiskPool
-from ..host.loop import wait_detached
-from ..host.mountns import inside, move_mount, new_private, own_fs
+from ..host.loop import attach_detached, loop_mount_detached, wait_detached
+from ..host.mountns import inside
 
 log = logging.getLogger("dsec.disk_stock")
 
 DEPTH = 8  # disks kept mounted: a few creates in a row, and a small burst's first
 # A refill waits until no disk was taken for this long: a mount takes the kernel's mount lock,
 # which the creates under way need for their overlays, so the stock refills after a burst,
-# not during it (creates that find it empty attach their disks themselves, as before).
+# not during it.
 QUIET_S = 0.05
 
 
 @dataclass
 class Stocked:
-    """A fresh disk: its image file, mounted at ``mount`` in ``namespace`` through ``dev``."""
+    """A fresh disk: its image file, mounted through ``dev`` in the mount held by ``mount``."""
 
-    namespace: int
+    mount: int
     image: Path
-    mount: Path
     dev: str
 
 
 class DiskStock:
-    """Up to ``depth`` fresh ``size_mb`` disks of ``disks``, mounted, in ``directory``."""
+    """Up to ``depth`` fresh ``size_mb`` disks of ``disks``, mounted, their files in
+    ``directory``."""
 
     def __init__(self, disks: DiskPool, directory: Path, size_mb: int, depth: int = DEPTH) -> None:
         self.disks, self.dir, self.size_mb, self.depth = disks, directory, size_mb, depth
@@ -62,31 +62,24 @@ class DiskStock:
         self._lock = threading.Lock()
         self._closed = False
         self._last_take = 0.0
-        # one disk at a time, in a thread that may enter namespaces (mountns.own_fs)
-        self._filler = ThreadPoolExecutor(1, thread_name_prefix="dsec-disk-stock",
-                                          initializer=own_fs)
+        self._filler = ThreadPoolExecutor(1, thread_name_prefix="dsec-disk-stock")
 
     def prepare(self) -> None:
-        """Remove what a server that died left (image files; mount points, empty since its
-        namespaces went with it), then fill the stock (blocking)."""
+        """Delete the image files a server that died left, then fill the stock (blocking)."""
         self.dir.mkdir(parents=True, exist_ok=True)
         for entry in self.dir.iterdir():
-            if entry.is_dir() and not entry.is_symlink():
-                try:
-                    entry.rmdir()
-                except OSError as exc:  # never emptied by recursion: left, and said
-                    log.warning("disk stock: %s left in place: %s", entry, exc.strerror)
-            else:
+            if entry.is_file():
                 entry.unlink(missing_ok=True)
         for _ in range(self.depth):
             self._filler.submit(self._fill).result()
 
-    def take(self, image: Path, target: Path) -> tuple[int, str] | None:
-        """A stocked disk made ``image`` and mounted at ``target`` (a new dir) in its
-        namespace: (that namespace's fd, now the caller's, and the loop device's name); None
-        when the stock is empty. A disk that fails to move is dropped, and None is returned."""
+    def take(self, image: Path, target: Path, size_mb: int, namespace: int) -> str | None:
+        """A stocked disk made ``image`` and mounted at ``target`` (a new dir) in the mount
+        namespace ``namespace``, from an ``own_fs`` thread: its loop device's name. None for
+        another size than the stock's, when the stock is empty, or when the disk failed to
+        move (it is dropped, and said). Its arguments are ``DiskPool.attach``'s."""
         with self._lock:
-            if not self._ready:
+            if size_mb != self.size_mb or not self._ready:
                 return None
             disk = self._ready.pop()
             self._last_take = time.monotonic()
@@ -94,39 +87,35 @@ class DiskStock:
         try:
             os.rename(disk.image, image)
             target.mkdir()
-            with inside(disk.namespace):
-                move_mount(disk.mount, target)
+            with inside(namespace):
+                attach_detached(disk.mount, target)
         except OSError as exc:
-            log.warning("disk stock: %s could not be moved to %s (%s); the create attaches "
-                        "a disk itself", disk.image, target, exc)
+            log.warning("disk stock: %s could not become %s (%s); the create attaches a disk "
+                        "itself", disk.image, image, exc)
             self._drop(disk, image if image.exists() else disk.image)
             if target.is_dir():
                 target.rmdir()
             return None
-        disk.mount.rmdir()
-        return disk.namespace, disk.dev
+        os.close(disk.mount)  # the namespace holds the mount now
+        return disk.dev
 
     def _fill(self) -> None:
         """One more disk in the stock once takes are quiet, unless it is full or closed; a
-        failure is logged."""
+        failure is logged (creates attach their own disks meanwhile)."""
         while (wait := self._last_take + QUIET_S - time.monotonic()) > 0 and not self._closed:
             time.sleep(wait)
         with self._lock:
             if self._closed or len(self._ready) >= self.depth:
                 return
-        name = secrets.token_hex(6)
-        image, mount = self.dir / f"{name}.img", self.dir / f"{name}.mnt"
-        namespace = new_private()
+        image = self.dir / f"{secrets.token_hex(6)}.img"
         try:
-            dev = self.disks.attach(image, mount, self.size_mb, namespace)
+            self.disks.fresh(image, self.size_mb)
+            mount, dev = loop_mount_detached(image)
         except OSError as exc:
             log.warning("disk stock: no disk made (%s); creates attach their own", exc)
-            os.close(namespace)
             image.unlink(missing_ok=True)
-            if mount.is_dir():
-                mount.rmdir()
             return
-        disk = Stocked(namespace, image, mount, dev)
+        disk = Stocked(mount, image, dev)
         with self._lock:
             if not self._closed:
                 self._ready.append(disk)
@@ -143,10 +132,8 @@ class DiskStock:
 
     @staticmethod
     def _drop(disk: Stocked, image: Path) -> None:
-        """The disk's namespace closed (the kernel unmounts its file system, and autoclear
-        detaches the device), then its file and mount point removed."""
-        os.close(disk.namespace)
+        """The disk's mount closed (the kernel unmounts its file system and autoclear detaches
+        the device), then its file ``image`` removed."""
+        os.close(disk.mount)
         wait_detached(disk.dev, image)
         image.unlink(missing_ok=True)
-        if disk.mount.is_dir():
-            disk.mount.rmdir()

@@ -57,11 +57,10 @@ class MountSpaces:
         self._again = ThreadPoolExecutor(1, thread_name_prefix="dsec-mount-again",
                                          initializer=own_fs)
 
-    def make(self, sandbox_id: str, namespace: int | None = None) -> MountSpace:
-        """A new namespace for the sandbox (or ``namespace``, an fd it takes over), kept until
-        ``removing``; from an ``own_fs`` thread. The sandbox's bundle dir must exist."""
-        if namespace is None:
-            namespace = new_private()
+    def make(self, sandbox_id: str) -> MountSpace:
+        """A new namespace for the sandbox, kept until ``removing``; from an ``own_fs``
+        thread. The sandbox's bundle dir must exist."""
+        namespace = new_private()
         try:
             with inside(namespace):
                 view = os.open(self._bundle(sandbox_id), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)

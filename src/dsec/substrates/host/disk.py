@@ -78,14 +78,18 @@ class DiskPool:
                 os.rename(tmp, path)  # only a whole golden image is ever cloned
         return path
 
-    def attach(self, image: Path, target: Path, size_mb: int, namespace: int | None = None) -> str:
-        """A fresh ``size_mb`` file system at ``image``, mounted at ``target`` (in the mount
-        namespace ``namespace``, if given; blocking); the loop device's name."""
+    def fresh(self, image: Path, size_mb: int) -> None:
+        """A fresh ``size_mb`` file system at ``image`` (blocking)."""
         if size_mb in self.sizes:
             method = clone_file(self.golden(size_mb), image)
             log.debug("disk %s: a %s of the golden image", image, method)
         else:
             format_image(image, size_mb, self.skeleton)
+
+    def attach(self, image: Path, target: Path, size_mb: int, namespace: int | None = None) -> str:
+        """A fresh ``size_mb`` file system at ``image``, mounted at ``target`` (in the mount
+        namespace ``namespace``, if given; blocking); the loop device's name."""
+        self.fresh(image, size_mb)
         target.mkdir()
         return loop_mount(image, target, namespace=namespace)
 

@@ -30,6 +30,7 @@ import os
 import struct
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -43,6 +44,10 @@ LOOP_CTL_GET_FREE, LOOP_CONFIGURE, LO_FLAGS_AUTOCLEAR = 0x4C82, 0x4C0A, 4
 LOOP_MAJOR = 7
 _LOOP_INFO64_SIZE, _LO_FLAGS_OFFSET, _LO_FILE_NAME_OFFSET = 232, 52, 56
 MS_NOSUID, MS_NODEV = 2, 4
+# the mount API's calls (one number on every architecture) and flags
+_MOVE_MOUNT, _FSOPEN, _FSCONFIG, _FSMOUNT = 429, 430, 431, 432
+_CLOEXEC, _FSCONFIG_SET_STRING, _FSCONFIG_CMD_CREATE = 1, 1, 6
+_MOUNT_ATTR_NOSUID, _MOUNT_ATTR_NODEV, _MOVE_MOUNT_F_EMPTY_PATH, _AT_FDCWD = 2, 4, 4, -100
 FS_IOC_SHUTDOWN, SHUTDOWN_NOLOGFLUSH = 0x8004587D, 2  # linux/fs.h: _IOR('X', 125, __u32)
 DETACH_TIMEOUT_S = 4.0
 TRIES_FROM_LIST = 8  # devices of the list tried per attach before the kernel's walk
@@ -57,19 +62,61 @@ def loop_mount(image: Path, target: Path, fstype: str = "ext4", data: str | None
     (nosuid, nodev), in the mount namespace ``namespace`` (an fd) if given; the device's
     name (``loop12``). The image is opened in the calling thread's namespace, the host's, so
     the device's backing file keeps its host path (``holder``) whatever becomes of the
-    other. The device is held open until the mount holds it, or autoclear would detach it
-    at once."""
+    other."""
+    with _attached(image) as dev:
+        with inside(namespace):
+            mount_device(dev, target, fstype, data)
+    return dev
+
+
+def loop_mount_detached(image: Path, fstype: str = "ext4") -> tuple[int, str]:
+    """Attach ``image`` as ``loop_mount`` does and mount it (nosuid, nodev) in no namespace
+    yet: (an fd holding the mount, the device's name). ``attach_detached`` puts the mount
+    in place; closing the fd before that unmounts it, and autoclear detaches the device."""
+    with _attached(image) as dev:
+        return detached_mount(dev, fstype), dev
+
+
+@contextmanager
+def _attached(image: Path) -> Iterator[str]:
+    """``image`` on a free loop device with autoclear, meanwhile: the device is held open
+    until a mount holds it, or autoclear would detach it at once."""
     backing = os.open(image, os.O_RDWR | os.O_CLOEXEC)
     try:
         loop, dev = _free_loop(backing, image)
     finally:
         os.close(backing)
     try:
-        with inside(namespace):
-            mount_device(dev, target, fstype, data)
+        yield dev
     finally:
         os.close(loop)  # without a mount, the last close detaches the device (autoclear)
-    return dev
+
+
+def detached_mount(dev: str, fstype: str) -> int:
+    """The file system on ``dev`` mounted (nosuid, nodev) in no namespace: an fd holding it
+    (the mount API of Linux 5.2: fsopen, fsconfig, fsmount)."""
+    fs = _mount_api(_FSOPEN, fstype.encode(), _CLOEXEC)
+    try:
+        _mount_api(_FSCONFIG, fs, _FSCONFIG_SET_STRING, b"source", f"/dev/{dev}".encode(), 0)
+        _mount_api(_FSCONFIG, fs, _FSCONFIG_CMD_CREATE, None, None, 0)
+        return _mount_api(_FSMOUNT, fs, _CLOEXEC, _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV)
+    finally:
+        os.close(fs)
+
+
+def attach_detached(mount: int, target: Path) -> None:
+    """The mount held by the fd ``mount`` (``detached_mount``) attached at ``target``, in the
+    calling thread's mount namespace."""
+    _mount_api(_MOVE_MOUNT, mount, b"", _AT_FDCWD, os.fsencode(target), _MOVE_MOUNT_F_EMPTY_PATH)
+
+
+def _mount_api(number: int, *args: int | bytes | None) -> int:
+    result = _libc.syscall(ctypes.c_long(number), *(
+        ctypes.c_long(a) if isinstance(a, int) else ctypes.c_char_p(a) for a in args))
+    if result < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount API call {number}: {os.strerror(err)}")
+    return int(result)
 
 
 def mount_device(dev: str, target: Path, fstype: str, data: str | None = None) -> None:

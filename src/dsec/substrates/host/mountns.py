@@ -26,11 +26,10 @@ import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 # linux/sched.h, linux/mount.h
 CLONE_FS, CLONE_NEWNS = 0x200, 0x20000
-MS_MOVE, MS_REC, MS_PRIVATE = 0x2000, 0x4000, 0x40000
+MS_REC, MS_PRIVATE = 0x4000, 0x40000
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
                         ctypes.c_char_p]
@@ -86,10 +85,3 @@ def new_private() -> int:
         return os.open("/proc/thread-self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
     finally:
         _back_to_host()
-
-
-def move_mount(source: Path, target: Path) -> None:
-    """Move the mount at ``source`` onto the directory ``target``, in the calling thread's
-    namespace."""
-    _call(_libc.mount(os.fsencode(source), os.fsencode(target), None, MS_MOVE, None),
-          f"move the mount at {source} to {target}")

@@ -1,0 +1,94 @@
+"""The stock of mounted disks (``substrates/container/disk_stock.py``) as a user and the host
+see it: a cold create of the default size takes a fresh disk of its own, with none of an
+earlier sandbox's files and its whole quota; the stock never shows in the host's mount table
+and fills again once creates are quiet; neither a server's stop nor its crash leaves a loop
+device or a file of it."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import Server, make_server, stop_server
+from dsec.protocol.models import DEFAULT_DISK_MB
+from dsec.substrates.container.disk_stock import DEPTH
+from support.disks import attached_disks
+from test_mount_namespaces import host_mounts
+
+
+@pytest.fixture
+def server(images) -> Server:  # type: ignore[no-untyped-def]
+    srv = make_server("--capacity", "16", "--warm-pool", "0").start()
+    yield srv
+    stop_server(srv)
+
+
+def stock(server: Server) -> Path:
+    return server.volume / "disks" / "stock"
+
+
+def stocked(server: Server) -> set[str]:
+    return {p.name for p in stock(server).glob("*.img")}
+
+
+async def full_stock(server: Server, timeout_s: float = 30) -> set[str]:
+    deadline = time.monotonic() + timeout_s
+    while len(names := stocked(server)) < DEPTH and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert len(names) == DEPTH
+    return names
+
+
+async def test_each_cold_create_takes_a_fresh_disk_of_its_own(server: Server) -> None:
+    async with server.client() as client:
+        first = await client.create(ttl_s=120)  # the image's layers are mounted once
+        await first.write_file("/work/secret", b"the first sandbox's answer")
+        await first.run("sync")
+        await first.stop()
+        before = sorted(host_mounts())
+        names = await full_stock(server)
+        boxes = []
+        for i in range(DEPTH + 2):  # the whole stock, then disks attached on the create's path
+            boxes.append(await client.create(ttl_s=120))
+            if i == 0:
+                assert len(names - stocked(server)) == 1  # it took one of the stock
+        for i, sb in enumerate(boxes):
+            await sb.write_file("/work/mine", f"box {i}".encode())
+        for i, sb in enumerate(boxes):
+            seen = await sb.run("cat /work/secret 2>&1; cat /work/mine; echo; "
+                                "df -k /work | tail -1")
+            lines = seen.stdout.splitlines()
+            assert "No such file" in lines[0] and lines[1] == f"box {i}"
+            size_kb = int(lines[2].split()[1])
+            assert 0.9 * DEFAULT_DISK_MB * 1024 < size_kb <= DEFAULT_DISK_MB * 1024
+        assert sorted(host_mounts()) == before
+        await asyncio.gather(*(sb.stop() for sb in boxes))
+        refilled = await full_stock(server)
+        assert not refilled & names  # fresh disks, none given back
+        assert len(attached_disks(stock(server))) == DEPTH
+        assert sorted(host_mounts()) == before
+
+
+async def test_neither_a_stop_nor_a_crash_leaves_anything_of_the_stock(server: Server) -> None:
+    names = await full_stock(server)
+    assert len(attached_disks(stock(server))) == DEPTH
+    server.kill(signal.SIGKILL)
+    # the namespaces went with the process: the kernel unmounts, autoclear detaches
+    deadline = time.monotonic() + 10
+    while attached_disks(stock(server)) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert attached_disks(stock(server)) == []
+    server.start()
+    again = await full_stock(server)
+    assert not again & names and set(stock(server).iterdir()) == {
+        stock(server) / n for n in again}  # the dead server's files and mount points are gone
+    async with server.client() as client:
+        sb = await client.create(ttl_s=120)
+        assert (await sb.run("echo alive")).stdout == "alive\n"
+        await sb.stop()
+    server.kill(signal.SIGTERM)  # (the volume is unmounted too, since nothing holds it)
+    assert attached_disks(stock(server)) == [] and list(stock(server).glob("*")) == []
