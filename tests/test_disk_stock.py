@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from conftest import Server, make_server, stop_server
+from dsec.images.store import ImageStore
 from dsec.protocol.models import DEFAULT_DISK_MB
 from dsec.substrates.container.disk_stock import DEPTH
 from support.disks import attached_disks
@@ -21,7 +23,7 @@ from test_mount_namespaces import host_mounts
 
 
 @pytest.fixture
-def server(images) -> Server:  # type: ignore[no-untyped-def]
+def server(images: ImageStore) -> Iterator[Server]:
     srv = make_server("--capacity", "16", "--warm-pool", "0").start()
     yield srv
     stop_server(srv)

@@ -9,7 +9,9 @@ Formatting is kept off the create path by one formatted *golden* image per poole
 default ``disk_mb``), made once per volume: a sandbox's disk is a clone of it (``clone_file``:
 one FICLONE on the reflink volume, 0.1 ms, sharing every block; a sparse copy of the few
 hundred KiB mkfs wrote elsewhere). Other sizes are formatted on demand. No spare files are
-kept: a clone is as fast as taking one, and there is nothing to refill.
+kept: a clone is as fast as taking one. What a create does wait for is the loop device and
+the mount (``attach``): the container substrate keeps a few disks of the default size
+attached and mounted ahead (``container/disk_stock.py``, which makes them with ``fresh``).
 
 Every fresh disk already holds the directories its substrate lays out on it (``skeleton``:
 mkfs writes them), so a create makes none: a ``mkdir`` on a fresh file system reads its
