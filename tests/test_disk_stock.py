@@ -2,7 +2,7 @@
 see it: a cold create of the default size takes a fresh disk of its own, with none of an
 earlier sandbox's files and its whole quota; the stock never shows in the host's mount table
 and fills again once creates are quiet; neither a server's stop nor its crash leaves a loop
-device or a file of it."""
+device or a file of it; the warm pool's spawns, on no caller's path, leave it to the callers."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Server, make_server, stop_server
+from conftest import Server, make_server, stop_server, warm_count
 from dsec.images.store import ImageStore
 from dsec.protocol.models import DEFAULT_DISK_MB
 from dsec.substrates.container.disk_stock import DEPTH
@@ -94,3 +94,21 @@ async def test_neither_a_stop_nor_a_crash_leaves_anything_of_the_stock(server: S
         await sb.stop()
     server.kill(signal.SIGTERM)  # (the volume is unmounted too, since nothing holds it)
     assert attached_disks(stock(server)) == [] and list(stock(server).glob("*")) == []
+
+
+async def test_the_warm_pools_spawns_leave_the_stock_to_callers(images: ImageStore) -> None:
+    srv = make_server("--capacity", "16", "--warm-pool", "3").start()
+    try:
+        async with srv.client() as client:
+            await (await client.create(ttl_s=60)).stop()  # cold; the image gets a pool
+            names = await full_stock(srv)
+            for _ in range(2):  # the pool filled, then its three claimed and spawned again
+                deadline = time.monotonic() + 60
+                while await warm_count(client, "container") < 3 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.1)
+                assert await warm_count(client, "container") == 3
+                assert stocked(srv) == names
+                claimed = [await client.create(ttl_s=60) for _ in range(3)]
+                await asyncio.gather(*(sb.stop() for sb in claimed))
+    finally:
+        stop_server(srv)

@@ -309,8 +309,9 @@ class ContainerSubstrate(Substrate):
         lowers = self.mounter.lowerdirs(plan.image)  # in the host's namespace: every sandbox's
         space = self.spaces.make(plan.sandbox_id)
         if plan.disk_from is None:
+            # a warm pool's spawn is on no caller's path: the stock is kept for those that are
             disk = (d / "disk.img", d / "disk", plan.request.disk_mb, space.namespace)
-            space.disk = self.stock.take(*disk) or self.disks.attach(*disk)
+            space.disk = (None if plan.warm else self.stock.take(*disk)) or self.disks.attach(*disk)
         else:
             _clone_disk(plan.disk_from, d)
             space.disk = _mount_disk(d, space.namespace)

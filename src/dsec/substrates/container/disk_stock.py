@@ -8,7 +8,8 @@ the mount API (``host/loop.py``: ``loop_mount_detached``), a mount held by an fd
 namespace. A create renames the disk's image file into the sandbox's bundle dir and attaches
 the mount at the bundle's ``disk`` dir inside the sandbox's new namespace (``spaces.py``). One
 thread refills the stock, one disk at a time, once no disk was taken for ``QUIET_S``: off
-every create's path; a burst that empties the stock attaches its disks as before.
+every create's path; a burst that empties the stock attaches its disks as before. The warm
+pool's spawns are on no caller's path: they attach their own and leave the stock to callers.
 
 A disk is stocked fresh and never given back: what one sandbox wrote never reaches another.
 The quota is the same: a stocked disk is the same file system of the same size.
