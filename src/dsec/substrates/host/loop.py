@@ -46,6 +46,7 @@ _LOOP_INFO64_SIZE, _LO_FLAGS_OFFSET, _LO_FILE_NAME_OFFSET = 232, 52, 56
 MS_NOSUID, MS_NODEV = 2, 4
 # the mount API's calls (one number on every architecture) and flags
 _MOVE_MOUNT, _FSOPEN, _FSCONFIG, _FSMOUNT = 429, 430, 431, 432
+_MOUNT_API = {_MOVE_MOUNT: "move_mount", _FSOPEN: "fsopen", _FSCONFIG: "fsconfig", _FSMOUNT: "fsmount"}
 _CLOEXEC, _FSCONFIG_SET_STRING, _FSCONFIG_CMD_CREATE = 1, 1, 6
 _MOUNT_ATTR_NOSUID, _MOUNT_ATTR_NODEV, _MOVE_MOUNT_F_EMPTY_PATH, _AT_FDCWD = 2, 4, 4, -100
 FS_IOC_SHUTDOWN, SHUTDOWN_NOLOGFLUSH = 0x8004587D, 2  # linux/fs.h: _IOR('X', 125, __u32)
@@ -115,7 +116,7 @@ def _mount_api(number: int, *args: int | bytes | None) -> int:
         ctypes.c_long(a) if isinstance(a, int) else ctypes.c_char_p(a) for a in args))
     if result < 0:
         err = ctypes.get_errno()
-        raise OSError(err, f"mount API call {number}: {os.strerror(err)}")
+        raise OSError(err, f"{_MOUNT_API[number]}: {os.strerror(err)}")
     return int(result)
 
 
