@@ -26,14 +26,13 @@ import pytest
 
 import dsec
 from conftest import TEST_ROOT, Server, free_port
-from support.disks import attached_disks
+from support.disks import attached_disks, full_stock
 from test_recovery import settled
 
 pytest.importorskip("ray", reason="the cluster tests need the `cluster` extra (Ray)")
 from dsec.cluster.local import TOLERANT_HEALTH_CHECKS, LocalRayCluster  # noqa: E402
 from dsec.store.local_postgres import LocalPostgres  # noqa: E402
 from dsec.substrates.container.container import RUNTIME_DIR  # noqa: E402
-from dsec.substrates.container.disk_stock import DEPTH  # noqa: E402
 from dsec.substrates.host.volume import VOLUME_DIR  # noqa: E402
 
 CAPACITY = 100
@@ -237,18 +236,6 @@ async def test_a_crashed_edge_actor_is_restarted_and_adopts_its_sandboxes(
         await sb.stop()
     # the killed actor's stocked disks went with it (no loop device, no file); a new stock
     assert not await full_stock(stock) & killed_stock
-
-
-async def full_stock(stock: Path, timeout_s: float = 30) -> set[str]:
-    """The files of an edge's full disk stock, once each is attached and nothing else is."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        names = {p.name for p in stock.glob("*.img")}
-        if len(names) == DEPTH and sorted(attached_disks(stock)) == sorted(
-                str(stock / n) for n in names):
-            return names
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"{stock}: {sorted(stock.glob('*'))}, {attached_disks(stock)}")
 
 
 async def test_node_killed_mid_burst(ray_cluster: LocalRayCluster, replicas: list[Server]) -> None:

@@ -18,7 +18,7 @@ from conftest import Server, make_server, stop_server, warm_count
 from dsec.images.store import ImageStore
 from dsec.protocol.models import DEFAULT_DISK_MB
 from dsec.substrates.container.disk_stock import DEPTH
-from support.disks import attached_disks
+from support.disks import attached_disks, full_stock
 from test_mount_namespaces import host_mounts
 
 
@@ -37,14 +37,6 @@ def stocked(server: Server) -> set[str]:
     return {p.name for p in stock(server).glob("*.img")}
 
 
-async def full_stock(server: Server, timeout_s: float = 30) -> set[str]:
-    deadline = time.monotonic() + timeout_s
-    while len(names := stocked(server)) < DEPTH and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    assert len(names) == DEPTH
-    return names
-
-
 async def test_each_cold_create_takes_a_fresh_disk_of_its_own(server: Server) -> None:
     async with server.client() as client:
         first = await client.create(ttl_s=120)  # the image's layers are mounted once
@@ -52,7 +44,7 @@ async def test_each_cold_create_takes_a_fresh_disk_of_its_own(server: Server) ->
         await first.run("sync")
         await first.stop()
         before = sorted(host_mounts())
-        names = await full_stock(server)
+        names = await full_stock(stock(server))
         boxes = []
         for i in range(DEPTH + 2):  # the whole stock, then disks attached on the create's path
             boxes.append(await client.create(ttl_s=120))
@@ -69,23 +61,23 @@ async def test_each_cold_create_takes_a_fresh_disk_of_its_own(server: Server) ->
             assert 0.9 * DEFAULT_DISK_MB * 1024 < size_kb <= DEFAULT_DISK_MB * 1024
         assert sorted(host_mounts()) == before
         await asyncio.gather(*(sb.stop() for sb in boxes))
-        refilled = await full_stock(server)
+        refilled = await full_stock(stock(server))
         assert not refilled & names  # fresh disks, none given back
         assert len(attached_disks(stock(server))) == DEPTH
         assert sorted(host_mounts()) == before
 
 
 async def test_neither_a_stop_nor_a_crash_leaves_anything_of_the_stock(server: Server) -> None:
-    names = await full_stock(server)
+    names = await full_stock(stock(server))
     assert len(attached_disks(stock(server))) == DEPTH
     server.kill(signal.SIGKILL)
-    # the namespaces went with the process: the kernel unmounts, autoclear detaches
+    # the mounts went with the process's fds: the kernel unmounts, autoclear detaches
     deadline = time.monotonic() + 10
     while attached_disks(stock(server)) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     assert attached_disks(stock(server)) == []
     server.start()
-    again = await full_stock(server)
+    again = await full_stock(stock(server))
     assert not again & names and set(stock(server).iterdir()) == {
         stock(server) / n for n in again}  # the dead server's files and mount points are gone
     async with server.client() as client:
@@ -101,7 +93,7 @@ async def test_the_warm_pools_spawns_leave_the_stock_to_callers(images: ImageSto
     try:
         async with srv.client() as client:
             await (await client.create(ttl_s=60)).stop()  # cold; the image gets a pool
-            names = await full_stock(srv)
+            names = await full_stock(stock(srv))
             for _ in range(2):  # the pool filled, then its three claimed and spawned again
                 deadline = time.monotonic() + 60
                 while await warm_count(client, "container") < 3 and time.monotonic() < deadline:
@@ -112,3 +104,4 @@ async def test_the_warm_pools_spawns_leave_the_stock_to_callers(images: ImageSto
                 await asyncio.gather(*(sb.stop() for sb in claimed))
     finally:
         stop_server(srv)
+
