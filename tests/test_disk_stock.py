@@ -2,14 +2,19 @@
 see it: a cold create of the default size takes a fresh disk of its own, with none of an
 earlier sandbox's files and its whole quota; the stock never shows in the host's mount table
 and fills again once creates are quiet; neither a server's stop nor its crash leaves a loop
-device or a file of it; the warm pool's spawns, on no caller's path, leave it to the callers."""
+device or a file of it; the warm pool's spawns, on no caller's path, leave it to the callers;
+and a stocked disk, mounted ahead through the mount API, is as nosuid and nodev as one
+attached on the create's path."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import stat
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -17,7 +22,10 @@ import pytest
 from conftest import Server, make_server, stop_server, warm_count
 from dsec.images.store import ImageStore
 from dsec.protocol.models import DEFAULT_DISK_MB
-from dsec.substrates.container.disk_stock import DEPTH
+from dsec.substrates.container.disk_stock import DEPTH, DiskStock
+from dsec.substrates.host.disk import DiskPool
+from dsec.substrates.host.loop import wait_detached
+from dsec.substrates.host.mountns import inside, new_private, own_fs
 from support.disks import attached_disks, full_stock
 from test_mount_namespaces import host_mounts
 
@@ -105,3 +113,43 @@ async def test_the_warm_pools_spawns_leave_the_stock_to_callers(images: ImageSto
     finally:
         stop_server(srv)
 
+
+def test_a_stocked_disk_gives_no_device_node_or_set_uid_file_more_than_an_attached_one(
+        tmp_path: Path) -> None:
+    """What a sandbox leaves on its disk, a device node or a set-uid file, is nothing through
+    the disk's mount: a stocked disk's mount is nosuid and nodev like an attached one's. (The
+    node is made here by root, standing in for a runtime that would let a sandbox make one.)"""
+    disks = DiskPool(tmp_path / "disks", (64,))
+    disks.prepare()
+    stocked_disks = DiskStock(disks, tmp_path / "stock", 64, depth=1)
+    stocked_disks.prepare()
+
+    def mounted(how: str) -> tuple[list[str], bool]:
+        """The disk's mount options, and whether a node on it opened, in a sandbox's namespace."""
+        namespace, dev = new_private(), None
+        image, target = tmp_path / f"{how}.img", tmp_path / how
+        try:
+            dev = (stocked_disks.take(image, target, 64, namespace) if how == "stocked"
+                   else disks.attach(image, target, 64, namespace))
+            assert dev is not None
+            with inside(namespace), open("/proc/thread-self/mountinfo") as table:
+                options = next(line.split()[5] for line in table
+                               if line.split()[4] == str(target)).split(",")
+                os.mknod(target / "null", stat.S_IFCHR | 0o666, os.makedev(1, 3))
+                try:
+                    os.close(os.open(target / "null", os.O_RDONLY))
+                except PermissionError:
+                    return options, False
+                return options, True
+        finally:
+            os.close(namespace)
+            if dev is not None:
+                wait_detached(dev, image)
+
+    try:
+        with ThreadPoolExecutor(1, initializer=own_fs) as sandbox_thread:
+            for how in ("stocked", "attached"):
+                options, opened = sandbox_thread.submit(mounted, how).result()
+                assert {"nosuid", "nodev"} <= set(options) and not opened, how
+    finally:
+        stocked_disks.close()
