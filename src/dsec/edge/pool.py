@@ -2,8 +2,10 @@
 
 A pooled sandbox is an ordinary sandbox of an image, started with default limits and not yet
 recorded in the state store: a claim applies the request's limits, records it, and the pool
-refills in the background. Only images that started once get a pool. After a crash, pooled
-sandboxes are leftovers like any other and the restarted edge removes them.
+refills in the background, one start at a time and, while it still holds one, only once
+claims pause (a start's work would otherwise slow the claims it refills for). Only images
+that started once get a pool. After a crash, pooled sandboxes are leftovers like any other
+and the restarted edge removes them.
 
 An image's pool holds ``size`` sandboxes, and after a burst of its creates as many as the
 burst asked for (up to ``grow_to``) until ``hold_s`` after the last burst that large: a
@@ -35,6 +37,7 @@ from ..substrates.base import StartPlan, Substrate
 log = logging.getLogger("dsec.pool")
 
 BURST_S = 10.0  # creates of an image this close together are one burst
+QUIET_S = 0.05  # while the pool holds one, a refill starts after no claim for this long
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,10 @@ class Demand:
 
     def peak(self, now: float) -> int:
         return self._peak if now <= self._peak_until else 0
+
+    def quiet_in(self, now: float, quiet_s: float) -> float:
+        """Seconds until no create arrived for ``quiet_s``; 0 once none did."""
+        return max(0.0, self._recent[-1] + quiet_s - now) if self._recent else 0.0
 
 
 class WarmPool:
@@ -129,9 +136,16 @@ class WarmPool:
                                                               name=f"dsec-pool-{image.name}")
 
     async def _fill(self, image: Image) -> None:
-        """One start at a time and at idle CPU priority, so refilling never slows live work."""
+        """One start at a time, at idle CPU priority and, while the pool still holds one, only
+        once claims pause (``QUIET_S``), so refilling never slows live work: a start's own work
+        in the server's event loop would otherwise delay the claim just made and the next."""
         ready = self._ready.setdefault(image.digest, deque())
         while self._short(image, ready):
+            demand = self._demand.get(image.digest)
+            wait = demand.quiet_in(time.monotonic(), QUIET_S) if demand and ready else 0.0
+            if wait > 0:
+                await asyncio.sleep(wait)
+                continue
             sandbox_id = f"sb-{self.edge_id}-{secrets.token_hex(6)}"
             request = CreateRequest(substrate=self.substrate.name, image=image.name)
             try:
