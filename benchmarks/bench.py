@@ -454,7 +454,9 @@ async def run_benchmark(console: Console, quick: bool = False) -> list[Sample]:
 async def warm_pool_phase(console: Console, bare: BareCrun, root: Path, n: int,
                           n_seq: int = 10) -> list[Sample]:
     """Create-to-first-output from a warm pool of ``n`` (``n_seq`` one at a time, then a burst of ``n``)
-    against bare ``crun run``: the pool full before each batch, so every create is a claim."""
+    against bare ``crun run``: the pool full before each batch, so every create is a claim.
+    Each batch of ten is followed by a pause, so the pool's refill (it starts once claims
+    pause) and bare crun's teardown stay out of the other side's timings."""
     samples: list[Sample] = []
     async with bench_server(root / "warm", "--warm-pool", str(n)) as warm:
         with phase(console, f"create-to-first-output from a warm pool of {n}"):
@@ -464,7 +466,7 @@ async def warm_pool_phase(console: Console, bare: BareCrun, root: Path, n: int,
             samples += await compare(Sample("bare crun run: first output (again)", []),
                                      bare.run_echo,
                                      Sample("dsec create (warm pool): first output", []),
-                                     warm.first_output, 10, n_seq // 10)
+                                     warm.first_output, 10, n_seq // 10, settle_s=1.0)
             await warm.stop_all()
             await warm.wait_warm(n)
             samples += await compare(Sample(f"bare crun run: burst {n} (again)", []),

@@ -1,8 +1,8 @@
-"""When a warm pool refills (``edge/pool.py: WarmPool``): while it still holds a sandbox, its
-next start waits until claims pause (``QUIET_S``), so a start's work never lands between a
-claim and the command that follows it; an emptied pool starts at once. The substrate is a
-recorder of starts (the pool is what is under test); the pool, its demand and its filler
-task are the real ones."""
+"""When a warm pool refills (``edge/pool.py: WarmPool``): while it holds more than half its
+target, its next start waits until claims pause (``QUIET_S``), so a start's work never lands
+between a claim and the command that follows it; at half or below it starts at once, so
+claims that never pause do not drain it. The substrate is a recorder of starts (the pool is
+what is under test); the pool, its demand and its filler task are the real ones."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ async def full_pool(size: int) -> tuple[WarmPool, Starts]:
 
 
 async def test_claims_in_a_row_start_nothing_until_they_pause() -> None:
-    pool, starts = await full_pool(4)
+    pool, starts = await full_pool(8)
     for _ in range(3):  # three claims back to back, each followed by its refill request
         assert pool.take(IMAGE) is not None
         pool.refill(IMAGE)
@@ -60,7 +60,18 @@ async def test_claims_in_a_row_start_nothing_until_they_pause() -> None:
         assert starts.started == []
     await asyncio.sleep(QUIET_S * 4)
     assert len(starts.started) == 3
-    assert pool.counts() == {"base": 4}
+    assert pool.counts() == {"base": 8}
+    await pool.close()
+
+
+async def test_claims_that_never_pause_never_drain_the_pool() -> None:
+    pool, starts = await full_pool(8)
+    for _ in range(40):  # a steady stream, a claim every fifth of the pause a refill waits for
+        assert pool.take(IMAGE) is not None
+        pool.refill(IMAGE)
+        await asyncio.sleep(QUIET_S / 5)
+        assert pool.counts()["base"] >= 4  # refilled from half its target on, pause or not
+    assert len(starts.started) >= 36
     await pool.close()
 
 

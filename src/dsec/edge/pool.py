@@ -2,8 +2,9 @@
 
 A pooled sandbox is an ordinary sandbox of an image, started with default limits and not yet
 recorded in the state store: a claim applies the request's limits, records it, and the pool
-refills in the background, one start at a time and, while it still holds one, only once
-claims pause (a start's work would otherwise slow the claims it refills for). Only images
+refills in the background, one start at a time and, while it holds more than half its
+target, only once claims pause (a start's work would otherwise slow the claims it refills
+for; at half or below it refills at once, so steady claims never drain it). Only images
 that started once get a pool. After a crash, pooled sandboxes are leftovers like any other
 and the restarted edge removes them.
 
@@ -22,6 +23,7 @@ stay within what the edge sized its open files for.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import secrets
@@ -37,7 +39,7 @@ from ..substrates.base import StartPlan, Substrate
 log = logging.getLogger("dsec.pool")
 
 BURST_S = 10.0  # creates of an image this close together are one burst
-QUIET_S = 0.05  # while the pool holds one, a refill starts after no claim for this long
+QUIET_S = 0.05  # above half its target, a pool's refill starts after no claim for this long
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,7 @@ class WarmPool:
         self._ready: dict[str, deque[Pooled]] = {}
         self._demand: dict[str, Demand] = {}
         self._fillers: dict[str, asyncio.Task[None]] = {}
+        self._claimed: dict[str, asyncio.Event] = {}  # wakes a filler waiting for a pause
 
     @staticmethod
     def fits(req: CreateRequest) -> bool:
@@ -102,6 +105,7 @@ class WarmPool:
         while ready:
             candidate = ready.popleft()
             if self.substrate.alive(candidate.sandbox_id, candidate.runtime):
+                self._claimed.setdefault(image.digest, asyncio.Event()).set()
                 return candidate
             asyncio.ensure_future(self.substrate.destroy(candidate.sandbox_id))
         return None
@@ -136,15 +140,20 @@ class WarmPool:
                                                               name=f"dsec-pool-{image.name}")
 
     async def _fill(self, image: Image) -> None:
-        """One start at a time, at idle CPU priority and, while the pool still holds one, only
-        once claims pause (``QUIET_S``), so refilling never slows live work: a start's own work
-        in the server's event loop would otherwise delay the claim just made and the next."""
+        """One start at a time, at idle CPU priority and, while the pool holds more than half
+        its target, only once claims pause (``QUIET_S``): a start's own work in the server's
+        event loop would otherwise delay the claim just made and the next. Claims that never
+        pause (a steady rate) still find it refilled from half its target on."""
         ready = self._ready.setdefault(image.digest, deque())
         while self._short(image, ready):
             demand = self._demand.get(image.digest)
-            wait = demand.quiet_in(time.monotonic(), QUIET_S) if demand and ready else 0.0
-            if wait > 0:
-                await asyncio.sleep(wait)
+            ample = len(ready) > self.target(image) // 2
+            wait = demand.quiet_in(time.monotonic(), QUIET_S) if demand and ample else 0.0
+            if wait > 0:  # woken by each claim meanwhile: it may have taken it to half
+                claimed = self._claimed.setdefault(image.digest, asyncio.Event())
+                claimed.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(claimed.wait(), wait)
                 continue
             sandbox_id = f"sb-{self.edge_id}-{secrets.token_hex(6)}"
             request = CreateRequest(substrate=self.substrate.name, image=image.name)
