@@ -9,6 +9,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
+from dsec.edge import pool as pool_module
 from dsec.edge.pool import QUIET_S, Demand, WarmPool
 from dsec.images.store import Image
 from dsec.substrates.base import StartPlan
@@ -51,14 +54,16 @@ async def full_pool(size: int) -> tuple[WarmPool, Starts]:
     return pool, starts
 
 
-async def test_claims_in_a_row_start_nothing_until_they_pause() -> None:
+async def test_claims_in_a_row_start_nothing_until_they_pause(monkeypatch: pytest.MonkeyPatch) -> None:
+    quiet_s = 0.5  # a longer pause than the server's: a test process stalled for one starts
+    monkeypatch.setattr(pool_module, "QUIET_S", quiet_s)
     pool, starts = await full_pool(8)
     for _ in range(3):  # three claims back to back, each followed by its refill request
         assert pool.take(IMAGE) is not None
         pool.refill(IMAGE)
         await turns()
         assert starts.started == []
-    await asyncio.sleep(QUIET_S * 4)
+    await asyncio.sleep(quiet_s * 3)
     assert len(starts.started) == 3
     assert pool.counts() == {"base": 8}
     await pool.close()
