@@ -232,22 +232,12 @@ class Created:
 
     async def first_output(self, **options: Any) -> float:
         """ms from asking for a sandbox (``options`` on top of the series') to the first byte
-        of ``echo hi`` run in it. The rest of the stream is read untimed, as the baseline's
-        exit is awaited untimed: a stream left unread loses its connection, and the next
-        create would time a new one (a client that reads its output keeps it)."""
+        of ``echo hi`` run in it (``echo_first_byte``)."""
         t0 = time.perf_counter()
         sb = await self.client.create(**{"substrate": self.substrate, "image": self.image,
                                          **self.options, **options})
         self.sandboxes.append(sb)
-        elapsed = None
-        async for chunk in sb.stream("echo hi"):
-            if elapsed is None:
-                elapsed = (time.perf_counter() - t0) * 1000
-                if not chunk.data.startswith(b"h"):
-                    raise RuntimeError(f"unexpected output {chunk.data!r}")
-        if elapsed is None:
-            raise RuntimeError("no output")
-        return elapsed
+        return await echo_first_byte(sb, t0)
 
     async def wait_warm(self, n: int, timeout_s: float = 120) -> None:
         """Until the server's warm pool holds ``n`` sandboxes."""
@@ -261,6 +251,22 @@ class Created:
         while self.sandboxes:
             batch, self.sandboxes = self.sandboxes[:50], self.sandboxes[50:]
             await asyncio.gather(*(sb.stop() for sb in batch))
+
+
+async def echo_first_byte(sb: AsyncSandbox, t0: float) -> float:
+    """ms from ``t0`` to the first byte of ``echo hi`` run in ``sb``. The rest of the stream is
+    read untimed, as the baseline's exit is awaited untimed: a stream left unread loses its
+    connection, and the next call would time a new one (a client that reads its output keeps
+    it)."""
+    elapsed = None
+    async for chunk in sb.stream("echo hi"):
+        if elapsed is None:
+            elapsed = (time.perf_counter() - t0) * 1000
+            if not chunk.data.startswith(b"h"):
+                raise RuntimeError(f"unexpected output {chunk.data!r}")
+    if elapsed is None:
+        raise RuntimeError("no output")
+    return elapsed
 
 
 @asynccontextmanager
@@ -456,7 +462,8 @@ async def warm_pool_phase(console: Console, bare: BareCrun, root: Path, n: int,
     """Create-to-first-output from a warm pool of ``n`` (``n_seq`` one at a time, then a burst of ``n``)
     against bare ``crun run``: the pool full before each batch, so every create is a claim.
     Each batch of ten is followed by a pause, so the pool's refill (it starts once claims
-    pause) and bare crun's teardown stay out of the other side's timings."""
+    pause) and bare crun's teardown stay out of the other side's timings. Between the two,
+    the floor (``_round_trips``): the same two requests with no claim, timed the same way."""
     samples: list[Sample] = []
     async with bench_server(root / "warm", "--warm-pool", str(n)) as warm:
         with phase(console, f"create-to-first-output from a warm pool of {n}"):
@@ -467,6 +474,12 @@ async def warm_pool_phase(console: Console, bare: BareCrun, root: Path, n: int,
                                      bare.run_echo,
                                      Sample("dsec create (warm pool): first output", []),
                                      warm.first_output, 10, n_seq // 10, settle_s=1.0)
+            sb = await warm.client.create(image=IMAGE, ttl_s=120)
+            warm.sandboxes.append(sb)
+            samples += await compare(Sample("bare crun run: first output (floor)", []),
+                                     bare.run_echo, Sample(FLOOR, []),
+                                     lambda: _round_trips(warm.client, sb), 10, n_seq // 10,
+                                     settle_s=1.0)
             await warm.stop_all()
             await warm.wait_warm(n)
             samples += await compare(Sample(f"bare crun run: burst {n} (again)", []),
@@ -476,6 +489,19 @@ async def warm_pool_phase(console: Console, bare: BareCrun, root: Path, n: int,
             await warm.stop_all()
     samples += await grown_pool_phase(console, bare, root, n)
     return samples
+
+
+FLOOR = "dsec floor: get, then a stream's first byte (no create)"
+
+
+async def _round_trips(client: DSecClient, sb: AsyncSandbox) -> float:
+    """ms of what every create-to-first-output costs before dsec does any sandbox work: a
+    ``get`` of a running sandbox (a request answered from the server's state, as a claim's
+    answer is), then ``echo hi``'s stream in it to its first byte: the floor under a warm
+    create's row."""
+    t0 = time.perf_counter()
+    await client.get(sb.id)
+    return await echo_first_byte(sb, t0)
 
 
 async def grown_pool_phase(console: Console, bare: BareCrun, root: Path, n: int) -> list[Sample]:
