@@ -103,6 +103,36 @@ async def test_a_burst_beyond_the_pool_gets_distinct_sandboxes(srv: Server,
     await _until(lambda: _count_is(client, POOL), "the pool did not refill after the burst")
 
 
+def _host_limits(sandbox_id: str) -> tuple[int, int, int]:
+    """A sandbox's cgroup limits as the host holds them (a hybrid host's v1 hierarchies, as
+    this machine's): cpu quota in µs per 100 ms, memory bytes, pids."""
+    files = [f"cpu/dsec-*/{sandbox_id}/cpu.cfs_quota_us",
+             f"memory/dsec-*/{sandbox_id}/memory.limit_in_bytes", f"pids/dsec-*/{sandbox_id}/pids.max"]
+    found = [list(Path("/sys/fs/cgroup").glob(f)) for f in files]
+    assert all(len(paths) == 1 for paths in found), found
+    quota, memory, pids = (int(paths[0].read_text()) for paths in found)
+    return quota, memory, pids
+
+
+@pytest.mark.parametrize("asked, expected", [
+    ({}, (100_000, 512 << 20, 512)),  # the pool's own limits: the claim writes none
+    ({"cpu": 0.5}, (50_000, 512 << 20, 512)),  # one differs: the claim writes them
+    ({"memory_mb": 96, "pids": 40}, (100_000, 96 << 20, 40)),
+])
+async def test_a_claimed_sandbox_runs_under_the_limits_its_caller_asked_for(
+        srv: Server, client: dsec.DSecClient, asked: dict[str, float], expected: tuple[int, int, int]) -> None:
+    """A caller who asks for less than the pool's limits gets less (its project is charged
+    for what it asked), one who asks for the pool's own gets exactly those."""
+    await _filled(client)
+    pooled = await _pooled_ids(srv, client)
+    sb = await client.create(ttl_s=60, **asked)
+    try:
+        assert sb.id in pooled  # a claim, not a cold start
+        assert _host_limits(sb.id) == expected
+    finally:
+        await sb.stop()
+
+
 async def test_a_sandbox_that_died_in_the_pool_is_never_handed_out(
         srv: Server, client: dsec.DSecClient) -> None:
     await _filled(client)

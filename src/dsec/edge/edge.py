@@ -415,7 +415,7 @@ class Edge:
     async def _claim(self, substrate: Substrate, req: CreateRequest, pooled: Pooled,
                      egress: Egress | None) -> SandboxRow:
         try:
-            await substrate.claim(pooled.sandbox_id, pooled.runtime, req)
+            await substrate.claim(pooled.sandbox_id, pooled.runtime, req, pooled.request)
             if egress is not None:  # pooled sandboxes start with no network: wired on claim
                 await self._apply_network(substrate, pooled.sandbox_id, pooled.runtime, egress,
                                           fresh=True)

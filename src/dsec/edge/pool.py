@@ -47,6 +47,7 @@ class Pooled:
     sandbox_id: str
     image: Image
     runtime: dict[str, Any]
+    request: CreateRequest  # what it was started with: its limits until it is claimed
 
 
 class Demand:
@@ -162,7 +163,7 @@ class WarmPool:
             except Exception:
                 log.exception("warm pool could not start a sandbox of %s", image.name)
                 return
-            ready.append(Pooled(sandbox_id, image, runtime))
+            ready.append(Pooled(sandbox_id, image, runtime, request))
 
     async def tend(self) -> None:
         """Bring each image's pool to its target (the edge's reaper calls it): what it holds

@@ -65,9 +65,11 @@ class Substrate(ABC):
         nothing."""
 
     @abstractmethod
-    async def claim(self, sandbox_id: str, runtime: dict[str, Any], request: CreateRequest) -> None:
+    async def claim(self, sandbox_id: str, runtime: dict[str, Any], request: CreateRequest,
+                    started: CreateRequest) -> None:
         """Make a warm-pool sandbox the request's: apply its cpu, memory and pids limits and
-        give it normal priority."""
+        give it normal priority. ``started``: the request the pool started it with, whose
+        limits it runs under until then."""
 
     @abstractmethod
     def agent(self, sandbox_id: str, runtime: dict[str, Any]) -> AgentClient: ...

@@ -311,7 +311,8 @@ class FnSubstrate(Substrate):
             await self._retire(old)
         return facts
 
-    async def claim(self, sandbox_id: str, runtime: dict[str, Any], request: CreateRequest) -> None:
+    async def claim(self, sandbox_id: str, runtime: dict[str, Any], request: CreateRequest,
+                    started: CreateRequest) -> None:
         cgroups.set_limits(self._cgroup_of(runtime["template"]), runtime["worker"], request.cpu,
                            request.memory_mb << 20, request.pids)
 

@@ -339,7 +339,8 @@ class QemuSubstrate(Substrate):
         cgroups.set_limits(self.cgroup_parent, sandbox_id, req.cpu,
                            (req.memory_mb + QEMU_OVERHEAD_MB) << 20, req.pids)
 
-    async def claim(self, sandbox_id: str, runtime: dict[str, Any], request: CreateRequest) -> None:
+    async def claim(self, sandbox_id: str, runtime: dict[str, Any], request: CreateRequest,
+                    started: CreateRequest) -> None:
         self._set_limits(sandbox_id, request)
         for tid in os.listdir(f"/proc/{runtime['pid']}/task"):  # every vCPU and I/O thread
             os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
