@@ -18,6 +18,7 @@ import pytest
 import dsec
 from conftest import Server, make_server, own_server, stop_server, warm_count
 from dsec.substrates.container.container import RUNTIME_DIR
+from dsec.substrates.host import cgroups
 
 POOL = 3
 srv, client = own_server("--capacity", "32", "--warm-pool", str(POOL))
@@ -104,13 +105,17 @@ async def test_a_burst_beyond_the_pool_gets_distinct_sandboxes(srv: Server,
 
 
 def _host_limits(sandbox_id: str) -> tuple[int, int, int]:
-    """A sandbox's cgroup limits as the host holds them (a hybrid host's v1 hierarchies, as
-    this machine's): cpu quota in µs per 100 ms, memory bytes, pids."""
-    files = [f"cpu/dsec-*/{sandbox_id}/cpu.cfs_quota_us",
-             f"memory/dsec-*/{sandbox_id}/memory.limit_in_bytes", f"pids/dsec-*/{sandbox_id}/pids.max"]
+    """A sandbox's cgroup limits as the host holds them: cpu quota in µs per 100 ms, memory
+    bytes, pids (a hybrid host's v1 hierarchies, or the unified one's files)."""
+    if cgroups.is_cgroup2_only():
+        files = [f"dsec-*/{sandbox_id}/{name}" for name in ("cpu.max", "memory.max", "pids.max")]
+    else:
+        files = [f"cpu/dsec-*/{sandbox_id}/cpu.cfs_quota_us",
+                 f"memory/dsec-*/{sandbox_id}/memory.limit_in_bytes",
+                 f"pids/dsec-*/{sandbox_id}/pids.max"]
     found = [list(Path("/sys/fs/cgroup").glob(f)) for f in files]
     assert all(len(paths) == 1 for paths in found), found
-    quota, memory, pids = (int(paths[0].read_text()) for paths in found)
+    quota, memory, pids = (int(paths[0].read_text().split()[0]) for paths in found)
     return quota, memory, pids
 
 
