@@ -152,8 +152,15 @@ class Template:
         self.request(self.pool_size)
 
     def request(self, n: int) -> None:
+        """Ask the template for ``n`` more workers. A template that was just killed has
+        closed its end before its pidfd says it exited: the ask is lost with it, and its
+        exit is handled when the pidfd fires (a call on one of its workers runs again on
+        the next template), never raised to the caller that took a worker."""
         if self._ctl is not None and not self._exited:
-            self._ctl.send(str(n).encode())
+            try:
+                self._ctl.send(str(n).encode())
+            except (BrokenPipeError, ConnectionResetError):
+                pass
 
     async def take(self) -> Worker:
         """A jailed worker, waiting for one if the pool is empty; asks for a replacement."""
