@@ -1,4 +1,4 @@
-"""The server keeps an idle connection open longer than the SDK's idle expiry (httpx: 5 s), so
+"""The server keeps an idle connection open longer than the SDK's idle expiry (5 s), so
 the SDK always drops an idle connection first. With both at 5 s a client could reuse a
 connection just as the server's timer closed it: the call failed with ServerUnavailable
 (ReadError), 19 calls of a 3,000-sandbox density run on a loaded node (issue 15)."""
@@ -8,12 +8,10 @@ from __future__ import annotations
 import socket
 import time
 
-import httpx
-
 from conftest import Server
+from dsec.client.transport import IDLE_S
 
 REQUEST = b"GET /v1/health HTTP/1.1\r\nhost: dsec\r\n\r\n"
-SDK_IDLE_EXPIRY_S = httpx.Limits().keepalive_expiry or 5.0
 
 
 def _response(conn: socket.socket) -> bytes:
@@ -40,6 +38,6 @@ def test_an_idle_connection_outlives_the_sdks_expiry(server: Server) -> None:
         conn.connect(str(server.state_dir / "api.sock"))
         conn.sendall(REQUEST)
         assert _response(conn).startswith(b"HTTP/1.1 200")
-        time.sleep(SDK_IDLE_EXPIRY_S + 1.5)  # idle past the SDK's expiry, not a timed assertion
+        time.sleep(IDLE_S + 1.5)  # idle past the SDK's expiry, not a timed assertion
         conn.sendall(REQUEST)
         assert _response(conn).startswith(b"HTTP/1.1 200")

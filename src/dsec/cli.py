@@ -42,7 +42,7 @@ def _run(coro: Any) -> Any:
 
 # Modules of the extras (top-level names) -> what to install for them.
 EXTRAS = {**dict.fromkeys(["fastapi", "starlette", "uvicorn", "uvloop", "httptools", "anyio",
-                           "prometheus_client", "pyroute2", "psycopg"],
+                           "httpx", "prometheus_client", "pyroute2", "psycopg"],
                           "the server: pip install 'dsec[server]'"),
           "ray": "the cluster extra: pip install 'dsec[cluster]'",
           "dsec_benchmarks": "the benchmarks of a dsec checkout: pip install -e ./benchmarks "

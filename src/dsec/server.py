@@ -22,9 +22,9 @@ from .control.plane import ControlPlane
 from .control.port_ws import MESSAGE_MAX
 from .store.sqlite import StateStore
 
-# Seconds the server keeps an idle HTTP connection open: well above the SDK's (httpx's) 5 s
-# idle expiry, so the client always drops an idle connection first. With both at 5 s (uvicorn's
-# default), a client reusing a connection just as the server's timer closed it got a
+# Seconds the server keeps an idle HTTP connection open: well above the SDK's 5 s idle
+# expiry (client/transport.py's IDLE_S), so the client always drops an idle connection
+# first. With both at 5 s (uvicorn's default), a client reusing a connection just as the server's timer closed it got a
 # ReadError (ServerUnavailable): 19 calls of a 3,000-sandbox density run on a loaded node.
 KEEP_ALIVE_S = 75
 

@@ -1,5 +1,5 @@
 """A test HTTP server's lifetime on a Unix socket (``async with``): each subclass answers its
-connections in ``_serve`` (tests/unit/test_onewrite.py, test_pool.py)."""
+connections in ``_serve`` (tests/unit/test_transport.py)."""
 
 from __future__ import annotations
 

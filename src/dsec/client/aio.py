@@ -26,11 +26,11 @@ from typing import (
     Callable,
     Iterable,
     Literal,
+    Mapping,
     TypedDict,
     TypeVar,
 )
 
-import httpx
 from pydantic import BaseModel, ValidationError
 
 from ..protocol import archive
@@ -73,7 +73,7 @@ from . import fn as fn_calls
 from .build import Context as BuildContext
 from .projects import Projects
 from .trajectory import Attachment, Checkpoint, OnDivergence, check_on_divergence
-from .transport import Transport, retrying
+from .transport import Response, Transport, retrying
 
 
 @dataclass(frozen=True)
@@ -318,7 +318,7 @@ class Sandbox:
         return verb, template.format(sandbox_id=self.id, **arguments)
 
     async def _call(self, operation: str, arguments: dict[str, Any],
-                    parse: Callable[[httpx.Response], V], **kwargs: Any) -> V:
+                    parse: Callable[[Response], V], **kwargs: Any) -> V:
         """One call of ``operation`` with ``arguments`` (every parameter of the table's
         entry, by name; ``kwargs`` are the HTTP request's body and query): plain, or
         numbered and fast-forwarded for an attached sandbox."""
@@ -334,7 +334,7 @@ class Sandbox:
         headers = attachment.headers(step)
         response = await retrying(attachment.retry_s, lambda: self._t.request(
             *self._route(operation, arguments), headers=headers, **kwargs))
-        self._observe(response)
+        self._observe(response.headers)
         return parse(response)
 
     def _events(self, operation: str, arguments: dict[str, Any],
@@ -383,9 +383,9 @@ class Sandbox:
             "GET", f"/v1/trajectories/{attachment.trajectory}/-/steps",
             params={"after": after, "limit": limit, "generation": attachment.generation})))
 
-    def _observe(self, response: httpx.Response) -> None:
+    def _observe(self, headers: Mapping[str, str]) -> None:
         assert self._attachment is not None
-        sandbox_id = self._attachment.observe(response.headers)
+        sandbox_id = self._attachment.observe(headers)
         if sandbox_id and sandbox_id != self.id:  # the trajectory forked into a new sandbox
             self.id = sandbox_id
             self.info = self.info.model_copy(update={"id": sandbox_id, "state": "running",
@@ -635,23 +635,23 @@ async def _create(t: Transport, fields: dict[str, Any], key: str | None,
         *BY_METHOD["create"].http, json=req.model_dump(exclude_unset=True), headers=headers)))
 
 
-def _exec_result(response: httpx.Response) -> ExecResult:
+def _exec_result(response: Response) -> ExecResult:
     return ExecResult.model_validate_json(response.content)
 
 
-def _model(model: type[M]) -> Callable[[httpx.Response], M]:
+def _model(model: type[M]) -> Callable[[Response], M]:
     return lambda response: model.model_validate_json(response.content)
 
 
-def _models(model: type[M]) -> Callable[[httpx.Response], list[M]]:
+def _models(model: type[M]) -> Callable[[Response], list[M]]:
     return lambda response: [model.model_validate(e) for e in response.json()]
 
 
-def _content(response: httpx.Response) -> bytes:
+def _content(response: Response) -> bytes:
     return response.content
 
 
-def _none(response: httpx.Response) -> None:
+def _none(response: Response) -> None:
     return None
 
 
