@@ -5,8 +5,8 @@ server. Without them the client uses this host's local server on its Unix socket
 it in the background on first use (like a Docker daemon socket, but started on demand), and
 reads the local key the server keeps root-only in its state directory.
 
-The HTTP client is aiohttp's: a call costs the client about a third of the CPU it cost through
-httpx's AsyncClient (0.21 against 0.61 ms for a ``GET`` here, docs/BENCHMARKS.md), which a
+The HTTP client is aiohttp's: a call costs the client about a fifth of the CPU it cost through
+httpx's AsyncClient (0.16 against 0.75 ms for a ``GET`` here, docs/BENCHMARKS.md), which a
 trainer driving thousands of sandboxes from one event loop pays on every call. What leaves
 this module is library-free: a ``Response`` of status, headers and body, or NDJSON events.
 """
