@@ -576,6 +576,9 @@ ONLY = {"create": "dsec_benchmarks.bench_create:create_series",
         "trajectory": "dsec_benchmarks.bench:trajectory_only"}
 
 
+# The longest ``--settle`` waits for the load average before a series starts anyway.
+SETTLE_MAX_S = 600.0
+
 # What ``dsec bench`` runs with no ``--only`` after the latency series above (``--quick``
 # small counts: the CI smoke).
 DEFAULT_ONLY = ("throughput", "density")
@@ -588,10 +591,38 @@ def _series(name: str) -> Callable[..., Coroutine[Any, Any, list[Sample]]]:
     return series
 
 
-async def _all_series(console: Console, quick: bool) -> list[Sample]:
-    samples = await run_benchmark(console, quick)
+async def _all_series(console: Console, quick: bool, settle: float | None) -> list[Sample]:
+    samples = await _settled(console, settle, lambda: run_benchmark(console, quick))
     for name in DEFAULT_ONLY:
-        samples += await _series(name)(console, quick)
+        samples += await _settled(console, settle, functools.partial(_series(name), console, quick))
+    return samples
+
+
+async def start_load(console: Console, under: float | None, max_s: float = SETTLE_MAX_S,
+                     poll_s: float = 2.0,
+                     read: Callable[[], float] = lambda: os.getloadavg()[0]) -> float:
+    """The 1-minute load average a series starts at; with ``under``, once it is below
+    ``under``. The machine's own background work (a density series' 3,000 teardowns, the
+    kernel's deferred namespace clean-up) lasts minutes after a series and lands in the next
+    one's timings. After ``max_s`` the series starts all the same, and its load says so."""
+    load = read()
+    if under is None or load < under:
+        return load
+    deadline = time.monotonic() + max_s
+    with phase(console, f"waiting for the load average ({load:.1f}) to fall under {under:g}"):
+        while load >= under and time.monotonic() < deadline:
+            await asyncio.sleep(poll_s)
+            load = read()
+    return load
+
+
+async def _settled(console: Console, settle: float | None,
+                   series: Callable[[], Coroutine[Any, Any, list[Sample]]]) -> list[Sample]:
+    """``series()``'s rows, each with the load average it started at (``load_at_start``)."""
+    load = await start_load(console, settle)
+    samples = await series()
+    for sample in samples:
+        sample.extra.setdefault("load_at_start", round(load, 2))
     return samples
 
 
@@ -602,19 +633,22 @@ def failed(samples: list[Sample]) -> list[Sample]:
 
 
 def main(quick: bool = False, json_out: Path | None = None, only: str | None = None, sizes: list[int] | None = None,
-         cycles: int | None = None, count: int | None = None) -> None:
+         cycles: int | None = None, count: int | None = None, settle: float | None = None) -> None:
+    """``settle``: start each series once the load average is below it (``start_load``)."""
     if os.geteuid() != 0:
         raise SystemExit("dsec bench runs containers and must run as root")
     console = Console()
     if only == "cluster":
         from .bench_cluster import cluster_benchmark
-        samples = asyncio.run(cluster_benchmark(console, sizes or [100]))
+        samples = asyncio.run(_settled(console, settle,
+                                       lambda: cluster_benchmark(console, sizes or [100])))
     elif only is not None:
         options = {key: value for key, value in (("cycles", cycles), ("count", count))
                    if value is not None}
-        samples = asyncio.run(_series(only)(console, quick, **options))
+        samples = asyncio.run(_settled(console, settle,
+                                       functools.partial(_series(only), console, quick, **options)))
     else:
-        samples = asyncio.run(_all_series(console, quick))
+        samples = asyncio.run(_all_series(console, quick, settle))
     report(console, samples)
     if json_out:
         json_out.write_text(json.dumps([s.row() for s in samples], indent=2))

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from dsec_benchmarks.bench import BARE_CGROUP_PARENT
 from dsec_benchmarks.bench_create_parts import VARIANTS
 
@@ -37,11 +38,14 @@ def test_exec_and_trajectory_series_run_alone(images: ImageStore, tmp_path: Path
                                           "exec true, logged in a trajectory"})):
         out = tmp_path / f"{series}.json"
         done = subprocess.run([sys.executable, "-m", "dsec", "bench", "--only", series, "--quick",
-                               "--json", str(out)], capture_output=True, text=True, timeout=600)
+                               "--settle", "1000", "--json", str(out)],
+                              capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         rows = {row["name"]: row for row in json.loads(out.read_text())}
         assert names <= rows.keys()
         assert all(row["failures"] == 0 and row["n"] > 0 for row in rows.values())
+        # every row says the load its series started at (under --settle's bound)
+        assert all(0 <= row["load_at_start"] < 1000 for row in rows.values())
     assert rows["exec true, logged in a trajectory"]["p50_ratio_to_baseline"] is not None
 
 
@@ -49,6 +53,14 @@ def test_count_belongs_to_density_and_throughput() -> None:
     done = subprocess.run([sys.executable, "-m", "dsec", "bench", "--only", "soak", "--count", "3"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--count is an option of" in done.stderr
+
+
+@pytest.mark.parametrize("args", [["--settle", "0"], ["--settle", "-1"], ["--settle", "x"],
+                                  ["--only", "fn", "--settle", "2"]])
+def test_a_bad_settle_is_refused_before_anything_runs(args: list[str]) -> None:
+    done = subprocess.run([sys.executable, "-m", "dsec", "bench", *args],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--settle" in done.stderr, done.stderr
 
 
 def test_create_parts_runs_every_variant_and_leaves_nothing(images: ImageStore,

@@ -682,10 +682,16 @@ def project_quota(name: str, sandboxes: int | None, cpu: float | None,
 @click.option("--count", type=click.IntRange(min=1), default=None,
               help="density series: idle sandboxes (default 3000; --quick 20); throughput: "
                    "sandboxes of the create_many (default 1000; --quick 50)")
+@click.option("--settle", type=click.FloatRange(min=0, min_open=True), default=None,
+              metavar="LOAD", help="start each series once the 1-minute load average is "
+                                   "under LOAD (waiting up to 10 minutes); every row records "
+                                   "the load its series started at")
 def bench(quick: bool, json_out: Path | None, only: str | None,
-          sizes: str, cycles: int | None, count: int | None) -> None:
+          sizes: str, cycles: int | None, count: int | None, settle: float | None) -> None:
     """Run the benchmark against bare crun and print the figures (see docs/BENCHMARKS.md).
     Exits non-zero when a series had failures (never on a figure)."""
+    if settle is not None and only in ("fn", "microvm", "vm"):
+        raise click.UsageError("--settle is not an option of --only fn, microvm or vm")
     if cycles is not None and only != "soak":
         raise click.UsageError("--cycles is an option of --only soak")
     if count is not None and only not in ("density", "throughput"):
@@ -695,7 +701,8 @@ def bench(quick: bool, json_out: Path | None, only: str | None,
     if only in ("microvm", "vm"):
         return _benchmark("bench_vm").main(only, quick=quick, json_out=json_out)
     _benchmark("bench").main(quick=quick, json_out=json_out, only=only,
-                             sizes=[int(n) for n in sizes.split(",")], cycles=cycles, count=count)
+                             sizes=[int(n) for n in sizes.split(",")], cycles=cycles, count=count,
+                             settle=settle)
 
 
 def _benchmark(name: str) -> Any:

@@ -1,8 +1,11 @@
 """The pure parts of ``dsec bench``'s density series and of its verdict: what a host figure
-per sandbox is, what counts as a leftover, and that failures (never figures) fail the run."""
+per sandbox is, what counts as a leftover, that failures (never figures) fail the run, and when
+``--settle`` starts a series."""
+
+from typing import Callable
 
 import pytest
-from dsec_benchmarks.bench import Sample, failed
+from dsec_benchmarks.bench import Sample, failed, start_load
 from dsec_benchmarks.bench_density import (
     _leftovers,
     by_tenth,
@@ -10,6 +13,7 @@ from dsec_benchmarks.bench_density import (
     meminfo_kb,
     per_sandbox_mb,
 )
+from rich.console import Console
 
 MEMINFO = "MemTotal:       24684012 kB\nMemFree:        15919748 kB\nMemAvailable:   20578644 kB\n"
 
@@ -59,3 +63,24 @@ def test_rate_by_tenth_follows_the_calls_as_they_ended() -> None:
     assert rates[:5] == pytest.approx([10.0] * 5) and rates[5:] == pytest.approx([1.0] * 5)
     assert by_tenth([1.0, 2.0], 0.0) == [1.0, 1.0]  # fewer calls than tenths: one rate each
     assert by_tenth([], 0.0) == []
+
+
+def _loads(*values: float) -> Callable[[], float]:
+    """A load average that reads ``values`` in turn, then stays at the last."""
+    left = list(values)
+    return lambda: left.pop(0) if len(left) > 1 else left[0]
+
+
+async def test_a_series_starts_once_the_load_falls_under_settle() -> None:
+    read = _loads(5.0, 3.2, 2.1, 1.4, 0.9)
+    assert await start_load(Console(quiet=True), 2.0, max_s=60, poll_s=0, read=read) == 1.4
+
+
+async def test_without_settle_a_series_starts_at_once_at_any_load() -> None:
+    read = _loads(9.0, 0.5)
+    assert await start_load(Console(quiet=True), None, read=read) == 9.0
+
+
+async def test_a_load_that_never_falls_starts_the_series_after_the_longest_wait() -> None:
+    assert await start_load(Console(quiet=True), 2.0, max_s=0.05, poll_s=0.01,
+                            read=_loads(7.5)) == 7.5
