@@ -19,8 +19,6 @@ from dsec.client.transport import Transport
 from dsec.protocol.errors import PayloadTooLarge, SandboxNotFound, ServerUnavailable
 from support.unix_http import UnixServer
 
-Answer = Callable[[bytes, bytes, asyncio.StreamWriter], Any]
-
 
 def _json_answer(status: str, body: dict[str, Any], close: bool = False) -> bytes:
     data = json.dumps(body).encode()
