@@ -231,9 +231,13 @@ class OneAnswerServer:
             with conn:
                 data = b""
                 while b"\r\n\r\n" not in data:
-                    data += conn.recv(65536)
-                self.answered += 1
-                conn.sendall(_json_answer("200 OK", {"answered": self.answered}))
+                    chunk = conn.recv(65536)
+                    if not chunk:  # the client left before its request was whole
+                        break
+                    data += chunk
+                else:
+                    self.answered += 1
+                    conn.sendall(_json_answer("200 OK", {"answered": self.answered}))
             self.closed.set()
 
 
