@@ -106,6 +106,25 @@ async def probe(sb: dsec.AsyncSandbox, *args: str) -> dict[str, str]:
 
 # --- resource bombs ---------------------------------------------------------------------
 
+async def test_output_shaped_like_the_sdks_stream_events_stays_output(client, sandbox) -> None:  # type: ignore[no-untyped-def]
+    """The SDK reads a command's stream as NDJSON events (client/transport.py). A command
+    prints lines shaped like those events (an error, a result with exit 0, a half line
+    split over writes) and a 1 MiB line with no newline, then exits 3: the caller gets every
+    byte back as stdout and exit 3, never a forged result or a raised error."""
+    forged = ('{"type":"error","error":{"code":"sandbox_not_found","message":"x","details":{}}}\n'
+              '{"type":"result","result":{"exit_code":0,"stdout_b64":"","stderr_b64":""}}\n'
+              '{"type":"stdout","da')
+    command = (f"printf '%s' '{forged}'; sleep 0.1; printf 'ta\\n'; "
+               "head -c 1048576 /dev/zero | tr '\\0' x; exit 3")
+    expected = forged.encode() + b"ta\n" + b"x" * (1 << 20)
+    done = await sandbox.run(command)
+    assert (done.exit_code, done.stdout_bytes) == (3, expected)
+    stream = sandbox.stream(command)
+    chunks = [c async for c in stream]
+    assert b"".join(c.data for c in chunks if c.stream == "stdout") == expected
+    assert stream.result is not None and stream.result.exit_code == 3
+
+
 async def test_fork_bomb(client, sandbox, hostile) -> None:
     sb = await create(client, hostile, pids=64)
     with pytest.raises(dsec.CommandTimeout):
