@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import pytest
 
-from dsec.client.transport import Transport
+from dsec.client.transport import SPLIT_BODY, Transport
 from dsec.protocol.errors import PayloadTooLarge, SandboxNotFound, ServerUnavailable
 from support.unix_http import UnixServer
 
@@ -49,6 +49,7 @@ class RecordingServer(UnixServer):
         self.refuse_above = refuse_above
         self.reads: list[bytes] = []
         self.heads: list[bytes] = []
+        self.after_refusal: bytes | None = None
 
     async def _read(self, reader: asyncio.StreamReader) -> bytes:
         data = await reader.read(1 << 20)
@@ -73,7 +74,11 @@ class RecordingServer(UnixServer):
                         "code": "payload_too_large", "message": "big",
                         "details": {"limit": self.refuse_above}}}, close=True))
                     await writer.drain()
+                    await asyncio.sleep(0.05)  # whatever the client sends meanwhile is read
+                    self.after_refusal = buffered + await _available(reader)
                     return
+                if b"\r\nexpect: 100-continue" in head.lower():
+                    writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
                 while len(buffered) < length:
                     data = await self._read(reader)
                     if not data:
@@ -88,6 +93,14 @@ class RecordingServer(UnixServer):
                     return
         finally:
             writer.close()
+
+
+async def _available(reader: asyncio.StreamReader) -> bytes:
+    """What the peer has sent and not yet been read, without waiting for more."""
+    try:
+        return await asyncio.wait_for(reader.read(1 << 20), 0.05)
+    except asyncio.TimeoutError:
+        return b""
 
 
 @pytest.fixture
@@ -122,11 +135,22 @@ async def test_a_small_request_leaves_in_one_write(socket_path: Path, connect: A
         assert all(b"\r\nauthorization: bearer dsk_test" in h.lower() for h in server.heads)
 
 
-async def test_a_large_body_arrives_whole_and_in_order(socket_path: Path, connect: Any) -> None:
-    payload = bytes(range(256)) * (5 * 65536 // 256 + 7)
-    async with RecordingServer(socket_path):
-        whole = await connect().json("PUT", "/v1/files", content=payload)
-        assert whole == {"size": len(payload), "sum": sum(payload) % 65521}
+@pytest.mark.parametrize("size", [SPLIT_BODY, SPLIT_BODY + 1, 5 * 65536 + 1799, 1 << 20])
+async def test_a_large_body_arrives_whole_and_in_order(socket_path: Path, connect: Any,
+                                                       size: int) -> None:
+    """Below and above the size from which a body waits for the server's 100 Continue, then
+    goes in pieces (``_Body``): all of it, in order, under its Content-Length (never
+    chunked), also on a kept-alive connection."""
+    payload = (bytes(range(256)) * (size // 256 + 1))[:size]
+    async with RecordingServer(socket_path) as server:
+        transport = connect()
+        for _ in range(2):
+            whole = await transport.json("PUT", "/v1/files", content=payload)
+            assert whole == {"size": len(payload), "sum": sum(payload) % 65521}
+        for head in server.heads:
+            assert f"content-length: {size}".encode() in head.lower()
+            assert b"transfer-encoding" not in head.lower()
+            assert (b"expect: 100-continue" in head.lower()) == (size > SPLIT_BODY)
 
 
 async def test_an_early_refusal_is_read_not_a_write_error(socket_path: Path, connect: Any) -> None:
@@ -137,6 +161,11 @@ async def test_an_early_refusal_is_read_not_a_write_error(socket_path: Path, con
             await connect().request("PUT", "/v1/files", content=b"\0" * (40 << 16))
         assert refused.value.details["limit"] == 1000
         assert server.heads  # it read the head, then answered and closed
+        for _ in range(100):  # what came after its answer, once it looked
+            if server.after_refusal is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert server.after_refusal == b""  # not a byte of the body was sent
 
 
 async def test_a_typed_error_answer_is_its_error(socket_path: Path, connect: Any) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, TypeVar
 
 import aiohttp
+from aiohttp.abc import AbstractStreamWriter
 
 from ..protocol.errors import (
     DSecError,
@@ -41,6 +42,7 @@ CONNECT_TIMEOUT_S = 10.0
 # (server.py's KEEP_ALIVE_S), so the client never reuses one the server is closing.
 IDLE_S = 5.0
 MAX_CONNECTIONS = 256
+SPLIT_BODY = 1 << 16  # a body above this waits for 100 Continue, then goes in pieces (_Body)
 # What the server's failure to answer looks like: it is down, unreachable, cut the connection,
 # sent no HTTP, or went silent past the timeout.
 UNREACHED = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError,
@@ -110,6 +112,23 @@ class Response:
 
     def json(self) -> Any:
         return json.loads(self.content)
+
+
+class _Body(aiohttp.BytesPayload):
+    """A large request body (above ``SPLIT_BODY``), sent with ``Expect: 100-continue``: once
+    the server said it reads it, in pieces of ``SPLIT_BODY``. The server refuses one it will
+    not take (413) before a byte of it is sent, and a refusal is read as such: a body written
+    past the server's close would tear the connection down before its answer was read. The
+    pieces keep the event loop's write buffer small: aiohttp writes a body whole, and on
+    Pythons before 3.12.9 (3.13.2) copied it with its head into one new buffer, then asyncio
+    copied what the socket did not take at once; a 1 MiB ``send_stdin`` cost the client
+    three times the CPU, and stdin throughput fell 30 % below httpx's."""
+
+    async def write_with_length(self, writer: AbstractStreamWriter,
+                                content_length: int | None) -> None:
+        body = memoryview(self._value)[:content_length]
+        for start in range(0, len(body), SPLIT_BODY):
+            await writer.write(body[start:start + SPLIT_BODY])
 
 
 class Transport:
@@ -205,13 +224,16 @@ class Transport:
         """The request (an aiohttp context manager): ``content`` raw, ``json`` encoded,
         ``files`` as multipart fields (name: filename or None, value, content type)."""
         data: Any = content
+        if content is not None and len(content) > SPLIT_BODY:
+            data = _Body(content)
         if files is not None:
             data = aiohttp.FormData()
             for name, (filename, value, content_type) in files.items():
                 data.add_field(name, value, filename=filename, content_type=content_type)
         return self._http().request(
             method, self.base + path, headers={**self._auth, **(headers or {})},
-            params=None if params is None else _query(params), data=data, json=json)
+            params=None if params is None else _query(params), data=data, json=json,
+            expect100=isinstance(data, _Body))
 
     async def request(self, method: str, path: str, **kwargs: Any) -> Response:
         """The whole answer; its error as the typed DSecError."""
