@@ -1,7 +1,7 @@
 """The SDK's HTTP transport (client/transport.py) against a real HTTP/1.1 server on a Unix
 socket that records what each of its reads returned and answers as a test tells it: a request
-leaves in one write; a large body arrives whole; a server that refuses a body early is heard,
-not taken for a dead server; NDJSON lines are whole whatever the chunks they arrive in; a stream
+leaves in one write; a large body waits for 100 Continue and arrives whole; a server that
+refuses a body early is heard, not taken for a dead server, and gets none of it; NDJSON lines are whole whatever the chunks they arrive in; a stream
 cut short is ServerUnavailable, never a clean end; query values go as the server reads them."""
 
 from __future__ import annotations
