@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator, Iterator
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 import dsec
 from dsec.images.mount import LayerMounter
@@ -183,6 +184,20 @@ async def _sandbox(client: dsec.DSecClient, image: str, memory_mb: int,
         await sb.stop()
     except dsec.DSecError:  # the test stopped it, or it died on purpose
         pass
+
+
+def scrape(server: Server) -> dict[str, float]:
+    """The server's Prometheus samples as a scraper reads them, by ``name{label=value,...}``
+    (labels sorted, the edge's left out)."""
+    with server.http(authenticated=True) as http:
+        response = http.get("/metrics")
+    assert response.status_code == 200
+    samples = {}
+    for family in text_string_to_metric_families(response.text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "edge")
+            samples[f"{s.name}{{{labels}}}"] = s.value
+    return samples
 
 
 async def warm_count(client: dsec.DSecClient, substrate: str, image: str = "debian-minbase") -> int:

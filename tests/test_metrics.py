@@ -5,22 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 import dsec
-from conftest import make_server, stop_server
-
-
-def scrape(server) -> dict[str, float]:  # type: ignore[no-untyped-def]
-    with server.http(authenticated=True) as http:
-        response = http.get("/metrics")
-    assert response.status_code == 200
-    samples = {}
-    for family in text_string_to_metric_families(response.text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "edge")
-            samples[f"{s.name}{{{labels}}}"] = s.value
-    return samples
+from conftest import make_server, scrape, stop_server
 
 
 async def test_metrics_count_what_happened(images) -> None:  # type: ignore[no-untyped-def]

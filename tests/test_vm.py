@@ -19,8 +19,8 @@ from conftest import (
     Server,
     make_server,
     pool_filled,
+    scrape,
     stop_server,
-    warm_count,
 )
 from dsec.edge.edge import default_edge_id
 from dsec.images.store import ImageStore
@@ -172,7 +172,7 @@ async def test_vm_warm_pool_hands_out_a_booted_vm_at_normal_priority() -> None:
             await (await client.create(substrate="microvm", memory_mb=256)).stop()  # pool fills
             await pool_filled(client, "microvm")
             sb = await client.create(substrate="microvm", memory_mb=256, cpu=0.5)
-            assert not await warm_count(client, "microvm")
+            assert scrape(srv)["dsec_create_seconds_count{source=warm,substrate=microvm}"] == 1
             assert (await sb.run("echo warm")).stdout == "warm\n"
             pid = int((srv.state_dir / "vms" / sb.id / "qemu.pid").read_text())
             policies = {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{pid}/task")}
