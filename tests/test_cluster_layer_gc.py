@@ -13,11 +13,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from conftest import Server
+from conftest import Server, scrape
 from dsec.images.store import ImageStore
 from dsec.store.local_postgres import LocalPostgres
 from test_layer_gc import GRACE_S, import_image, on_disk, own_layers
-from test_metrics import scrape
 
 pytest.importorskip("ray", reason="the cluster tests need the `cluster` extra (Ray)")
 from dsec.cluster.local import LocalRayCluster  # noqa: E402

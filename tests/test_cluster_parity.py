@@ -37,7 +37,7 @@ import pytest
 from websockets.exceptions import InvalidStatus
 
 import dsec
-from conftest import TEST_ROOT, Server, free_port, make_tcp_server, stop_server
+from conftest import TEST_ROOT, Server, free_port, make_tcp_server, scrape, stop_server
 from dsec.config import Settings
 from dsec.images.mount import LayerMounter
 from dsec.images.store import ImageStore
@@ -46,7 +46,6 @@ from dsec.substrates.fn.fn import FnSubstrate
 from test_compat_e2b_templates import drive
 from test_compat_swerex import check_runtime, run_swerex_runtime
 from test_integrations import check_mini_swe_agent_run, run_mini_swe_agent
-from test_metrics import scrape
 from test_network import fetch
 from test_projects import unique
 

@@ -19,10 +19,9 @@ import httpx
 import pytest
 
 import dsec
-from conftest import Server, make_server, own_server, stop_server
+from conftest import Server, make_server, own_server, scrape, stop_server
 from dsec.images.store import ImageStore
 from test_cli import dsec_cli
-from test_metrics import scrape
 
 RETAIN_S = 3
 srv, client = own_server("--warm-pool", "0", "--retain-ended-s", str(RETAIN_S), "--retain-failed-s",

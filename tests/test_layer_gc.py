@@ -19,12 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TEST_ROOT, Server, make_server, stop_server
+from conftest import TEST_ROOT, Server, make_server, scrape, stop_server
 from dsec.images.store import Image, ImageStore
 from dsec.store.local_postgres import LocalPostgres
 from test_cli import dsec_cli
 from test_images import _busybox_layers, _layer_tar, make_oci_archive
-from test_metrics import scrape
 
 GRACE_S = 2
 
