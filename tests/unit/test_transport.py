@@ -1,8 +1,9 @@
 """The SDK's HTTP transport (client/transport.py) against a real HTTP/1.1 server on a Unix
 socket that records what each of its reads returned and answers as a test tells it: a request
 leaves in one write; a large body waits for 100 Continue and arrives whole; a server that
-refuses a body early is heard, not taken for a dead server, and gets none of it; NDJSON lines are whole whatever the chunks they arrive in; a stream
-cut short is ServerUnavailable, never a clean end; query values go as the server reads them."""
+refuses a body early is heard, not taken for a dead server, and gets none of it; NDJSON lines
+are whole whatever the chunks they arrive in; a stream cut short is ServerUnavailable, never a
+clean end; query values go as the server reads them."""
 
 from __future__ import annotations
 
@@ -74,8 +75,11 @@ class RecordingServer(UnixServer):
                         "code": "payload_too_large", "message": "big",
                         "details": {"limit": self.refuse_above}}}, close=True))
                     await writer.drain()
-                    await asyncio.sleep(0.05)  # whatever the client sends meanwhile is read
-                    self.after_refusal = buffered + await _available(reader)
+                    try:  # whatever the client sends in the next 0.1 s is kept
+                        late = await asyncio.wait_for(reader.read(1 << 20), 0.1)
+                    except asyncio.TimeoutError:
+                        late = b""
+                    self.after_refusal = buffered + late
                     return
                 if b"\r\nexpect: 100-continue" in head.lower():
                     writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -93,14 +97,6 @@ class RecordingServer(UnixServer):
                     return
         finally:
             writer.close()
-
-
-async def _available(reader: asyncio.StreamReader) -> bytes:
-    """What the peer has sent and not yet been read, without waiting for more."""
-    try:
-        return await asyncio.wait_for(reader.read(1 << 20), 0.05)
-    except asyncio.TimeoutError:
-        return b""
 
 
 @pytest.fixture
