@@ -49,6 +49,22 @@ def test_exec_and_trajectory_series_run_alone(images: ImageStore, tmp_path: Path
     assert rows["exec true, logged in a trajectory"]["p50_ratio_to_baseline"] is not None
 
 
+def test_soak_smoke_samples_every_curve(images: ImageStore, tmp_path: Path) -> None:
+    """``--only soak`` with few cycles: every cycle ran, and every curve (the state database
+    and its log apart) was sampled before the first segment and after each of the ten."""
+    out = tmp_path / "soak.json"
+    done = subprocess.run([sys.executable, "-m", "dsec", "bench", "--only", "soak", "--cycles",
+                           "20", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {row["name"]: row for row in json.loads(out.read_text())}
+    assert rows["create → run → stop cycle"]["n"] == 20
+    assert all(row["failures"] == 0 for row in rows.values())
+    curves = [row for row in rows.values() if "at_cycle" in row]
+    assert {row["name"] for row in curves} >= {"state database (MB, not ms)",
+                                               "state database's log (wal + shm) (MB, not ms)"}
+    assert all(row["at_cycle"] == list(range(0, 22, 2)) for row in curves)
+
+
 def test_count_belongs_to_density_and_throughput() -> None:
     done = subprocess.run([sys.executable, "-m", "dsec", "bench", "--only", "soak", "--count", "3"],
                           capture_output=True, text=True, timeout=60)
