@@ -1123,6 +1123,7 @@ static void do_claim(struct conn *c, const struct req *r)
  * from then on the old token is refused. SIGIO says the host end connected or sent data. */
 #define BOOT_LINE 512
 #define SEED_BYTES 64
+#define CONSOLE_READY "\ndsec-agent: listening\n" /* on a VM's console, in place of `R` */
 static int boot_fd = -1, random_fd = -1;
 static char boot_line[BOOT_LINE + 1];
 static size_t boot_len;
@@ -1703,7 +1704,11 @@ int main(int argc, char **argv)
     setrlimit(RLIMIT_NOFILE, &raised);
 
     int lfd = listen_on(listen_at);
-    if (write(1, "R", 1) != 1)
+    /* Ready: the byte `R` on a runtime's pipe. A VM's stdout is its console, which firmware and
+     * the kernel write to as well (SeaBIOS's "Booting from ROM.."), so there it is a line
+     * nothing else prints (substrates/vm/guest.py CONSOLE_READY). */
+    const char *ready = token_from ? CONSOLE_READY : "R";
+    if (write(1, ready, strlen(ready)) != (ssize_t)strlen(ready))
         return 1;
     if (token_from)
         boot_from(token_from);

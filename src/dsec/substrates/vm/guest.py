@@ -45,6 +45,10 @@ from .vmnet import AGENT_MAC, POLICY_MAC
 
 AGENT_PORT = 7000  # inside the guest
 BOOT_PORT = "dsec.boot"  # the virtio-serial port that carries the agent's token
+# What the agent prints on the console, on a line of its own, once it listens (agent.c's
+# CONSOLE_READY): text no firmware or kernel prints, where a single `R` would be found early in
+# SeaBIOS's "Booting from ROM..". (The console's tty turns the line's \n into \r\n.)
+CONSOLE_READY = b"dsec-agent: listening"
 GUEST_IP = "10.0.2.15/24"  # QEMU user networking's fixed guest address; no route beyond its subnet
 BUSYBOX = Path("/bin/busybox")
 # Loaded in this order; a module the kernel has built in is simply absent from modules.dep.
@@ -131,7 +135,7 @@ mkdir -p /newroot/dev/pts /newroot/dev/shm
 mount -t devpts devpts /newroot/dev/pts
 mount -t tmpfs -o mode=1777 shm /newroot/dev/shm
 # The serial console is a file on the host's disk (QEMU's console.log): once the agent holds it
-# (its stdout, for `R` and boot errors), no node leads to it (and commands cannot mknod one).
+# (its stdout, for CONSOLE_READY and boot errors), no node leads to it (and commands cannot mknod one).
 rm -f /newroot/dev/console /newroot/dev/ttyS* || fail "cannot remove the console's device nodes"
 exec switch_root /newroot /.dsec/agent --listen tcp:@AGENT_ADDRESS@:@AGENT_PORT@ \
   --token-from "$boot" --confine

@@ -65,7 +65,14 @@ from ..host.image_copy import clone_file
 from ..host.pidwatch import PidWatch
 from ..host.spawn import Spawned
 from . import vmnet, vmsnapshot
-from .guest import AGENT_PORT, BOOT_PORT, GuestBoot, guest_boot, host_tsc_khz
+from .guest import (
+    AGENT_PORT,
+    BOOT_PORT,
+    CONSOLE_READY,
+    GuestBoot,
+    guest_boot,
+    host_tsc_khz,
+)
 
 ACCELS = ("kvm", "tcg")
 log = logging.getLogger("dsec.qemu")
@@ -274,10 +281,11 @@ class QemuSubstrate(Substrate):
         return argv + vmnet.nic_args(self.net_device, port, AGENT_PORT)
 
     async def _wait_until_listening(self, alive: Callable[[], bool], d: Path) -> None:
-        """Until a booting guest's agent listens: it prints ``R`` on the console, then waits
-        for its boot message (so the message's clock is read at once)."""
+        """Until a booting guest's agent listens: it prints ``CONSOLE_READY`` on the console,
+        then waits for its boot message (so the message's clock is read at once, and a
+        template is saved with its agent waiting, not in the firmware)."""
         deadline = time.monotonic() + START_TIMEOUT_S
-        while b"R" not in _read(d / "console.log"):
+        while CONSOLE_READY not in _read(d / "console.log"):
             if not alive():
                 raise self._stopped_booting(d)
             if time.monotonic() > deadline:
