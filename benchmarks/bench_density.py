@@ -23,15 +23,10 @@ bare ``crun run --detach`` containers of ``sleep infinity`` on an overlay of the
 from __future__ import annotations
 
 import asyncio
-import os
-import re
 import secrets
 import shutil
-import sqlite3
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from contextlib import suppress
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -50,19 +45,12 @@ from .bench import (
     idle_memory,
     phase,
 )
+from .server_host import Host, meminfo_kb, server_host
 
 CONCURRENCY = 64
 SETTLE_S = 5.0  # after the last create, before memory is read: the agents' start-up is over
 T = TypeVar("T")
 R = TypeVar("R")
-
-
-def meminfo_kb(text: str, field: str) -> int:
-    """One field of /proc/meminfo, in kB."""
-    found = re.search(rf"^{re.escape(field)}:\s+(\d+) kB$", text, re.M)
-    if found is None:
-        raise ValueError(f"no {field} in /proc/meminfo")
-    return int(found.group(1))
 
 
 def per_sandbox_mb(high_kb: int, low_kb: int, n: int) -> float:
@@ -75,58 +63,6 @@ def excess(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     """What each count has above its value before the series: the series' leftovers."""
     return {name: after[name] - before.get(name, 0) for name in after
             if after[name] > before.get(name, 0)}
-
-
-@dataclass(frozen=True)
-class Host:
-    """Where one private server keeps what its sandboxes hold on the host."""
-    pid: int  # the server process, leader of its session
-    state: Path
-    cgroup_parent: str  # ``/dsec-<edge id>``
-
-    def counts(self) -> dict[str, int]:
-        """What a sandbox of this server holds while it lives, and none may hold after."""
-        return {"mounts under the state dir": self._mounts(),
-                "loop devices under the state dir": self._loops(),
-                "sandbox cgroups": self._cgroups(),
-                "processes in the server's session": self._session_processes(),
-                "live rows in the state store": self._live_rows()}
-
-    def _mounts(self) -> int:
-        lines = Path(f"/proc/{self.pid}/mountinfo").read_text().splitlines()
-        return sum(line.split()[4].startswith(str(self.state) + "/") for line in lines)
-
-    def _loops(self) -> int:
-        count = 0
-        for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
-            with suppress(OSError):  # detached meanwhile
-                count += backing.read_text().startswith(str(self.state) + "/")
-        return count
-
-    def _cgroups(self) -> int:
-        return sum(1 for h in Path("/sys/fs/cgroup").iterdir()
-                   for d in (h / self.cgroup_parent.lstrip("/")).glob("*") if d.is_dir())
-
-    def _session_processes(self) -> int:
-        count = 0
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            with suppress(OSError):
-                count += stat.read_text().rpartition(")")[2].split()[3] == str(self.pid)
-        return count
-
-    def _live_rows(self) -> int:
-        db = sqlite3.connect(f"file:{self.state / 'state.db'}?mode=ro", uri=True, timeout=30)
-        try:
-            return int(db.execute("SELECT count(*) FROM sandboxes WHERE state IN "
-                                  "('starting','running','paused')").fetchone()[0])
-        finally:
-            db.close()
-
-    def fds(self) -> int:
-        return len(os.listdir(f"/proc/{self.pid}/fd"))
-
-    def rss_kb(self) -> int:
-        return meminfo_kb(Path(f"/proc/{self.pid}/status").read_text(), "VmRSS")
 
 
 def host_processes() -> int:
@@ -181,11 +117,6 @@ async def _stop_all(created: Created, stops: Sample) -> float:
     return time.perf_counter() - t0
 
 
-async def _host(created: Created, state: Path) -> Host:
-    edge = (await created.client.health())["edges"][0]["id"]
-    return Host(created.server_pid, state, f"/dsec-{edge}")
-
-
 async def _warm_up(created: Created) -> None:
     """The agent binary, the layers' mounts, the golden disk, the page cache: once, untimed."""
     await created.first_output()
@@ -230,7 +161,7 @@ async def density_series(console: Console, quick: bool = False,
     try:
         async with bench_server(state, "--warm-pool", "0", "--capacity", str(n + 16)) as created:
             await _warm_up(created)
-            host = await _host(created, state)
+            host = await server_host(created, state)
             before = await _steady(host)
             mem0, rss0, fds0 = mem_available_kb(), host.rss_kb(), host.fds()
             procs0, loops0 = host_processes(), host_loops()

@@ -24,8 +24,6 @@ failures, never the figures).
 from __future__ import annotations
 
 import asyncio
-import os
-import re
 import secrets
 import shutil
 import statistics
@@ -43,6 +41,7 @@ from dsec.images.store import ImageStore
 from dsec.store.walcheckpoint import BACKSTOP_PAGES
 
 from .bench import BENCH_ROOT, IMAGE, Sample, bench_server, phase
+from .server_host import Host, server_host
 
 CONCURRENCY = 16
 TRAJECTORY_EVERY = 10
@@ -60,34 +59,7 @@ class Curve:
     column: str  # its heading in the table of samples
     unit: str
     slack: float  # in ``unit``: what a flat curve may end above its second half's median
-    measure: Callable[[int, Path], float]  # (server pid, state dir) -> the value now
-
-
-def _rss_mb(pid: int, state: Path) -> float:
-    found = re.search(r"^VmRSS:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text(), re.M)
-    return int(found.group(1)) * 1024 / MB if found else float("nan")
-
-
-def _session_processes(pid: int, state: Path) -> float:
-    """Processes in the server's session (it leads one: ``bench_server``), itself included."""
-    count = 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with suppress(OSError):
-            count += stat.read_text().rpartition(")")[2].split()[3] == str(pid)
-    return count
-
-
-def _loops(pid: int, state: Path) -> float:
-    count = 0
-    for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
-        with suppress(OSError):
-            count += backing.read_text().startswith(str(state))
-    return count
-
-
-def _mounts(pid: int, state: Path) -> float:
-    lines = Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
-    return sum(line.split()[4].startswith(str(state)) for line in lines)
+    measure: Callable[[Host], float]  # the value now
 
 
 def _files_mb(paths: list[Path]) -> float:
@@ -99,19 +71,18 @@ def _files_mb(paths: list[Path]) -> float:
 
 
 CURVES = (
-    Curve("server RSS", "RSS MB", "MB", 1, _rss_mb),
-    Curve("server open fds", "fds", "", 2,
-          lambda pid, state: len(os.listdir(f"/proc/{pid}/fd"))),
-    Curve("processes in the server's session", "procs", "", 2, _session_processes),
-    Curve("loop devices under the state dir", "loops", "", 2, _loops),
-    Curve("mounts under the state dir", "mounts", "", 2, _mounts),
-    Curve("state database", "db MB", "MB", 1, lambda pid, state: _files_mb([state / "state.db"])),
+    Curve("server RSS", "RSS MB", "MB", 1, lambda host: host.rss_kb() * 1024 / MB),
+    Curve("server open fds", "fds", "", 2, Host.fds),
+    Curve("processes in the server's session", "procs", "", 2, Host.session_processes),
+    Curve("loop devices under the state dir", "loops", "", 2, Host.loops),
+    Curve("mounts under the state dir", "mounts", "", 2, Host.mounts),
+    Curve("state database", "db MB", "MB", 1, lambda host: _files_mb([host.state / "state.db"])),
     # The log is reused, not shrunk, after a checkpoint: it ends at the longest its checkpoint
     # thread let it grow in a burst of commits, which its backstop bounds (store/walcheckpoint.py).
     Curve("state database's log (wal + shm)", "log MB", "MB", WAL_BOUND_MB,
-          lambda pid, state: _files_mb([state / "state.db-wal", state / "state.db-shm"])),
+          lambda host: _files_mb([host.state / "state.db-wal", host.state / "state.db-shm"])),
     Curve("blob store", "blobs MB", "MB", 0.25,
-          lambda pid, state: _files_mb([p for p in (state / "blobs").rglob("*") if p.is_file()])),
+          lambda host: _files_mb([p for p in (host.state / "blobs").rglob("*") if p.is_file()])),
 )
 
 
@@ -153,16 +124,16 @@ async def _segment(client: DSecClient, tag: str, first: int, end: int,
     return await asyncio.gather(*(gated(i) for i in range(first, end)), return_exceptions=True)
 
 
-async def _sample(pid: int, state: Path) -> list[float]:
+async def _sample(host: Host) -> list[float]:
     """Each curve's least value over ``SAMPLE_S``: what a leak holds stays, what the server
     lets go of just after the cycles (a stopped sandbox's removal, which runs after its stop
     answered; the disk stock refilling its loop devices and their fds) does not. A single
     reading put those curves anywhere between 8 and 20 loop devices and 66 and 86 fds from one
     sampling to the next, and a run ended "not flat" on that noise alone."""
-    least = [float(curve.measure(pid, state)) for curve in CURVES]
+    least = [float(curve.measure(host)) for curve in CURVES]
     for _ in range(SAMPLE_READINGS - 1):
         await asyncio.sleep(SAMPLE_S / SAMPLE_READINGS)
-        least = [min(v, float(curve.measure(pid, state))) for v, curve in zip(least, CURVES)]
+        least = [min(v, float(curve.measure(host))) for v, curve in zip(least, CURVES)]
     return least
 
 
@@ -195,12 +166,12 @@ async def soak_series(console: Console, quick: bool = False, cycles: int | None 
     points: list[Point] = []
     try:
         async with bench_server(state, *SERVER_ARGS) as server:
-            pid, client = server.server_pid, server.client
+            host, client = await server_host(server, state), server.client
             warm_up = Sample("warm-up", [])  # agent binary, layer mounts, page cache
             warm_up.add(await _segment(client, f"{tag}-warm-up", 0, concurrency, concurrency))
             if warm_up.failures:
                 raise RuntimeError(f"{warm_up.failures} warm-up cycles failed: {warm_up.errors}")
-            points.append(Point(0, 0.0, 0.0, 0, await _sample(pid, state)))
+            points.append(Point(0, 0.0, 0.0, 0, await _sample(host)))
             cycling = 0.0  # seconds of the segments, not of the samplings between them
             with phase(console, f"soak: {n} create/run/stop cycles at concurrency {concurrency}"):
                 for k in range(10):
@@ -210,7 +181,7 @@ async def soak_series(console: Console, quick: bool = False, cycles: int | None 
                     segment_s = time.perf_counter() - t0
                     cycling += segment_s
                     points.append(Point(end, cycling, (end - first) / segment_s,
-                                        latency.failures - failed, await _sample(pid, state)))
+                                        latency.failures - failed, await _sample(host)))
                     console.print(f"[dim]  {end} cycles, {points[-1].cycles_per_s:.1f}/s, "
                                   f"{latency.failures} failed[/dim]")
     finally:

@@ -10,9 +10,9 @@ from dsec_benchmarks.bench_density import (
     _leftovers,
     by_tenth,
     excess,
-    meminfo_kb,
     per_sandbox_mb,
 )
+from dsec_benchmarks.server_host import meminfo_kb
 from rich.console import Console
 
 MEMINFO = "MemTotal:       24684012 kB\nMemFree:        15919748 kB\nMemAvailable:   20578644 kB\n"
