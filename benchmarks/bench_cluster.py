@@ -19,6 +19,7 @@ import secrets
 import shutil
 import time
 from contextlib import AsyncExitStack
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -38,9 +39,11 @@ from dsec.substrates.container.container import ContainerSubstrate
 from dsec.substrates.host.volume import DiskVolume
 
 from .bench import BENCH_ROOT, IMAGE, Sample, phase
+from .server_host import loop_devices_under, steady
 
 CONCURRENCY = 32
 NODES = 3
+QUIET_TIMEOUT_S = 120.0  # for one side's removals and refills to end after its burst's stops
 
 
 async def burst(router: Any, n: int) -> tuple[list[float], float, list[str]]:
@@ -71,9 +74,13 @@ async def stop_all(router: Any, ids: list[str]) -> None:
     await asyncio.gather(*(one(i) for i in ids))
 
 
-async def alternate(console: Console, routers: dict[str, Any], sizes: list[int]) -> list[Sample]:
+async def alternate(console: Console, routers: dict[str, Any], sizes: list[int],
+                    root: Path) -> list[Sample]:
     """Bursts on each side in turn (several rounds for small bursts), so both meet the same
-    machine: on a shared host conditions drift more between minutes than between sides."""
+    machine: on a shared host conditions drift more between minutes than between sides. A
+    burst starts once the loop devices under ``root`` (both sides' disks) hold still: the
+    stopped sandboxes' removal and the disk stocks' refill run after the stops answered, and
+    would otherwise land in the next side's burst (a burst of 1,000's removal takes seconds)."""
     latency = {(label, n): Sample(f"{label} create: burst {n}", []) for label in routers for n in sizes}
     rate = {(label, n): Sample(f"{label} creates/s (not ms): burst {n}", []) for label in routers
             for n in sizes}
@@ -83,6 +90,7 @@ async def alternate(console: Console, routers: dict[str, Any], sizes: list[int])
                 with phase(console, f"{label}: burst of {n} creates (round {round_ + 1})"):
                     latencies, per_s, ids = await burst(router, n)
                     await stop_all(router, ids)
+                    await steady(lambda: loop_devices_under(root), timeout_s=QUIET_TIMEOUT_S)
                 latency[label, n].values_ms += latencies
                 rate[label, n].values_ms.append(per_s)
     base, ours = list(routers)
@@ -158,7 +166,7 @@ async def cluster_benchmark(console: Console, sizes: list[int]) -> list[Sample]:
             await stop_all(router, (await burst(router, 4 * NODES))[2])
         edges.decision_seconds.clear()
         samples += await alternate(console, {"single node": single,
-                                             f"cluster of {NODES}": router}, sizes)
+                                             f"cluster of {NODES}": router}, sizes, root)
         samples.append(Sample("placement decision (µs, not ms)",
                               [s * 1e6 for s in edges.decision_seconds]))
         with phase(console, "a worker node killed: time to SandboxDied"):

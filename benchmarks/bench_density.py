@@ -45,7 +45,7 @@ from .bench import (
     idle_memory,
     phase,
 )
-from .server_host import Host, meminfo_kb, server_host
+from .server_host import Host, meminfo_kb, server_host, steady
 
 CONCURRENCY = 64
 SETTLE_S = 5.0  # after the last create, before memory is read: the agents' start-up is over
@@ -162,7 +162,10 @@ async def density_series(console: Console, quick: bool = False,
         async with bench_server(state, "--warm-pool", "0", "--capacity", str(n + 16)) as created:
             await _warm_up(created)
             host = await server_host(created, state)
-            before = await _steady(host)
+            # After the warm-up, its sandbox's removal and the disk stock's refill of the disk
+            # it took run in the background. Counted while they ran, the stock was a disk short
+            # of what it held after the series, and a CI run reported it as a leftover.
+            before = await steady(host.counts)
             mem0, rss0, fds0 = mem_available_kb(), host.rss_kb(), host.fds()
             procs0, loops0 = host_processes(), host_loops()
 
@@ -207,20 +210,6 @@ async def density_series(console: Console, quick: bool = False,
         shutil.rmtree(root, ignore_errors=True)
     creates.extra.update(count=n, concurrency=CONCURRENCY, created=made)
     return samples
-
-
-async def _steady(host: Host, quiet_s: float = 1.0, timeout_s: float = 15.0) -> dict[str, int]:
-    """The counts once none changed for ``quiet_s`` (or as they are after ``timeout_s``): after
-    the warm-up, its sandbox's removal and the disk stock's refill of the disk it took run in
-    the background. Counted while they ran, the stock was a disk short of what it held after
-    the series, and a CI run reported that disk as the series' leftover."""
-    t0 = time.perf_counter()
-    counts, since = host.counts(), t0
-    while time.perf_counter() - since < quiet_s and time.perf_counter() - t0 < timeout_s:
-        await asyncio.sleep(0.1)
-        if (now := host.counts()) != counts:
-            counts, since = now, time.perf_counter()
-    return counts
 
 
 async def _settled(host: Host, before: dict[str, int], timeout_s: float) -> tuple[dict[str, int], float]:

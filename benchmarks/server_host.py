@@ -1,17 +1,25 @@
 """What one private server of a series holds on the host, read from ``/proc``, ``/sys`` and
-its state dir: the density series' leftovers and the soak's curves count the same things
-the same way (a mount or loop device is the server's when it lies under its state dir)."""
+its state dir: the density series' leftovers, the soak's curves and the cluster series' pauses
+count the same things the same way (a mount or loop device is the server's when it lies under
+its state dir). A stopped sandbox's removal and the disk stock's refill run after the stop has
+answered: ``steady`` waits until such counts hold still."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import sqlite3
+import time
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from .bench import Created
+
+T = TypeVar("T")
 
 
 def meminfo_kb(text: str, field: str) -> int:
@@ -20,6 +28,26 @@ def meminfo_kb(text: str, field: str) -> int:
     if found is None:
         raise ValueError(f"no {field} in the text given")
     return int(found.group(1))
+
+
+def loop_devices_under(directory: Path) -> int:
+    """Loop devices whose backing file lies under ``directory``."""
+    count = 0
+    for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
+        with suppress(OSError):  # detached meanwhile
+            count += backing.read_text().startswith(str(directory) + "/")
+    return count
+
+
+async def steady(read: Callable[[], T], quiet_s: float = 1.0, timeout_s: float = 15.0) -> T:
+    """``read()`` once it returned the same for ``quiet_s`` (or as it is after ``timeout_s``)."""
+    t0 = time.perf_counter()
+    value, since = read(), t0
+    while time.perf_counter() - since < quiet_s and time.perf_counter() - t0 < timeout_s:
+        await asyncio.sleep(0.1)
+        if (now := read()) != value:
+            value, since = now, time.perf_counter()
+    return value
 
 
 @dataclass(frozen=True)
@@ -42,11 +70,7 @@ class Host:
         return sum(line.split()[4].startswith(str(self.state) + "/") for line in lines)
 
     def loops(self) -> int:
-        count = 0
-        for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
-            with suppress(OSError):  # detached meanwhile
-                count += backing.read_text().startswith(str(self.state) + "/")
-        return count
+        return loop_devices_under(self.state)
 
     def cgroups(self) -> int:
         return sum(1 for h in Path("/sys/fs/cgroup").iterdir()
