@@ -325,6 +325,45 @@ async def test_dsec_path_in_a_guest_survives_a_hostile_root(client, server, subs
     assert _traces(server, sb.id) == []
 
 
+# A guest's root trying to fill its console, a file on the host's disk outside the sandbox's
+# quota, through the kernel: the kernel's log (emergencies reach every console) and sysrq (its
+# output ignores the console's level).
+CONSOLE_FLOOD = r"""
+import os
+try:
+    kmsg = os.open("/dev/kmsg", os.O_WRONLY)
+    for _ in range(20):
+        os.write(kmsg, b"<0>dsec-agent: listening " + b"k" * 400 + b"\n")
+    print("kmsg=ok")
+except OSError as e:
+    print("kmsg=" + e.strerror)
+try:
+    for _ in range(5):
+        with open("/proc/sysrq-trigger", "w") as f:
+            f.write("m")  # the kernel's memory report
+    print("sysrq=ok")
+except OSError as e:
+    print("sysrq=" + e.strerror)
+"""
+
+
+@pytest.mark.parametrize("substrate", VM_SUBSTRATES)
+async def test_a_guest_cannot_fill_its_console_through_the_kernel(client, server, substrate) -> None:
+    sb = await client.create(substrate=substrate, image="python-3.11", memory_mb=256, ttl_s=300)
+    try:
+        console = server.state_dir / "vms" / sb.id / "console.log"
+        booted = console.stat().st_size
+        await sb.write_file("/work/flood.py", CONSOLE_FLOOD.encode())
+        r = await sb.run(["python3", "/work/flood.py"], timeout_s=120)
+        got = dict(line.split("=", 1) for line in r.stdout.splitlines() if "=" in line)
+        assert r.exit_code == 0, r.stderr
+        assert got["kmsg"] == "No such file or directory"
+        assert got["sysrq"] == "Read-only file system"
+        assert console.stat().st_size == booted  # not a byte since the boot
+    finally:
+        await sb.stop()
+
+
 # A local user's fake agent on a port: it reports every byte it receives, then answers `O`.
 IMPOSTOR = r"""
 import socket, sys

@@ -126,6 +126,12 @@ for set in bset inheritable; do
   echo "0 0" > /proc/sys/kernel/usermodehelper/$set || fail "cannot limit usermode helpers"
 done
 echo > /proc/sys/kernel/modprobe || fail "cannot turn module auto-loading off"
+# The console is a file on the host's disk, outside the sandbox's quota: from here on the kernel
+# prints only emergencies on it (not, say, each OOM kill's report), no command can write the
+# kernel's log (/dev/kmsg: removed below) or run sysrq (whose output ignores the level).
+echo 1 > /proc/sys/kernel/printk || fail "cannot quiet the kernel's console"
+[ ! -e /proc/sysrq-trigger ] || { mount --bind /proc/sysrq-trigger /proc/sysrq-trigger \
+  && mount -o remount,bind,ro /proc/sysrq-trigger; } || fail "cannot make sysrq-trigger read-only"
 mount --bind /proc/sys /proc/sys && mount -o remount,bind,ro /proc/sys \
   && mount -o remount,bind,ro /sys || fail "cannot make /proc/sys and /sys read-only"
 for fs in proc sys dev; do  # with what is mounted below them
@@ -135,8 +141,10 @@ mkdir -p /newroot/dev/pts /newroot/dev/shm
 mount -t devpts devpts /newroot/dev/pts
 mount -t tmpfs -o mode=1777 shm /newroot/dev/shm
 # The serial console is a file on the host's disk (QEMU's console.log): once the agent holds it
-# (its stdout, for CONSOLE_READY and boot errors), no node leads to it (and commands cannot mknod one).
-rm -f /newroot/dev/console /newroot/dev/ttyS* || fail "cannot remove the console's device nodes"
+# (its stdout, for CONSOLE_READY and boot errors), no node leads to it, nor to the kernel's log
+# (and commands cannot mknod one).
+rm -f /newroot/dev/console /newroot/dev/ttyS* /newroot/dev/kmsg \
+  || fail "cannot remove the console's device nodes"
 exec switch_root /newroot /.dsec/agent --listen tcp:@AGENT_ADDRESS@:@AGENT_PORT@ \
   --token-from "$boot" --confine
 """
