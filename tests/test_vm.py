@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import platform
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -178,6 +179,49 @@ async def test_snapshot_restores_are_separate_sandboxes_with_their_own_name_and_
             await a.stop()
             await b.stop()
             assert _traces(srv, a.id) == [] and _traces(srv, b.id) == []
+    finally:
+        stop_server(srv)
+
+
+def _template_used_by(sandbox_id: str) -> Path:
+    """The snapshot template whose ``users/`` names the sandbox (vmsnapshot.use)."""
+    (template,) = [p for p in (Path(os.environ.get("DSEC_CACHE", "/var/cache/dsec"))
+                               / "vm-snapshots").glob(f"*/users/{sandbox_id}")]
+    return template.parent.parent
+
+
+def _idle_for_two_days(template: Path) -> None:
+    then = time.time() - 2 * 86400
+    os.utime(template, (then, then))
+
+
+async def test_a_snapshot_template_stays_while_used_and_goes_once_idle(images: ImageStore) -> None:
+    """Templates are a cache the edge sweeps at its start: one a live sandbox restored from
+    (its disk's backing file) stays however long unused; once that sandbox is gone and none
+    restored it for --vm-template-idle-s (a day), it is removed, and the next create makes it
+    again."""
+    srv = make_server("--vm-accel", VM_ACCEL, "--vm-snapshots", "--warm-pool", "0").start()
+    try:
+        async with srv.client() as client:
+            sb = await client.create(substrate="microvm", image="debian-minbase", memory_mb=256)
+        template = _template_used_by(sb.id)
+        _idle_for_two_days(template)
+        srv.kill(signal.SIGKILL)
+        srv.start()  # the edge sweeps: the template is in use
+        async with srv.client() as client:
+            sb = await client.get(sb.id)
+            assert template.exists() and (await sb.run("echo adopted")).stdout == "adopted\n"
+            await sb.stop()
+            assert _traces(srv, sb.id) == []
+        _idle_for_two_days(template)
+        srv.kill(signal.SIGKILL)
+        srv.start()  # nothing uses it, none restored it for a day
+        assert not template.exists()
+        async with srv.client() as client:
+            again = await client.create(substrate="microvm", image="debian-minbase", memory_mb=256)
+            assert _template_used_by(again.id) == template  # made again, same shape
+            assert (await again.run("echo restored")).stdout == "restored\n"
+            await again.stop()
     finally:
         stop_server(srv)
 

@@ -88,6 +88,10 @@ class Settings:
     vm_warm_pool: int = _setting(0, "booted VMs kept per image", option="--vm-warm-pool")
     vm_snapshots: bool = _setting(False, "start VMs by restoring a saved booted one (see "
                                   "docs/SUBSTRATES.md caveats)", option="--vm-snapshots", flag=True)
+    vm_template_idle_s: int = _setting(86400, "seconds a VM snapshot template no sandbox uses "
+                                       "is kept after it was last restored (see "
+                                       "substrates/vm/vmsnapshot.py)",
+                                       option="--vm-template-idle-s")
     disk_volume: str = _setting("auto", "where sandbox disk images and snapshots live: auto (a "
                                 "reflink XFS volume in STATE_DIR/volume.xfs, unless the state "
                                 "dir's file system clones files), a directory on a reflink file "

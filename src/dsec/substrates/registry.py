@@ -32,5 +32,5 @@ def all_substrates(settings: Settings, state_dir: Path, edge_id: str,
         "fn": FnSubstrate(state_dir, edge_id, preload=settings.fn_preload, mounter=mounter)}
     for vm in VM_SUBSTRATES:
         substrates[vm.name] = vm(state_dir, edge_id, settings.vm_accel, settings.kvm_device,
-                                 settings.vm_snapshots)
+                                 settings.vm_snapshots, settings.vm_template_idle_s)
     return substrates

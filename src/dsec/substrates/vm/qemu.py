@@ -104,12 +104,14 @@ class QemuSubstrate(Substrate):
     terminals = True  # the guest's own devpts (guest.py)
 
     def __init__(self, state_dir: Path, edge_id: str, accel: str = "kvm",
-                 kvm_device: Path = Path("/dev/kvm"), snapshots: bool = False) -> None:
+                 kvm_device: Path = Path("/dev/kvm"), snapshots: bool = False,
+                 template_idle_s: float = 86400) -> None:
         if accel not in ACCELS:
             raise NotSupported(f"unknown VM acceleration {accel!r}; choose one of {ACCELS}")
         self.accel = accel
         self.kvm_device = kvm_device
         self.snapshots = snapshots  # restore a saved booted VM instead of booting (vmsnapshot.py)
+        self.template_idle_s = template_idle_s  # a template none restored this long is swept
         self.root = state_dir / "vms"
         self.cgroup_parent = f"/dsec-{edge_id}-{self.name}"
         self._pids = PidWatch(self.cgroup_parent)
@@ -120,6 +122,11 @@ class QemuSubstrate(Substrate):
     async def prepare(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         await self.network.recover()
+        await self._sweep_templates()
+
+    async def _sweep_templates(self) -> None:
+        await asyncio.to_thread(vmsnapshot.sweep, vmsnapshot.templates_root(), time.time(),
+                                self.template_idle_s)
 
     async def close(self) -> None:
         cgroups.remove_parent_if_unused(self.cgroup_parent)
@@ -225,32 +232,46 @@ class QemuSubstrate(Substrate):
             raise self._stopped_booting(d) from None
 
     async def _template(self, plan: StartPlan, boot: GuestBoot, d: Path) -> Path:
-        """The saved, booted VM that sandboxes of this shape restore; made on first use, by
-        the sandbox ``d`` belongs to (which records the template QEMU's pid, for clean-up)."""
+        """The saved, booted VM that sandboxes of this shape restore, recorded as used by the
+        sandbox ``d`` belongs to; made on first use, by that sandbox (which records the
+        template QEMU's pid, for clean-up), and then the other templates swept."""
         req = plan.request
         target = vmsnapshot.snapshot_dir([self.name, self.machine, self.accel, str(boot.kernel),
                                           str(boot.initramfs), plan.image.digest, str(req.memory_mb),
                                           str(_cpus(req)), str(req.disk_mb)])
         async with vmsnapshot.TemplateLock(target):
-            if target.exists():
-                return target
-            scratch = vmsnapshot.scratch_for(target)
-            try:
-                await _mkfs(scratch / DISK, req.disk_mb)
-                argv = self._argv(plan, boot, scratch, PORT, (scratch / DISK, "raw"))
-                pid, _ = await self._launch(argv, scratch, [])
-                (d / "template.pid").write_text(str(pid))
-                try:  # saved unclaimed: its agent waits for a boot message, one per restore
-                    await self._wait_until_listening(lambda: _is_our_qemu(pid, plan.sandbox_id), scratch)
-                    await vmsnapshot.save(scratch / "qmp.sock", scratch / "state.bin")
-                finally:
-                    if _is_our_qemu(pid, plan.sandbox_id):
-                        os.kill(pid, 9)
-                vmsnapshot.commit(scratch, target)
-            except BaseException:
-                shutil.rmtree(scratch, ignore_errors=True)
-                raise
+            built = not target.exists()
+            if built:
+                await self._build_template(plan, boot, d, target)
+            vmsnapshot.use(target, d)
+        if built:
+            await self._sweep_templates()
         return target
+
+    async def _build_template(self, plan: StartPlan, boot: GuestBoot, d: Path,
+                              target: Path) -> None:
+        scratch = vmsnapshot.scratch_for(target)
+        try:
+            await _mkfs(scratch / DISK, plan.request.disk_mb)
+            argv = self._argv(plan, boot, scratch, PORT, (scratch / DISK, "raw"))
+            vmsnapshot.record_inputs(scratch, [self._kernel(boot), boot.initramfs,
+                                               *(layer.path for layer in plan.image.layers)])
+            pid, _ = await self._launch(argv, scratch, [])
+            (d / "template.pid").write_text(str(pid))
+            try:  # saved unclaimed: its agent waits for a boot message, one per restore
+                await self._wait_until_listening(lambda: _is_our_qemu(pid, plan.sandbox_id), scratch)
+                await vmsnapshot.save(scratch / "qmp.sock", scratch / "state.bin")
+            finally:
+                if _is_our_qemu(pid, plan.sandbox_id):
+                    os.kill(pid, 9)
+            vmsnapshot.commit(scratch, target)
+        except BaseException:
+            with contextlib.suppress(OSError):  # else the next sweep's
+                vmsnapshot.discard(scratch)
+            raise
+
+    def _kernel(self, boot: GuestBoot) -> Path:
+        return boot.pvh_kernel if self.pvh and boot.pvh_kernel else boot.kernel
 
     def _argv(self, plan: StartPlan, boot: GuestBoot, d: Path, port: str,
               disk: tuple[Path, str]) -> list[str]:
@@ -266,7 +287,7 @@ class QemuSubstrate(Substrate):
                 "-accel", accel, "-cpu", "host" if self.accel == "kvm" else "max",
                 "-m", str(req.memory_mb), "-smp", str(_cpus(req)),
                 "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
-                "-kernel", str(boot.pvh_kernel if self.pvh and boot.pvh_kernel else boot.kernel),
+                "-kernel", str(self._kernel(boot)),
                 "-initrd", str(boot.initramfs), "-append", cmdline,
                 "-serial", f"file:{d / 'console.log'}",
                 "-qmp", f"unix:{d / 'qmp.sock'},server=on,wait=off",

@@ -14,6 +14,18 @@ random bytes of the host that the agent mixes into the pool and reseeds the kern
 with (``RNDADDENTROPY``, ``RNDRESEEDCRNG``) before it answers. Values a program drew from
 the pool before the save stay in its memory: programs that keep their own generator state
 must reseed themselves.
+
+Templates are a cache, collected by ``sweep`` (at the edge's start and after each new
+template). A restored sandbox's disk is an overlay whose backing file is its template's
+disk, so a template stays while a sandbox uses it: each restore links its sandbox's
+directory in the template's ``users/`` (under the template's lock, which the sweep takes),
+and a link whose directory is gone (the sandbox destroyed, by its edge or by the recovery of
+a dead one) no longer counts. A template no sandbox uses goes once no create can restore it
+any more (a file it was made from, recorded in its ``meta.json``: the kernel, the initramfs
+that holds the agent, an image layer, is gone: a new dsec or a collected image) or once
+none restored it for ``--vm-template-idle-s``. The sweep reads only what dsec wrote there
+(names of its own pattern, one level down, links never followed); a template's disk is the
+file its template VM wrote to, removed as a file.
 """
 
 from __future__ import annotations
@@ -22,48 +34,212 @@ import asyncio
 import fcntl
 import hashlib
 import json
+import logging
 import os
+import re
+import secrets
 import shlex
-import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 from ...config import current
 from ...protocol.errors import SandboxError
 from ..host import spawn
 
+log = logging.getLogger("dsec.vm")
 SAVE_TIMEOUT_S = 120.0
 MAX_BANDWIDTH = 1 << 40  # bytes/s: a save to a local file is never throttled (QEMU's default is)
+META, USERS = "meta.json", "users"
+KEPT = ("state.bin", "disk.ext4", META)  # a template's files; the rest only built it
+TEMPLATE = re.compile(r"[0-9a-f]{16}")
+SCRATCH = re.compile(r"\.([0-9a-f]{16})\.[a-z0-9_]{8}")  # mkdtemp's, or one being removed
+LOCK = re.compile(r"\.([0-9a-f]{16})\.lock")
+
+
+def templates_root() -> Path:
+    return current().cache / "vm-snapshots"
 
 
 def snapshot_dir(parts: list[str]) -> Path:
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
-    return current().cache / "vm-snapshots" / key
+    return templates_root() / key
+
+
+def _lock_path(root: Path, key: str) -> Path:
+    return root / f".{key}.lock"
+
+
+def _locked(file: IO[str], path: Path) -> bool:
+    """Whether the file just locked is still the one at ``path`` (a sweep may have removed
+    it, under the lock, while this holder waited)."""
+    try:
+        here = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(file.fileno())
+    return (held.st_dev, held.st_ino) == (here.st_dev, here.st_ino)
 
 
 class TemplateLock:
-    """Serialises builders of one template (across processes): an flock beside it."""
+    """Serialises builders, users and the sweep of one template (across processes): an
+    flock on a file beside it."""
 
     def __init__(self, target: Path) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(target.parent / f".{target.name}.lock", "w")
+        self._path = _lock_path(target.parent, target.name)
+        self._file: IO[str] | None = None
 
     async def __aenter__(self) -> TemplateLock:
-        await asyncio.to_thread(fcntl.flock, self._file, fcntl.LOCK_EX)
+        while self._file is None:
+            file = open(self._path, "a")
+            await asyncio.to_thread(fcntl.flock, file, fcntl.LOCK_EX)
+            if _locked(file, self._path):
+                self._file = file
+            else:
+                file.close()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        assert self._file is not None
         fcntl.flock(self._file, fcntl.LOCK_UN)
         self._file.close()
+
+
+def _try_lock(path: Path) -> IO[str] | None:
+    """The lock at ``path``, held, or None while another holds it."""
+    file = open(path, "a")
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        file.close()
+        return None
+    if _locked(file, path):
+        return file
+    file.close()
+    return None
 
 
 def scratch_for(target: Path) -> Path:
     """A fresh build directory for ``target``; the caller holds its TemplateLock, so any
     older one is what a builder that died left."""
-    for stale in target.parent.glob(f".{target.name}.*"):
-        if stale.is_dir():
-            shutil.rmtree(stale, ignore_errors=True)
+    for entry in _entries(target.parent):
+        match = SCRATCH.fullmatch(entry.name)
+        if match and match[1] == target.name and entry.is_dir(follow_symlinks=False):
+            discard(Path(entry.path))
     return Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+
+
+def record_inputs(scratch: Path, inputs: list[Path]) -> None:
+    """Name the files a template is made from (for ``sweep``: none gone, it may be used)."""
+    (scratch / META).write_text(json.dumps({"inputs": [str(p) for p in inputs]}))
+
+
+def use(target: Path, sandbox_dir: Path) -> None:
+    """Record, under ``target``'s TemplateLock, that the sandbox of ``sandbox_dir`` restores
+    from it (and when: the template's time)."""
+    users = target / USERS
+    users.mkdir(exist_ok=True)
+    try:
+        os.symlink(sandbox_dir, users / sandbox_dir.name)
+    except FileExistsError:
+        pass
+    os.utime(target)
+
+
+def sweep(root: Path, now: float, idle_s: float) -> int:
+    """Remove the templates under ``root`` that no sandbox uses and that either no create can
+    restore (a file named in ``meta.json`` is gone) or none restored for ``idle_s``, what
+    dead builders and sweeps left, and lock files of no template; the bytes freed. A template
+    locked now (being built or taken into use) is left for the next sweep; a failure is
+    logged and the sweep goes on."""
+    freed = 0
+    for entry in _entries(root):
+        try:
+            freed += _sweep_one(root, entry, now, idle_s)
+        except OSError as exc:
+            log.warning("vm template sweep: %s left: %s", entry.name, exc)
+    if freed:
+        log.info("vm template sweep freed %d bytes", freed)
+    return freed
+
+
+def _sweep_one(root: Path, entry: os.DirEntry[str], now: float, idle_s: float) -> int:
+    template = TEMPLATE.fullmatch(entry.name)
+    key = entry.name if template else next((m[1] for m in (SCRATCH.fullmatch(entry.name),
+                                                           LOCK.fullmatch(entry.name)) if m), None)
+    if key is None or (not LOCK.fullmatch(entry.name)
+                       and not entry.is_dir(follow_symlinks=False)):
+        return 0
+    lock_path = _lock_path(root, key)
+    lock = _try_lock(lock_path)
+    if lock is None:
+        return 0
+    try:
+        if LOCK.fullmatch(entry.name):  # a lock of no template (none is built: it is held)
+            if not (root / key).exists():
+                os.unlink(lock_path)
+            return 0
+        path = Path(entry.path)
+        if not template:  # a dead builder's scratch, or a removal cut short
+            return discard(path)
+        if _in_use(path) or not _stale(path, now, idle_s):
+            return 0
+        dead = root / f".{key}.{secrets.token_hex(4)}"
+        os.rename(path, dead)  # gone for creates at once, whatever the removal meets
+        os.unlink(lock_path)
+        return discard(dead)
+    finally:
+        lock.close()
+
+
+def _in_use(template: Path) -> bool:
+    """Whether a sandbox restores from it: a link in ``users/`` to a directory that still
+    exists. Links to directories gone are removed."""
+    used = False
+    for link in _entries(template / USERS):
+        if os.path.isdir(os.readlink(link.path)):
+            used = True
+        else:
+            os.unlink(link.path)
+    return used
+
+
+def _stale(template: Path, now: float, idle_s: float) -> bool:
+    if now - os.stat(template).st_mtime > idle_s:
+        return True
+    try:
+        inputs = json.loads((template / META).read_text())["inputs"]
+    except (OSError, ValueError, KeyError, TypeError):  # made before meta.json: idle only
+        return False
+    return isinstance(inputs, list) and not all(isinstance(p, str) and os.path.exists(p)
+                                                for p in inputs)
+
+
+def discard(path: Path) -> int:
+    """Remove a template's (or a scratch) directory: its files and ``users/``' links, one
+    level down, nothing followed; the bytes it held. Anything else stops the removal."""
+    freed = 0
+    for entry in _entries(path):
+        if entry.name == USERS and entry.is_dir(follow_symlinks=False):
+            for link in _entries(Path(entry.path)):
+                os.unlink(link.path)
+            os.rmdir(entry.path)
+        else:
+            freed += entry.stat(follow_symlinks=False).st_blocks * 512
+            os.unlink(entry.path)
+    os.rmdir(path)
+    return freed
+
+
+def _entries(path: Path) -> Iterator[os.DirEntry[str]]:
+    """``path``'s entries (none if it is gone)."""
+    try:
+        with os.scandir(path) as it:
+            yield from it
+    except FileNotFoundError:
+        return
 
 
 class QMP:
@@ -181,10 +357,9 @@ async def describe(qmp_socket: Path) -> str:
 
 def commit(scratch: Path, target: Path) -> None:
     """Make a finished template visible at once (rename), dropping what only building needed."""
-    for name in os.listdir(scratch):
-        if name not in ("state.bin", "disk.ext4"):
-            path = scratch / name
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    for entry in _entries(scratch):
+        if entry.name not in KEPT:
+            os.unlink(entry.path)
     os.rename(scratch, target)
 
 
