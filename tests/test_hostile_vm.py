@@ -344,6 +344,8 @@ try:
     print("sysrq=ok")
 except OSError as e:
     print("sysrq=" + e.strerror)
+with open("/proc/sys/kernel/printk") as f:  # what the kernel itself still prints on it
+    print("console_level=" + f.read().split()[0])
 """
 
 
@@ -359,6 +361,7 @@ async def test_a_guest_cannot_fill_its_console_through_the_kernel(client, server
         assert r.exit_code == 0, r.stderr
         assert got["kmsg"] == "No such file or directory"
         assert got["sysrq"] == "Read-only file system"
+        assert got["console_level"] == "1"  # emergencies only: not an OOM kill's report
         assert console.stat().st_size == booted  # not a byte since the boot
     finally:
         await sb.stop()
