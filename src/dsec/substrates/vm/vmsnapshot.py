@@ -53,8 +53,10 @@ SAVE_TIMEOUT_S = 120.0
 MAX_BANDWIDTH = 1 << 40  # bytes/s: a save to a local file is never throttled (QEMU's default is)
 META, USERS = "meta.json", "users"
 KEPT = ("state.bin", "disk.ext4", META)  # a template's files; the rest only built it
-TEMPLATE = re.compile(r"[0-9a-f]{16}")
-SCRATCH = re.compile(r"\.([0-9a-f]{16})\.[a-z0-9_]{8}")  # mkdtemp's, or one being removed
+# The names the cache holds, each with its template's key: a template, a scratch directory
+# (a builder's, from mkdtemp, or a template being removed) and a template's lock file.
+TEMPLATE = re.compile(r"([0-9a-f]{16})")
+SCRATCH = re.compile(r"\.([0-9a-f]{16})\.[a-z0-9_]{8}")
 LOCK = re.compile(r"\.([0-9a-f]{16})\.lock")
 
 
@@ -166,23 +168,21 @@ def sweep(root: Path, now: float, idle_s: float) -> int:
 
 
 def _sweep_one(root: Path, entry: os.DirEntry[str], now: float, idle_s: float) -> int:
-    template = TEMPLATE.fullmatch(entry.name)
-    key = entry.name if template else next((m[1] for m in (SCRATCH.fullmatch(entry.name),
-                                                           LOCK.fullmatch(entry.name)) if m), None)
-    if key is None or (not LOCK.fullmatch(entry.name)
-                       and not entry.is_dir(follow_symlinks=False)):
+    kind, key = next(((pattern, m[1]) for pattern in (TEMPLATE, SCRATCH, LOCK)
+                      if (m := pattern.fullmatch(entry.name))), (None, ""))
+    if kind is None or (kind is not LOCK and not entry.is_dir(follow_symlinks=False)):
         return 0
     lock_path = _lock_path(root, key)
     lock = _try_lock(lock_path)
     if lock is None:
         return 0
     try:
-        if LOCK.fullmatch(entry.name):  # a lock of no template (none is built: it is held)
+        if kind is LOCK:  # of no template? (none is being built: the lock was free)
             if not (root / key).exists():
                 os.unlink(lock_path)
             return 0
         path = Path(entry.path)
-        if not template:  # a dead builder's scratch, or a removal cut short
+        if kind is SCRATCH:  # a dead builder's, or a removal cut short
             return discard(path)
         if _in_use(path) or not _stale(path, now, idle_s):
             return 0
