@@ -157,7 +157,12 @@ def sweep(root: Path, now: float, idle_s: float) -> int:
     locked now (being built or taken into use) is left for the next sweep; a failure is
     logged and the sweep goes on."""
     freed = 0
-    for entry in _entries(root):
+    try:
+        entries = list(_entries(root))
+    except OSError as exc:
+        log.warning("vm template sweep: %s unreadable: %s", root, exc)
+        return 0
+    for entry in entries:
         try:
             freed += _sweep_one(root, entry, now, idle_s)
         except OSError as exc:
