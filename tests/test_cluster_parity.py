@@ -133,6 +133,7 @@ def serve_args(ray_cluster: LocalRayCluster, local_postgres: LocalPostgres, serv
             "--runtime": "crun", "--edge-id": "ignored-in-a-cluster",
             "--log-format": "json", "--network-services": str(services), "--vm-accel": "tcg",
             "--kvm-device": "/dev/kvm", "--vm-warm-pool": "1", "--vm-snapshots": None,
+            "--vm-template-idle-s": "172800",
             "--state-url": url, "--ray": ray_cluster.address, "--image-store": str(images.root),
             "--shared-snapshots": str(ray_cluster.state_dir / "shared-snapshots"),
             # garbage collection: a retention long past the tests, and no pass before the
