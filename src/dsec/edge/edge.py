@@ -676,7 +676,10 @@ class Edge:
                 live.rolling_back = False
         if failed is not None:  # outside the lock: stop takes it
             await self.stop(sandbox_id, "died", f"rollback to {snapshot} failed: {failed}")
-            raise failed
+            if isinstance(failed, DSecError) or not isinstance(failed, Exception):
+                raise failed
+            raise SandboxError(f"rollback of sandbox {sandbox_id} to {snapshot} failed, and the "
+                               f"sandbox was stopped: {failed}", sandbox_id=sandbox_id) from failed
         self._still_live(live)  # stopped during the rollback: the stop's end is the answer
         self.store.event("rollback", sandbox_id, snapshot=snapshot)
         return self.info(live.row)

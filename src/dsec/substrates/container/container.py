@@ -175,10 +175,9 @@ class ContainerSubstrate(Substrate):
             async with self._slots.bundle(plan.warm):
                 await loop.run_in_executor(self._io, self._bundle, plan, d)
         except OSError as exc:
-            if plan.disk_from is None or exc.errno != errno.ENOSPC:
+            if (full := _snapshot_full(plan, exc)) is None:
                 raise
-            raise SandboxError("the snapshot's disk is full (its inodes, most likely): no room "
-                               "for the new sandbox's overlay work dir") from exc
+            raise full from exc
         return await self._run(plan.sandbox_id, runtime, base, d, secrets.token_hex(32), plan.warm)
 
     async def _run(self, sandbox_id: str, runtime: str, base: list[str], d: Path, token: str,
@@ -238,6 +237,10 @@ class ContainerSubstrate(Substrate):
         kill = asyncio.ensure_future(self._kill(name, base, plan.sandbox_id))
         try:
             await loop.run_in_executor(self._io, self._swap_disk, plan, d, space)
+        except OSError as exc:
+            if (full := _snapshot_full(plan, exc)) is None:
+                raise
+            raise full from exc
         finally:
             await kill  # the same id: the old container is gone before the new one runs
         return await self._run(plan.sandbox_id, name, base, d, runtime["token"])
@@ -602,6 +605,17 @@ def _compiled_seccomp() -> str | None:
         log.warning("%s: the runtime compiles the seccomp profile at each sandbox start "
                     "(about 1 ms of CPU each)", exc)
         return None
+
+
+def _snapshot_full(plan: StartPlan, exc: OSError) -> SandboxError | None:
+    """A start from a snapshot (a create, or a rollback) that found no room on the
+    snapshot's disk: the sandbox used up its inodes (or blocks) before it was taken, so its
+    overlay's work dir cannot be made. That is the sandbox's doing and a typed error, never
+    the server's ``internal``. None for any other ``exc``."""
+    if plan.disk_from is None or exc.errno != errno.ENOSPC:
+        return None
+    return SandboxError("the snapshot's disk is full (its inodes, most likely): no room for "
+                        "the sandbox's overlay work dir")
 
 
 def _clone_disk(image: Path, d: Path) -> None:
