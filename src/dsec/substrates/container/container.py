@@ -21,10 +21,12 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import itertools
 import json
 import logging
 import os
 import secrets
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
@@ -67,6 +69,11 @@ NEW_DISK = "disk.img.new"  # a copy of a snapshot's image, before it becomes dis
 # (DiskPool's skeleton); a snapshot's may not (``_layers``).
 DISK_DIRS = ("work", "run")
 UPPER_DIRS = ("upper/.dsec", "upper/work")
+# A snapshot's run dir is cleared by the host only while it holds at most this many plain
+# files (the agent's socket, a few sessions' state); else it is moved, whole, to this name
+# in the new run dir, for the sandbox to remove (``_fresh_run``).
+RUN_CLEARED = 64
+RUN_DISCARDED = ".discarded-run"
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -627,15 +634,52 @@ def _clone_disk(image: Path, d: Path) -> None:
 
 
 def _mount_disk(d: Path, namespace: int) -> str:
-    """The copy ``_clone_disk`` made as the sandbox's disk, mounted in its mount namespace;
-    what the snapshot's agent left in its run dir (socket, sessions) goes: processes start
-    fresh."""
+    """The copy ``_clone_disk`` made as the sandbox's disk, mounted in its mount namespace,
+    with a fresh run dir (``_fresh_run``): processes start fresh."""
     os.rename(d / NEW_DISK, d / "disk.img")
     (d / "disk").mkdir(exist_ok=True)
     dev = loop_mount(d / "disk.img", d / "disk", namespace=namespace)
     with inside(namespace):
-        remove_tree(d / "disk" / "run")
+        _fresh_run(d / "disk")
     return dev
+
+
+def _fresh_run(disk: Path) -> None:
+    """A snapshot's run dir made fresh on the new sandbox's ``disk``: what its agent left
+    there (its socket, its sessions' state) goes. The sandbox may have filled the dir with
+    anything (as many files as its disk has inodes, deep chains), so the host removes its
+    entries only while they are a few plain files (RUN_CLEARED: the usual socket and
+    sessions); otherwise the whole dir is moved, unread, into a new one (``RUN_DISCARDED``),
+    where it stays in the sandbox's disk and quota for the sandbox to remove. Never walked."""
+    run = disk / "run"
+    try:
+        if not stat.S_ISDIR(os.lstat(run).st_mode):  # not what dsec made: never followed
+            os.unlink(run)
+    except FileNotFoundError:
+        pass
+    else:
+        if os.path.isdir(run) and not _cleared(run):
+            aside = disk / f"run.{secrets.token_hex(4)}"
+            os.rename(run, aside)
+            run.mkdir(0o755)
+            os.rename(aside, run / RUN_DISCARDED)
+    run.mkdir(0o755, exist_ok=True)
+
+
+def _cleared(run: Path) -> bool:
+    """Whether ``run``'s entries, if they are at most RUN_CLEARED non-directories, were
+    removed (then ``run`` is empty); False, with nothing removed, for anything more."""
+    fd = os.open(run, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        with os.scandir(fd) as entries:
+            first = list(itertools.islice(entries, RUN_CLEARED + 1))
+        if len(first) > RUN_CLEARED or any(e.is_dir(follow_symlinks=False) for e in first):
+            return False
+        for entry in first:
+            os.unlink(entry.name, dir_fd=fd)
+        return True
+    finally:
+        os.close(fd)
 
 
 def _unmount_bundle(d: Path, wait: bool = True) -> None:
