@@ -5,11 +5,17 @@ its neighbours through the state operations, on a real server (containers under 
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+from urllib.parse import quote
+
 import pytest
 
 import dsec
 from conftest import Server, own_server
+from dsec.substrates.host.cgroups import freezer_file
 from test_hostile import assert_no_trace
+from test_recovery import first_edge_id
 from test_state import snapshot_dirs, snapshot_loops
 
 srv, client = own_server("--capacity", "64", "--warm-pool", "0")
@@ -122,3 +128,151 @@ async def test_a_child_of_a_tidy_run_dir_starts_with_only_its_agent_socket(
         await client.delete_snapshot(snap.id)
     finally:
         await _stop(sb)
+
+
+async def test_a_run_dir_filled_to_the_last_inode_makes_its_children_a_typed_error(
+        client: dsec.DSecClient, srv: Server) -> None:
+    """The agent spends its disk's last inode in /.dsec/run before the checkpoint. Its tree
+    is not walked to win the inodes back (above), so a child or a rollback has no inode for
+    a fresh run dir: a typed ``SandboxError`` "full", as for a disk filled through /work,
+    and nothing left."""
+    sb = await client.create(ttl_s=300, disk_mb=64)
+    try:
+        filled = await sb.run("mkdir /.dsec/run/many && cd /.dsec/run/many && "
+                              "seq 40000 | xargs touch", timeout_s=300)
+        assert "No space left" in filled.stderr
+        snap = await sb.snapshot()
+        with pytest.raises(dsec.SandboxError, match="full"):
+            await client.create(snapshot=snap.id, ttl_s=60)
+        with pytest.raises(dsec.SandboxError, match="full"):
+            await sb.rollback(snap)
+        await client.delete_snapshot(snap.id)
+    finally:
+        await _stop(sb)
+    await assert_no_trace(srv, sb.id)
+    assert not list((srv.volume / "sandboxes").iterdir())  # nor the child that failed
+    assert snapshot_dirs(srv) == set() and snapshot_loops(srv) == []
+
+
+ODD_IDS = ["..", ".", "../../etc/passwd", "sn-x/../../sandboxes", "/", "sn-*", "sn-?",
+           "sn-a\nb", "sn-\x00", "%2e%2e%2f", "a" * 5000, "sn-e000000-000000000000",
+           "sn-ë", "~root", "sn-" + "/" * 200]
+
+
+async def test_snapshot_ids_shaped_like_paths_are_typed_and_reach_nothing(
+        client: dsec.DSecClient, srv: Server) -> None:
+    """An agent (or a trainer passing on what an agent printed) names snapshots by paths,
+    globs, NULs and huge strings, in every place a snapshot id goes: each answer is a typed
+    4xx, no sandbox or snapshot is made, the sandbox still runs as it was and the snapshot
+    directory holds what it held."""
+    sb = await client.create(ttl_s=300)
+    try:
+        await sb.write_file("/work/state", b"kept")
+        mine = await sb.snapshot()
+        before = snapshot_dirs(srv)
+        with srv.http(authenticated=True) as http:
+            for odd in ODD_IDS:
+                answers = [
+                    http.post("/v1/sandboxes", json={"snapshot": odd, "ttl_s": 30}),
+                    http.post(f"/v1/sandboxes/{sb.id}/rollback", json={"snapshot": odd}),
+                    http.post(f"/v1/sandboxes/{sb.id}/snapshots", json={"previous": odd}),
+                    http.delete("/v1/snapshots/" + quote(odd, safe="")),
+                ]
+                for answer in answers:
+                    if 300 <= answer.status_code < 400:  # a trailing "/": Starlette's redirect
+                        continue
+                    assert 400 <= answer.status_code < 500, (odd, answer.text)
+                    assert answer.json()["error"]["code"] in (
+                        "snapshot_not_found", "invalid_request", "route_not_found",
+                        "method_not_allowed"), (odd, answer.text)
+        assert [s.id for s in await client.snapshots()] == [mine.id]
+        assert snapshot_dirs(srv) == before
+        assert [s.id for s in await client.list()] == [sb.id]
+        assert await sb.read_file("/work/state") == b"kept"
+        await client.delete_snapshot(mine.id)
+    finally:
+        await _stop(sb)
+    assert snapshot_dirs(srv) == set()
+
+
+async def test_a_child_asking_for_a_bigger_disk_gets_its_snapshots(
+        client: dsec.DSecClient) -> None:
+    """An agent's parent has a small disk; a create from its snapshot that asks for a big
+    one (to get room it was not given) gets the snapshot's size: the disk is its copy."""
+    sb = await client.create(ttl_s=120, disk_mb=64)
+    try:
+        snap = await sb.snapshot()
+        kid = await client.create(snapshot=snap.id, disk_mb=8192, ttl_s=60)
+        try:
+            size = int((await kid.run("df -m --output=size /work | tail -1")).stdout)
+            assert 32 < size <= 64
+            filled = await kid.run("dd if=/dev/zero of=/work/f bs=1M count=200", timeout_s=60)
+            assert "No space left" in filled.stderr
+        finally:
+            await _stop(kid)
+        await client.delete_snapshot(snap.id)
+    finally:
+        await _stop(sb)
+
+
+def _sandbox_loops(srv: Server, sandbox_id: str) -> list[str]:
+    """Loop devices backed by a file of the sandbox's bundle dir."""
+    root = str(srv.volume / "sandboxes" / sandbox_id) + "/"
+    found = []
+    for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
+        try:
+            if backing.read_text().startswith(root):
+                found.append(backing.parent.parent.name)
+        except OSError:  # detached meanwhile
+            pass
+    return found
+
+
+BUSY = [
+    # a writer appending flat out through a descriptor it keeps open
+    "exec 3>>/work/log; while :; do echo after-snapshot >&3; done",
+    # a process whose cwd is deep in a tree and that holds a file mapped
+    "mkdir -p /work/a/b/c && cd /work/a/b/c && exec sleep 1000",
+    # a FIFO with a blocked reader, and a reader of a socket it listens on
+    "mkfifo /work/fifo; exec cat /work/fifo",
+    "exec /.dsec/bin/busybox nc -l -p 7000",
+    # a disk filler that retries after ENOSPC
+    "while :; do cat /dev/zero > /work/fill; rm -f /work/fill; done",
+]
+
+
+async def test_a_rollback_under_busy_open_files_leaves_the_snapshot_and_no_process(
+        client: dsec.DSecClient, srv: Server) -> None:
+    """The agent keeps files open, writes and fills its disk flat out, blocks on a FIFO and
+    a socket, and has a call in flight when the trainer rolls it back: the call is a typed
+    ``SandboxError`` (never a result), the disk is exactly the snapshot's, no process of
+    before is left, only the new disk's loop device is attached, and the sandbox snapshots
+    and forks again."""
+    sb = await client.create(ttl_s=300, disk_mb=128, pids=128)
+    try:
+        await sb.write_file("/work/log", b"before\n")
+        snap = await sb.snapshot()
+        for command in BUSY:
+            await sb.start(["/.dsec/bin/sh", "-c", command])
+        in_flight = asyncio.ensure_future(sb.run("sleep 60"))
+        await asyncio.sleep(2)
+        assert len(await sb.processes()) == len(BUSY)
+        await sb.rollback(snap)
+        with pytest.raises(dsec.SandboxError, match="rolled back"):
+            await in_flight
+        assert await sb.read_file("/work/log") == b"before\n"
+        assert (await sb.run("ls -A /work")).stdout == "log\n"
+        assert await sb.processes() == []
+        procs = freezer_file(f"/dsec-{first_edge_id(srv)}", sb.id).parent / "cgroup.procs"
+        assert len(procs.read_text().split()) == 1  # the new agent alone
+        assert len(_sandbox_loops(srv, sb.id)) == 1
+        again = await sb.snapshot()
+        kid = await client.create(snapshot=again.id, ttl_s=60)
+        assert await kid.read_file("/work/log") == b"before\n"
+        await _stop(kid)
+        for s in (snap, again):
+            await client.delete_snapshot(s.id)
+    finally:
+        await _stop(sb)
+    await assert_no_trace(srv, sb.id)
+    assert snapshot_dirs(srv) == set() and snapshot_loops(srv) == []
