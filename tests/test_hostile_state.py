@@ -6,6 +6,7 @@ its neighbours through the state operations, on a real server (containers under 
 from __future__ import annotations
 
 import asyncio
+import signal
 from pathlib import Path
 from urllib.parse import quote
 
@@ -276,3 +277,118 @@ async def test_a_rollback_under_busy_open_files_leaves_the_snapshot_and_no_proce
         await _stop(sb)
     await assert_no_trace(srv, sb.id)
     assert snapshot_dirs(srv) == set() and snapshot_loops(srv) == []
+
+
+async def test_a_sandbox_cannot_make_files_the_host_could_not_remove_or_overlay_would_obey(
+        client: dsec.DSecClient, srv: Server) -> None:
+    """What would make a clean-up, a snapshot's child or a rollback fail on the host: the
+    immutable and append-only flags (``chattr +i/+a``: no ``CAP_LINUX_IMMUTABLE``), and
+    overlayfs's own ``trusted.overlay.*`` attributes in its layer (an opaque directory or a
+    redirect it would follow in a child): all refused, in /work and in dsec's run dir. The
+    sandbox then snapshots, forks, rolls back and stops as any other."""
+    probe = r"""
+import errno, fcntl, os, struct
+SETFLAGS = 0x40086602
+for path in ("/work/f", "/.dsec/run/f"):
+    open(path, "w").close()
+    fd = os.open(path, os.O_RDONLY)
+    for flag, name in ((0x10, "immutable"), (0x20, "append")):
+        try:
+            fcntl.ioctl(fd, SETFLAGS, struct.pack("i", flag))
+            print(path, name, "set")
+        except OSError as exc:
+            print(path, name, errno.errorcode[exc.errno])
+    os.close(fd)
+    for attr in ("trusted.overlay.opaque", "trusted.overlay.redirect"):
+        try:
+            os.setxattr(os.path.dirname(path), attr, b"y")
+            print(path, attr, "set")
+        except OSError as exc:
+            print(path, attr, errno.errorcode[exc.errno])
+"""
+    sb = await client.create(image="python-3.11", ttl_s=300)
+    kid = None
+    try:
+        seen = (await sb.run(["python3", "-c", probe])).stdout.splitlines()
+        assert len(seen) == 8 and all(line.endswith(" EPERM") for line in seen), seen
+        snap = await sb.snapshot()
+        kid = await client.create(snapshot=snap.id, ttl_s=60)
+        assert (await kid.run("rm /work/f && echo gone")).stdout == "gone\n"
+        await sb.rollback(snap)
+        assert (await sb.run("rm /work/f && echo gone")).stdout == "gone\n"
+        await client.delete_snapshot(snap.id)
+    finally:
+        await _stop(sb, *([kid] if kid else []))
+    for box in (sb, *([kid] if kid else [])):
+        await assert_no_trace(srv, box.id)
+
+
+async def test_a_paused_sandbox_writes_nothing_its_checkpoints_could_miss(
+        client: dsec.DSecClient, srv: Server) -> None:
+    """A paused agent with a writer flat out must make no progress at all, not even on its
+    disk: a snapshot with ``previous`` taken later while it is still paused is the same
+    snapshot (its disk's write count did not move), forks of it leave it paused, and a
+    rollback runs it again from the snapshot, its writer gone."""
+    sb = await client.create(ttl_s=300)
+    try:
+        await sb.start("i=0; while :; do i=$((i+1)); echo $i >> /work/n; done")
+        await asyncio.sleep(0.5)
+        await sb.pause()
+        first = await sb.snapshot()
+        await asyncio.sleep(1.0)
+        second = await sb.snapshot(previous=first.id)
+        assert second.id == first.id  # nothing written while paused
+        kids = await sb.fork(2, ttl_s=60)
+        assert (await client.get(sb.id)).info.state == "paused"
+        counts = set()
+        for kid in kids:
+            assert isinstance(kid, dsec.AsyncSandbox), kid
+            counts.add(len(await kid.read_file("/work/n")))
+            assert await kid.processes() == []
+            await kid.stop()
+        assert len(counts) == 1 and counts.pop() > 0  # both are the paused instant
+        await sb.rollback(first)
+        assert (await client.get(sb.id)).info.state == "running"
+        assert await sb.processes() == []
+        await client.delete_snapshot(first.id)
+    finally:
+        await _stop(sb)
+    await assert_no_trace(srv, sb.id)
+    assert snapshot_dirs(srv) == set() and snapshot_loops(srv) == []
+
+
+async def test_a_server_killed_mid_rollback_leaves_a_whole_sandbox_or_a_typed_death(
+        srv: Server) -> None:
+    """SIGKILL of the server at several points of a rollback of a busy sandbox: after the
+    restart the sandbox either runs, on a whole disk (the snapshot's, or the one it had),
+    or is ``SandboxDied``; its snapshot still makes children; once stopped nothing of it
+    is left, and no unrecorded snapshot file or loop device either."""
+    for delay in (0.0, 0.03, 0.1, 0.3):
+        async with srv.client() as c:
+            sb = await c.create(ttl_s=300)
+            await sb.write_file("/work/answer", b"v1")
+            snap = await sb.snapshot()
+            await sb.write_file("/work/answer", b"v2")
+            await sb.start("while :; do date >> /work/log; done")
+            rolling = asyncio.ensure_future(sb.rollback(snap))
+            await asyncio.sleep(delay)
+            srv.kill(signal.SIGKILL)
+            await asyncio.gather(rolling, return_exceptions=True)
+        srv.start()
+        async with srv.client() as fresh:
+            again = await fresh.get(sb.id)
+            if again.info.state == "running":
+                answer = await asyncio.wait_for(again.read_file("/work/answer"), 30)
+                assert answer in (b"v1", b"v2"), (delay, answer)
+                assert (await again.run("echo alive")).stdout == "alive\n"
+            else:
+                assert again.info.state == "died", (delay, again.info)
+                with pytest.raises(dsec.SandboxDied):
+                    await again.run("true")
+            kid = await fresh.create(snapshot=snap.id, ttl_s=60)
+            assert await kid.read_file("/work/answer") == b"v1"
+            await _stop(kid, again)
+            await fresh.delete_snapshot(snap.id)
+        for box in (sb.id, kid.id):
+            await assert_no_trace(srv, box)
+        assert snapshot_dirs(srv) == set() and snapshot_loops(srv) == []
