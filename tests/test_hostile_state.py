@@ -392,3 +392,36 @@ async def test_a_server_killed_mid_rollback_leaves_a_whole_sandbox_or_a_typed_de
         for box in (sb.id, kid.id):
             await assert_no_trace(srv, box)
         assert snapshot_dirs(srv) == set() and snapshot_loops(srv) == []
+
+
+async def test_a_server_killed_mid_fork_leaves_whole_children_or_none(srv: Server) -> None:
+    """SIGKILL of the server while four children of a snapshot are being made: after the
+    restart each child is running on the snapshot's disk or ended, the parent and the
+    snapshot are untouched, and once everything is stopped nothing is left (no half-made
+    child's disk copy, mount or loop device)."""
+    for delay in (0.0, 0.05, 0.2):
+        async with srv.client() as c:
+            parent = await c.create(ttl_s=300)
+            await parent.write_file("/work/answer", b"v1")
+            snap = await parent.snapshot()
+            making = [asyncio.ensure_future(c.create(snapshot=snap.id, ttl_s=60))
+                      for _ in range(4)]
+            await asyncio.sleep(delay)
+            srv.kill(signal.SIGKILL)
+            await asyncio.gather(*making, return_exceptions=True)
+        srv.start()
+        async with srv.client() as fresh:
+            kids = [await fresh.get(sb.id) for sb in await fresh.list() if sb.id != parent.id]
+            for kid in kids:
+                assert await asyncio.wait_for(kid.read_file("/work/answer"), 30) == b"v1"
+            assert (await (await fresh.get(parent.id)).read_file("/work/answer")) == b"v1"
+            again = await fresh.create(snapshot=snap.id, ttl_s=60)
+            assert await again.read_file("/work/answer") == b"v1"
+            gone = [kid.id for kid in kids] + [again.id, parent.id]
+            for box in (*kids, again, await fresh.get(parent.id)):
+                await _stop(box)
+            await fresh.delete_snapshot(snap.id)
+        for box_id in gone:
+            await assert_no_trace(srv, box_id)
+        assert not list((srv.volume / "sandboxes").iterdir()), delay
+        assert snapshot_dirs(srv) == set() and snapshot_loops(srv) == []
