@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
 from pathlib import Path
 from urllib.parse import quote
 
@@ -425,3 +426,68 @@ async def test_a_server_killed_mid_fork_leaves_whole_children_or_none(srv: Serve
             await assert_no_trace(srv, box_id)
         assert not list((srv.volume / "sandboxes").iterdir()), delay
         assert snapshot_dirs(srv) == set() and snapshot_loops(srv) == []
+
+
+FS_PROBE = r"""
+import errno, fcntl, os, struct, sys
+base = sys.argv[1]
+os.mkdir(f"{base}/empty")
+open(f"{base}/f", "w").close()
+d = os.open(f"{base}/empty", os.O_RDONLY | os.O_DIRECTORY)
+f = os.open(f"{base}/f", os.O_RDONLY)
+root = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
+verity = struct.pack("IIIIQIIQ", 1, 1, 4096, 0, 0, 0, 0, 0) + bytes(88)
+calls = {
+    "encrypt": (d, 0x800C6613, struct.pack("BBBB8s", 0, 1, 4, 0, b"dsectest")),
+    "verity": (f, 0x40806685, verity),
+    "casefold": (d, 0x40086602, struct.pack("i", 0x40000000)),
+    "journal_data": (f, 0x40086602, struct.pack("i", 0x4000)),
+    "resize": (root, 0x40086610, struct.pack("Q", 1 << 40)),
+    "label": (root, 0x41009432, b"hostile".ljust(256, b"\0")),
+    "fitrim": (root, 0xC0185879, struct.pack("QQQ", 0, 1 << 62, 0)),
+    "shutdown": (root, 0x8004587D, struct.pack("I", 2)),
+}
+for name, (fd, request, arg) in calls.items():
+    try:
+        fcntl.ioctl(fd, request, arg)
+        print(name, "ok")
+    except OSError as exc:
+        print(name, errno.errorcode[exc.errno])
+"""
+
+
+def _features(image: Path) -> str:
+    header = subprocess.run(["dumpe2fs", "-h", str(image)], capture_output=True, text=True)
+    return next(line for line in header.stdout.splitlines()
+                if line.startswith("Filesystem features:"))
+
+
+async def test_a_sandbox_cannot_turn_on_file_system_features_its_snapshots_carry(
+        client: dsec.DSecClient, srv: Server) -> None:
+    """Its own disk is an ext4 file system the host mounts again for every child and
+    rollback: the sandbox, root inside, tries to change what that file system is: turn on
+    encryption, verity or casefolding by using them, journal data, resize it, relabel it,
+    trim it, shut it down. All refused; its snapshot has exactly the features of a fresh
+    sandbox's, and a child of it starts and writes."""
+    clean = await client.create(ttl_s=120)
+    sb = await client.create(image="python-3.11", ttl_s=300)
+    snaps = []
+    try:
+        # /work is the overlay; /.dsec/run is the ext4 disk itself, its ioctls unfiltered
+        for base in ("/work", "/.dsec/run"):
+            probed = await sb.run(["python3", "-c", FS_PROBE, base])
+            seen = dict(line.split() for line in probed.stdout.splitlines())
+            assert len(seen) == 8 and "ok" not in seen.values(), (base, seen, probed.stderr)
+        assert (await sb.run("echo still writable > /work/g && cat /work/g")).stdout == \
+            "still writable\n"
+        snaps = [await clean.snapshot(), await sb.snapshot()]
+        expected, got = (_features(srv.volume / "snapshots" / s.id / "disk.img") for s in snaps)
+        assert got == expected
+        kid = await client.create(snapshot=snaps[1].id, ttl_s=60)
+        assert (await kid.run("echo x > /work/h && cat /work/g")).stdout == "still writable\n"
+        await _stop(kid)
+    finally:
+        await _stop(sb, clean)
+        for s in snaps:
+            await client.delete_snapshot(s.id)
+    await assert_no_trace(srv, sb.id)
