@@ -17,6 +17,7 @@ import dsec
 from conftest import Server, own_server
 from dsec.substrates.host.cgroups import freezer_file
 from test_hostile import assert_no_trace
+from test_projects import key_client, unique
 from test_recovery import first_edge_id
 from test_state import snapshot_dirs, snapshot_loops
 
@@ -491,3 +492,34 @@ async def test_a_sandbox_cannot_turn_on_file_system_features_its_snapshots_carry
         for s in snaps:
             await client.delete_snapshot(s.id)
     await assert_no_trace(srv, sb.id)
+
+
+async def test_another_projects_snapshot_as_previous_is_not_found_and_costs_nothing(
+        client: dsec.DSecClient, srv: Server) -> None:
+    """An agent learns another project's snapshot id (a shared log, a printed checkpoint)
+    and names it as the ``previous`` of its own snapshot, hoping to be answered with it:
+    ``snapshot_not_found``, nothing is made, and its project's snapshot room is untouched;
+    the victim's snapshot is still whole for its own project."""
+    mine, theirs = unique("prev-mine"), unique("prev-theirs")
+    for name in (mine, theirs):
+        await client.projects().create(name, sandboxes=2, cpu=2, memory_mb=1024,
+                                       snapshot_bytes=2 << 30)
+    async with key_client(srv, (await client.projects().create_key(mine, "a")).key) as me, \
+            key_client(srv, (await client.projects().create_key(theirs, "b")).key) as them:
+        victim = await them.create(memory_mb=256, ttl_s=120)
+        agent = await me.create(memory_mb=256, ttl_s=120)
+        try:
+            await victim.write_file("/work/secret", b"their reward model")
+            snap = await victim.snapshot()
+            with pytest.raises(dsec.SnapshotNotFound):
+                await agent.snapshot(previous=snap.id)
+            assert await me.snapshots() == []
+            assert (await client.projects().get(mine)).used.snapshot_bytes == 0
+            with pytest.raises(dsec.FileNotFound):
+                await agent.read_file("/work/secret")
+            kid = await them.create(snapshot=snap.id, memory_mb=256, ttl_s=60)
+            assert await kid.read_file("/work/secret") == b"their reward model"
+            await _stop(kid)
+            await them.delete_snapshot(snap.id)
+        finally:
+            await _stop(victim, agent)
