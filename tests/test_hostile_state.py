@@ -523,3 +523,32 @@ async def test_another_projects_snapshot_as_previous_is_not_found_and_costs_noth
             await them.delete_snapshot(snap.id)
         finally:
             await _stop(victim, agent)
+
+
+async def test_a_snapshot_deleted_under_a_rollback_leaves_the_sandbox_running(
+        client: dsec.DSecClient, srv: Server) -> None:
+    """A rollback to a snapshot that a delete (or its TTL) removes meanwhile: the copy of the
+    snapshot's disk is made before anything of the sandbox is touched, so a rollback that
+    finds it gone is ``snapshot_not_found`` and the sandbox runs on as it was (its rollout
+    is not lost); one that got its copy first completes. (On the old code the sandbox was
+    stopped as died, and the answer an untyped 500 naming the snapshot's host path.)"""
+    outcomes = set()
+    for _ in range(6):
+        sb = await client.create(ttl_s=120)
+        try:
+            await sb.write_file("/work/answer", b"v1")
+            snap = await sb.snapshot()
+            await sb.write_file("/work/answer", b"v2")
+            rolled, _ = await asyncio.gather(sb.rollback(snap), client.delete_snapshot(snap.id),
+                                             return_exceptions=True)
+            if isinstance(rolled, BaseException):
+                assert isinstance(rolled, dsec.SnapshotNotFound), repr(rolled)
+                assert await sb.read_file("/work/answer") == b"v2"
+                outcomes.add("not found")
+            else:
+                assert await sb.read_file("/work/answer") == b"v1"
+                outcomes.add("rolled back")
+        finally:
+            await _stop(sb)
+        await assert_no_trace(srv, sb.id)
+    assert snapshot_dirs(srv) == set() and snapshot_loops(srv) == []

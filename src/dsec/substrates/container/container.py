@@ -37,7 +37,7 @@ from ...images.mount import LayerMounter, overlay_mount, unmount_or_detach
 from ...network.policy import Egress
 from ...network.wired import WiredSandboxes
 from ...network.wiring import Slot
-from ...protocol.errors import NotSupported, SandboxError
+from ...protocol.errors import NotSupported, SandboxError, SnapshotNotFound
 from ...protocol.models import DEFAULT_DISK_MB, CreateRequest
 from ..base import StartPlan, Substrate
 from ..host import cgroups, criu, disk_writes, spawn
@@ -237,7 +237,13 @@ class ContainerSubstrate(Substrate):
         base = self._runtime_cmd(name)
         d = self._dir(plan.sandbox_id)
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._io, _clone_disk, plan.disk_from, d)
+        try:
+            await loop.run_in_executor(self._io, _clone_disk, plan.disk_from, d)
+        except FileNotFoundError:
+            if plan.disk_from.exists():
+                raise
+            raise SnapshotNotFound("the snapshot was deleted before its disk was copied: "
+                                   "nothing of the sandbox was touched") from None
         space = await loop.run_in_executor(self._io, self.spaces.get, plan.sandbox_id, runtime)
         await self.network.remove(plan.sandbox_id)  # its wiring is the old init's netns
         self._pids.forget(plan.sandbox_id)
