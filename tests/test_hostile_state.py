@@ -6,6 +6,8 @@ its neighbours through the state operations, on a real server (containers under 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import signal
 import subprocess
 from pathlib import Path
@@ -14,7 +16,8 @@ from urllib.parse import quote
 import pytest
 
 import dsec
-from conftest import Server, own_server
+from conftest import Server, make_server, own_server, stop_server
+from dsec.images.store import ImageStore
 from dsec.substrates.host.cgroups import freezer_file
 from test_hostile import assert_no_trace
 from test_projects import key_client, unique
@@ -552,3 +555,46 @@ async def test_a_snapshot_deleted_under_a_rollback_leaves_the_sandbox_running(
             await _stop(sb)
         await assert_no_trace(srv, sb.id)
     assert snapshot_dirs(srv) == set() and snapshot_loops(srv) == []
+
+
+def _bundle_fd(server: Server, bundle: Path) -> Path:
+    """The server's fd on a sandbox's bundle dir, opened in the sandbox's mount namespace:
+    its disk seen from the host (``support.disks.bundle_with_mounts``, for any root)."""
+    assert server.proc is not None
+    for fd in Path(f"/proc/{server.proc.pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            if os.readlink(fd) == str(bundle):
+                return fd
+    raise AssertionError(f"the server holds no fd on {bundle}")
+
+
+async def test_with_the_volume_off_a_paused_sandbox_makes_no_progress_through_a_snapshot(
+        images: ImageStore) -> None:
+    """``--disk-volume off`` (no reflinks): a snapshot freezes the file system (FIFREEZE)
+    for a copy, and FIFREEZE cannot wait on writers the cgroup freezer holds, so the old
+    code thawed a paused sandbox for the copy: a paused agent writing flat out made
+    progress while its trainer held it paused (about 600 appends across one snapshot
+    here). Now its processes stay frozen for the copy; the snapshot is whole and the
+    sandbox resumes where it was paused."""
+    server = make_server("--warm-pool", "0", "--disk-volume", "off").start()
+    try:
+        async with server.client() as c:
+            sb = await c.create(ttl_s=120)
+            await sb.run("head -c 64M /dev/urandom > /work/ballast", timeout_s=60)
+            await sb.start("while :; do echo tick >> /work/ticks; done")
+            await asyncio.sleep(0.5)
+            await sb.pause()
+            ticks = _bundle_fd(server, server.state_dir / "sandboxes" / sb.id) / \
+                "disk" / "upper" / "work" / "ticks"
+            frozen_at = ticks.stat().st_size
+            snap = await sb.snapshot()
+            assert (await c.get(sb.id)).info.state == "paused"
+            assert ticks.stat().st_size == frozen_at, "the paused sandbox wrote meanwhile"
+            kid = await c.create(snapshot=snap.id, ttl_s=60)
+            assert len(await kid.read_file("/work/ticks")) == frozen_at
+            await kid.stop()
+            assert (await sb.run("echo resumed")).stdout == "resumed\n"
+            await c.delete_snapshot(snap.id)
+            await sb.stop()
+    finally:
+        stop_server(server)

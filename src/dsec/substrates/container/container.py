@@ -372,7 +372,8 @@ class ContainerSubstrate(Substrate):
         sandbox frozen (the cgroup freezer, as ``pause``), its file system synced, the image
         cloned, the processes thawed (a paused sandbox stays paused): about 1 ms of
         stopped processes, no data copied. Where images cannot be cloned, the file system
-        itself is frozen (FIFREEZE: ~40 ms alone) for a copy of the blocks written. Returns
+        itself is frozen (FIFREEZE: ~40 ms alone) for a copy of the blocks written, or, for
+        a paused sandbox, its processes stay frozen for it (``_copy_fs_frozen``). Returns
         the disk's write count as of the copy (see ``disk_writes``)."""
         work = self._clone_stopped if self.volume.reflinks else self._copy_fs_frozen
         return await asyncio.get_running_loop().run_in_executor(self._io, work, sandbox_id, dest)
@@ -397,26 +398,23 @@ class ContainerSubstrate(Substrate):
 
     def _copy_fs_frozen(self, sandbox_id: str, dest: Path) -> int:
         """FIFREEZE writes dirty data out and blocks writers until FITHAW; it cannot wait
-        on writers the cgroup freezer holds, so a paused sandbox runs for the copy."""
+        on writers the cgroup freezer holds. A paused sandbox is never thawed for it (it
+        would run, and write, while its trainer holds it paused): nothing of it runs, so
+        nothing writes, and its disk is synced and copied as the reflink path does."""
+        if cgroups.is_frozen(self.cgroup_parent, sandbox_id):
+            return self._clone_stopped(sandbox_id, dest)
         d = self._dir(sandbox_id)
-        paused = cgroups.is_frozen(self.cgroup_parent, sandbox_id)
-        if paused:
-            cgroups.set_frozen(self.cgroup_parent, sandbox_id, False)
+        mount = self._open_disk(sandbox_id)
         try:
-            mount = self._open_disk(sandbox_id)
+            fcntl.ioctl(mount, FIFREEZE, 0)
             try:
-                fcntl.ioctl(mount, FIFREEZE, 0)
-                try:
-                    frozen = disk_writes.sectors_written(mount)
-                    method = clone_file(d / "disk.img", dest)
-                finally:
-                    fcntl.ioctl(mount, FITHAW, 0)
-                count = disk_writes.count_after_thaw(mount, frozen)
+                frozen = disk_writes.sectors_written(mount)
+                method = clone_file(d / "disk.img", dest)
             finally:
-                os.close(mount)
+                fcntl.ioctl(mount, FITHAW, 0)
+            count = disk_writes.count_after_thaw(mount, frozen)
         finally:
-            if paused:
-                cgroups.set_frozen(self.cgroup_parent, sandbox_id, True)
+            os.close(mount)
         log.info("snapshot of %s to %s: file system frozen (FIFREEZE), %s copy", sandbox_id,
                  dest, method)
         return count
