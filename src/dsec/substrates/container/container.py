@@ -657,16 +657,16 @@ def _fresh_run(disk: Path) -> None:
     where it stays in the sandbox's disk and quota for the sandbox to remove. Never walked."""
     run = disk / "run"
     try:
-        if not stat.S_ISDIR(os.lstat(run).st_mode):  # not what dsec made: never followed
-            os.unlink(run)
+        mode: int | None = os.lstat(run).st_mode
     except FileNotFoundError:
-        pass
-    else:
-        if os.path.isdir(run) and not _cleared(run):
-            aside = disk / f"run.{secrets.token_hex(4)}"
-            os.rename(run, aside)
-            run.mkdir(0o755)
-            os.rename(aside, run / RUN_DISCARDED)
+        mode = None
+    if mode is not None and not stat.S_ISDIR(mode):  # not what dsec made: never followed
+        os.unlink(run)
+    elif mode is not None and not _cleared(run):
+        aside = disk / f"run.{secrets.token_hex(4)}"
+        os.rename(run, aside)
+        run.mkdir(0o755)
+        os.rename(aside, run / RUN_DISCARDED)
     run.mkdir(0o755, exist_ok=True)
 
 
