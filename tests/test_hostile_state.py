@@ -10,6 +10,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 from urllib.parse import quote
 
@@ -17,6 +18,7 @@ import pytest
 
 import dsec
 from conftest import Server, make_server, own_server, stop_server
+from dsec.edge.shared_snapshots import SharedSnapshots
 from dsec.images.store import ImageStore
 from dsec.substrates.host.cgroups import freezer_file
 from test_hostile import assert_no_trace
@@ -600,3 +602,64 @@ async def test_with_the_volume_off_a_paused_sandbox_makes_no_progress_through_a_
             await sb.stop()
     finally:
         stop_server(server)
+
+
+async def test_a_shared_snapshot_directory_holding_odd_entries_never_stops_a_start(
+        images: ImageStore, tmp_path: Path) -> None:
+    """The shared snapshot directory is a mount every node reaches (NFS, 3FS), only as
+    trusted as the mount: whoever else writes there can leave a directory where an export
+    goes (``sn-<id>.img``), directories and links in its ``tmp/``, all older than the
+    sweep's cut-off. A start's sweep of that directory must skip what it cannot remove (and
+    say so), never fail the edge's start; the server then serves snapshots as before."""
+    shared = tmp_path / "shared"
+    (shared / "tmp" / "a-dir" / "deep").mkdir(parents=True)
+    (shared / "sn-e000000-000000000000.img" / "x").mkdir(parents=True)
+    (shared / "tmp" / "a-link").symlink_to("/etc/passwd")
+    old = time.time() - 7 * 86400
+    for path in (shared / "tmp" / "a-dir", shared / "sn-e000000-000000000000.img"):
+        os.utime(path, (old, old))
+    os.utime(shared / "tmp" / "a-link", (old, old), follow_symlinks=False)
+    server = make_server("--warm-pool", "0", "--shared-snapshots", str(shared)).start()
+    try:
+        async with server.client() as c:
+            sb = await c.create(ttl_s=120)
+            await sb.write_file("/work/f", b"kept")
+            snap = await sb.snapshot()
+            kid = await c.create(snapshot=snap.id, ttl_s=60)
+            assert await kid.read_file("/work/f") == b"kept"
+            for box in (kid, sb):
+                await box.stop()
+            await c.delete_snapshot(snap.id)
+    finally:
+        stop_server(server)
+    assert Path("/etc/passwd").exists()  # a link is removed, never followed
+    assert not (shared / "tmp" / "a-link").is_symlink()
+
+
+@pytest.mark.parametrize("shape", ["fifo", "link", "directory"])
+def test_an_export_replaced_in_the_shared_directory_is_refused_at_once(
+        tmp_path: Path, shape: str) -> None:
+    """Whoever else writes to the shared mount puts, in place of a snapshot's export, a FIFO
+    (reading it would hold the fetch, and every create from that snapshot on the node,
+    forever), a link to a host file (it would be read and copied onto the node), or a
+    directory: the fetch is ``SnapshotCorrupt`` within a second, reads nothing through the
+    link and leaves nothing on the node."""
+    shared = SharedSnapshots(tmp_path / "shared")
+    local = tmp_path / "disk.img"
+    local.write_bytes(os.urandom(1 << 20))
+    digest, size = shared.export("sn-a", local)
+    exported = shared.path("sn-a")
+    exported.unlink()
+    if shape == "fifo":
+        os.mkfifo(exported)
+    elif shape == "link":
+        exported.symlink_to(local)  # the very content: only the link is wrong
+    else:
+        exported.mkdir()
+    node = tmp_path / "node-b"
+    node.mkdir()
+    started = time.monotonic()
+    with pytest.raises(dsec.SnapshotCorrupt):
+        shared.fetch("sn-a", digest, size, node / "disk.img")
+    assert time.monotonic() - started < 1
+    assert list(node.iterdir()) == []
