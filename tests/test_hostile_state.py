@@ -663,3 +663,20 @@ def test_an_export_replaced_in_the_shared_directory_is_refused_at_once(
         shared.fetch("sn-a", digest, size, node / "disk.img")
     assert time.monotonic() - started < 1
     assert list(node.iterdir()) == []
+
+
+def test_an_export_never_writes_through_a_linked_tmp_dir(tmp_path: Path) -> None:
+    """Whoever else writes to the shared mount makes its ``tmp/`` a link to a host
+    directory: an export (the sandbox's bytes, written as root) would land there. It is
+    refused, and nothing is written into that directory."""
+    shared = SharedSnapshots(tmp_path / "shared")
+    victim = tmp_path / "host-dir"
+    victim.mkdir()
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / "tmp").symlink_to(victim)
+    local = tmp_path / "disk.img"
+    local.write_bytes(b"sandbox bytes" * 1000)
+    with pytest.raises(OSError):
+        shared.export("sn-a", local)
+    assert list(victim.iterdir()) == []
+    assert not shared.path("sn-a").exists()

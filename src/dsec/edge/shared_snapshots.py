@@ -46,18 +46,24 @@ class SharedSnapshots:
 
     def export(self, snapshot_id: str, local: Path) -> tuple[str, int]:
         """Copy ``local`` (a complete snapshot file) to the shared directory, whole or not at
-        all; its digest and size."""
+        all; its digest and size. The copy is made in ``tmp/`` opened without following a
+        link: a ``tmp`` someone else made a link (to a host directory) is refused, never
+        written through."""
         tmp_dir = self.root / "tmp"
         tmp_dir.mkdir(parents=True, exist_ok=True)
-        tmp = tmp_dir / f"{snapshot_id}.{secrets.token_hex(4)}"
-        clone_file(local, tmp)
+        dir_fd = os.open(tmp_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            digest, size = content_digest(tmp), tmp.stat().st_size
-            _fsync(tmp)
-            os.rename(tmp, self.path(snapshot_id))
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+            tmp = Path(f"/proc/self/fd/{dir_fd}") / f"{snapshot_id}.{secrets.token_hex(4)}"
+            clone_file(local, tmp)
+            try:
+                digest, size = content_digest(tmp), tmp.stat().st_size
+                _fsync(tmp)
+                os.rename(tmp, self.path(snapshot_id))
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+        finally:
+            os.close(dir_fd)
         _fsync(self.root)
         return digest, size
 
