@@ -105,7 +105,9 @@ class SharedSnapshots:
         return fd
 
     def remove(self, snapshot_id: str) -> None:
-        self.path(snapshot_id).unlink(missing_ok=True)
+        """The export gone; what cannot be unlinked there is left and logged (``_unlink``):
+        a snapshot's delete never fails over the shared directory."""
+        _unlink(self.path(snapshot_id), snapshot_id, [])
 
     def sweep(self, recorded: Callable[[str], bool], stale_after_s: float = STALE_TMP_S) -> list[str]:
         """Remove exports whose snapshot has no record (its delete ran where the export was
