@@ -637,7 +637,9 @@ class Edge:
     async def rollback(self, sandbox_id: str, snapshot: str) -> SandboxInfo:
         """The sandbox back at one of its own snapshots: same id, processes fresh (a `full`
         snapshot's: as they were). A failed rollback leaves no half-restored sandbox: it is
-        stopped (died, with the cause)."""
+        stopped (died, with the cause); a snapshot found deleted before the substrate touched
+        anything (a delete or its TTL racing the rollback) is ``SnapshotNotFound``, and the
+        sandbox runs on as it was."""
         live = await self._awake(sandbox_id)
         snap = self._snapshot_row(snapshot)
         if snap.sandbox_id != sandbox_id:
@@ -674,9 +676,16 @@ class Edge:
                     live.row.runtime = runtime
             finally:
                 live.rolling_back = False
+        if isinstance(failed, SnapshotNotFound):  # gone before anything was touched
+            raise SnapshotNotFound(f"snapshot {snapshot} was deleted before the rollback "
+                                   f"could copy it; sandbox {sandbox_id} runs on as it was",
+                                   snapshot=snapshot) from None
         if failed is not None:  # outside the lock: stop takes it
             await self.stop(sandbox_id, "died", f"rollback to {snapshot} failed: {failed}")
-            raise failed
+            if isinstance(failed, DSecError) or not isinstance(failed, Exception):
+                raise failed
+            raise SandboxError(f"rollback of sandbox {sandbox_id} to {snapshot} failed, and the "
+                               f"sandbox was stopped: {failed}", sandbox_id=sandbox_id) from failed
         self._still_live(live)  # stopped during the rollback: the stop's end is the answer
         self.store.event("rollback", sandbox_id, snapshot=snapshot)
         return self.info(live.row)

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import logging
 import os
 import secrets
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +31,7 @@ from pathlib import Path
 from ..protocol.errors import SnapshotCorrupt
 from ..substrates.host.image_copy import clone_file
 
+log = logging.getLogger("dsec.shared_snapshots")
 BLOCK = 1 << 20
 STALE_TMP_S = 3600.0  # a temp copy this old belongs to an export or fetch that a crash cut
 _ZEROS = bytes(BLOCK)
@@ -43,30 +46,37 @@ class SharedSnapshots:
 
     def export(self, snapshot_id: str, local: Path) -> tuple[str, int]:
         """Copy ``local`` (a complete snapshot file) to the shared directory, whole or not at
-        all; its digest and size."""
+        all; its digest and size. The copy is made in ``tmp/`` opened without following a
+        link: a ``tmp`` someone else made a link (to a host directory) is refused, never
+        written through."""
         tmp_dir = self.root / "tmp"
         tmp_dir.mkdir(parents=True, exist_ok=True)
-        tmp = tmp_dir / f"{snapshot_id}.{secrets.token_hex(4)}"
-        clone_file(local, tmp)
+        dir_fd = os.open(tmp_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            digest, size = content_digest(tmp), tmp.stat().st_size
-            _fsync(tmp)
-            os.rename(tmp, self.path(snapshot_id))
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+            tmp = Path(f"/proc/self/fd/{dir_fd}") / f"{snapshot_id}.{secrets.token_hex(4)}"
+            clone_file(local, tmp)
+            try:
+                digest, size = content_digest(tmp), tmp.stat().st_size
+                _fsync(tmp)
+                os.rename(tmp, self.path(snapshot_id))
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+        finally:
+            os.close(dir_fd)
         _fsync(self.root)
         return digest, size
 
     def fetch(self, snapshot_id: str, digest: str, size: int, dest: Path) -> None:
-        """``dest`` (new) becomes the exported copy, checked against what was recorded."""
-        src = self.path(snapshot_id)
+        """``dest`` (new) becomes the exported copy, checked against what was recorded. The
+        copy is read only if it is a regular file, opened without following a link and
+        without waiting (a FIFO put in its place would hold the fetch forever)."""
         tmp = dest.with_name(f".fetch-{secrets.token_hex(4)}")
+        src = self._open_export(snapshot_id)
         try:
-            clone_file(src, tmp)
-        except FileNotFoundError:
-            raise SnapshotCorrupt(f"snapshot {snapshot_id}'s exported copy is missing from "
-                                  f"{self.root}", snapshot=snapshot_id) from None
+            clone_file(Path(f"/proc/self/fd/{src}"), tmp)  # that very file, not the name
+        finally:
+            os.close(src)
         try:
             found = tmp.stat().st_size
             if found != size or content_digest(tmp) != digest:
@@ -79,28 +89,57 @@ class SharedSnapshots:
             tmp.unlink(missing_ok=True)
             raise
 
+    def _open_export(self, snapshot_id: str) -> int:
+        """An fd on the exported copy; SnapshotCorrupt if it is missing or not a regular
+        file (a link, a FIFO, a directory someone else made in the shared directory)."""
+        try:
+            fd = os.open(self.path(snapshot_id),
+                         os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            raise SnapshotCorrupt(f"snapshot {snapshot_id}'s exported copy cannot be read from "
+                                  f"{self.root}: {exc.strerror}", snapshot=snapshot_id) from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise SnapshotCorrupt(f"snapshot {snapshot_id}'s exported copy in {self.root} is "
+                                  "not a regular file: refused", snapshot=snapshot_id)
+        return fd
+
     def remove(self, snapshot_id: str) -> None:
-        self.path(snapshot_id).unlink(missing_ok=True)
+        """The export gone; what cannot be unlinked there is left and logged (``_unlink``):
+        a snapshot's delete never fails over the shared directory."""
+        _unlink(self.path(snapshot_id), snapshot_id, [])
 
     def sweep(self, recorded: Callable[[str], bool], stale_after_s: float = STALE_TMP_S) -> list[str]:
         """Remove exports whose snapshot has no record (its delete ran where the export was
         not yet in place, or on a node that died), and temp copies older than
         ``stale_after_s`` (an export or fetch cut by a crash); the names removed. A snapshot
         is recorded before its export starts, so no export under way is taken."""
-        removed = []
+        removed: list[str] = []
         for path in self.root.glob("sn-*.img"):
             if not recorded(path.name.removesuffix(".img")):
-                path.unlink(missing_ok=True)
-                removed.append(path.name)
+                _unlink(path, path.name, removed)
         cutoff = time.time() - stale_after_s
         for path in (self.root / "tmp").glob("*"):
             try:
                 if path.lstat().st_mtime < cutoff:
-                    path.unlink()
-                    removed.append(f"tmp/{path.name}")
+                    _unlink(path, f"tmp/{path.name}", removed)
             except FileNotFoundError:  # another node's sweep got there first
                 pass
         return removed
+
+
+def _unlink(path: Path, name: str, removed: list[str]) -> None:
+    """Unlink ``path`` (a link itself, never what it names) and note ``name`` as removed.
+    What cannot be unlinked (a directory someone else made in the shared directory) is left
+    and logged: the sweep never walks it, and never fails the edge's start over it."""
+    try:
+        path.unlink()
+    except FileNotFoundError:  # another node's sweep got there first
+        return
+    except OSError as exc:
+        log.warning("left %s in the shared snapshot directory: %s", path, exc.strerror)
+        return
+    removed.append(name)
 
 
 def content_digest(path: Path) -> str:

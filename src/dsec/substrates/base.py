@@ -131,7 +131,9 @@ class Substrate(ABC):
         """Restart the running sandbox ``plan.sandbox_id`` from ``plan.disk_from`` (its own
         snapshot; with ``plan.memory_from`` its processes too, else fresh): the same id and
         agent token; its new runtime dict. Where ``rollback_keeps_network``, the edge plugs
-        the policy in force into the restarted sandbox again."""
+        the policy in force into the restarted sandbox again. ``SnapshotNotFound`` only when
+        the snapshot's files were found gone before anything of the sandbox was touched (it
+        runs on as it was); any other failure leaves it to be stopped."""
         raise NotSupported(f"rollback of {self.name} sandboxes is not supported yet")
 
     async def set_paused(self, sandbox_id: str, runtime: dict[str, Any],

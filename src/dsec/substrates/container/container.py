@@ -21,10 +21,12 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import itertools
 import json
 import logging
 import os
 import secrets
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
@@ -35,7 +37,7 @@ from ...images.mount import LayerMounter, overlay_mount, unmount_or_detach
 from ...network.policy import Egress
 from ...network.wired import WiredSandboxes
 from ...network.wiring import Slot
-from ...protocol.errors import NotSupported, SandboxError
+from ...protocol.errors import NotSupported, SandboxError, SnapshotNotFound
 from ...protocol.models import DEFAULT_DISK_MB, CreateRequest
 from ..base import StartPlan, Substrate
 from ..host import cgroups, criu, disk_writes, spawn
@@ -67,6 +69,11 @@ NEW_DISK = "disk.img.new"  # a copy of a snapshot's image, before it becomes dis
 # (DiskPool's skeleton); a snapshot's may not (``_layers``).
 DISK_DIRS = ("work", "run")
 UPPER_DIRS = ("upper/.dsec", "upper/work")
+# A snapshot's run dir is cleared by the host only while it holds at most this many plain
+# files (the agent's socket, a few sessions' state); else it is moved, whole, to this name
+# in the new run dir, for the sandbox to remove (``_fresh_run``).
+RUN_CLEARED = 64
+RUN_DISCARDED = ".discarded-run"
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -175,10 +182,9 @@ class ContainerSubstrate(Substrate):
             async with self._slots.bundle(plan.warm):
                 await loop.run_in_executor(self._io, self._bundle, plan, d)
         except OSError as exc:
-            if plan.disk_from is None or exc.errno != errno.ENOSPC:
+            if (full := _snapshot_full(plan, exc)) is None:
                 raise
-            raise SandboxError("the snapshot's disk is full (its inodes, most likely): no room "
-                               "for the new sandbox's overlay work dir") from exc
+            raise full from exc
         return await self._run(plan.sandbox_id, runtime, base, d, secrets.token_hex(32), plan.warm)
 
     async def _run(self, sandbox_id: str, runtime: str, base: list[str], d: Path, token: str,
@@ -231,13 +237,23 @@ class ContainerSubstrate(Substrate):
         base = self._runtime_cmd(name)
         d = self._dir(plan.sandbox_id)
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._io, _clone_disk, plan.disk_from, d)
+        try:
+            await loop.run_in_executor(self._io, _clone_disk, plan.disk_from, d)
+        except FileNotFoundError:
+            if plan.disk_from.exists():
+                raise
+            raise SnapshotNotFound("the snapshot was deleted before its disk was copied: "
+                                   "nothing of the sandbox was touched") from None
         space = await loop.run_in_executor(self._io, self.spaces.get, plan.sandbox_id, runtime)
         await self.network.remove(plan.sandbox_id)  # its wiring is the old init's netns
         self._pids.forget(plan.sandbox_id)
         kill = asyncio.ensure_future(self._kill(name, base, plan.sandbox_id))
         try:
             await loop.run_in_executor(self._io, self._swap_disk, plan, d, space)
+        except OSError as exc:
+            if (full := _snapshot_full(plan, exc)) is None:
+                raise
+            raise full from exc
         finally:
             await kill  # the same id: the old container is gone before the new one runs
         return await self._run(plan.sandbox_id, name, base, d, runtime["token"])
@@ -356,7 +372,8 @@ class ContainerSubstrate(Substrate):
         sandbox frozen (the cgroup freezer, as ``pause``), its file system synced, the image
         cloned, the processes thawed (a paused sandbox stays paused): about 1 ms of
         stopped processes, no data copied. Where images cannot be cloned, the file system
-        itself is frozen (FIFREEZE: ~40 ms alone) for a copy of the blocks written. Returns
+        itself is frozen (FIFREEZE: ~40 ms alone) for a copy of the blocks written, or, for
+        a paused sandbox, its processes stay frozen for it (``_copy_fs_frozen``). Returns
         the disk's write count as of the copy (see ``disk_writes``)."""
         work = self._clone_stopped if self.volume.reflinks else self._copy_fs_frozen
         return await asyncio.get_running_loop().run_in_executor(self._io, work, sandbox_id, dest)
@@ -381,26 +398,23 @@ class ContainerSubstrate(Substrate):
 
     def _copy_fs_frozen(self, sandbox_id: str, dest: Path) -> int:
         """FIFREEZE writes dirty data out and blocks writers until FITHAW; it cannot wait
-        on writers the cgroup freezer holds, so a paused sandbox runs for the copy."""
+        on writers the cgroup freezer holds. A paused sandbox is never thawed for it (it
+        would run, and write, while its trainer holds it paused): nothing of it runs, so
+        nothing writes, and its disk is synced and copied as the reflink path does."""
+        if cgroups.is_frozen(self.cgroup_parent, sandbox_id):
+            return self._clone_stopped(sandbox_id, dest)
         d = self._dir(sandbox_id)
-        paused = cgroups.is_frozen(self.cgroup_parent, sandbox_id)
-        if paused:
-            cgroups.set_frozen(self.cgroup_parent, sandbox_id, False)
+        mount = self._open_disk(sandbox_id)
         try:
-            mount = self._open_disk(sandbox_id)
+            fcntl.ioctl(mount, FIFREEZE, 0)
             try:
-                fcntl.ioctl(mount, FIFREEZE, 0)
-                try:
-                    frozen = disk_writes.sectors_written(mount)
-                    method = clone_file(d / "disk.img", dest)
-                finally:
-                    fcntl.ioctl(mount, FITHAW, 0)
-                count = disk_writes.count_after_thaw(mount, frozen)
+                frozen = disk_writes.sectors_written(mount)
+                method = clone_file(d / "disk.img", dest)
             finally:
-                os.close(mount)
+                fcntl.ioctl(mount, FITHAW, 0)
+            count = disk_writes.count_after_thaw(mount, frozen)
         finally:
-            if paused:
-                cgroups.set_frozen(self.cgroup_parent, sandbox_id, True)
+            os.close(mount)
         log.info("snapshot of %s to %s: file system frozen (FIFREEZE), %s copy", sandbox_id,
                  dest, method)
         return count
@@ -604,6 +618,17 @@ def _compiled_seccomp() -> str | None:
         return None
 
 
+def _snapshot_full(plan: StartPlan, exc: OSError) -> SandboxError | None:
+    """A start from a snapshot (a create, or a rollback) that found no room on the
+    snapshot's disk: the sandbox used up its inodes (or blocks) before it was taken, so its
+    overlay's work dir cannot be made. That is the sandbox's doing and a typed error, never
+    the server's ``internal``. None for any other ``exc``."""
+    if plan.disk_from is None or exc.errno != errno.ENOSPC:
+        return None
+    return SandboxError("the snapshot's disk is full (its inodes, most likely): no room for "
+                        "the sandbox's overlay work dir")
+
+
 def _clone_disk(image: Path, d: Path) -> None:
     """A copy of a snapshot's disk image, to be the sandbox's disk (``_mount_disk``)."""
     fresh = d / NEW_DISK
@@ -613,15 +638,52 @@ def _clone_disk(image: Path, d: Path) -> None:
 
 
 def _mount_disk(d: Path, namespace: int) -> str:
-    """The copy ``_clone_disk`` made as the sandbox's disk, mounted in its mount namespace;
-    what the snapshot's agent left in its run dir (socket, sessions) goes: processes start
-    fresh."""
+    """The copy ``_clone_disk`` made as the sandbox's disk, mounted in its mount namespace,
+    with a fresh run dir (``_fresh_run``): processes start fresh."""
     os.rename(d / NEW_DISK, d / "disk.img")
     (d / "disk").mkdir(exist_ok=True)
     dev = loop_mount(d / "disk.img", d / "disk", namespace=namespace)
     with inside(namespace):
-        remove_tree(d / "disk" / "run")
+        _fresh_run(d / "disk")
     return dev
+
+
+def _fresh_run(disk: Path) -> None:
+    """A snapshot's run dir made fresh on the new sandbox's ``disk``: what its agent left
+    there (its socket, its sessions' state) goes. The sandbox may have filled the dir with
+    anything (as many files as its disk has inodes, deep chains), so the host removes its
+    entries only while they are a few plain files (RUN_CLEARED: the usual socket and
+    sessions); otherwise the whole dir is moved, unread, into a new one (``RUN_DISCARDED``),
+    where it stays in the sandbox's disk and quota for the sandbox to remove. Never walked."""
+    run = disk / "run"
+    try:
+        mode: int | None = os.lstat(run).st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and not stat.S_ISDIR(mode):  # not what dsec made: never followed
+        os.unlink(run)
+    elif mode is not None and not _cleared(run):
+        aside = disk / f"run.{secrets.token_hex(4)}"
+        os.rename(run, aside)
+        run.mkdir(0o755)
+        os.rename(aside, run / RUN_DISCARDED)
+    run.mkdir(0o755, exist_ok=True)
+
+
+def _cleared(run: Path) -> bool:
+    """Whether ``run``'s entries, if they are at most RUN_CLEARED non-directories, were
+    removed (then ``run`` is empty); False, with nothing removed, for anything more."""
+    fd = os.open(run, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        with os.scandir(fd) as entries:
+            first = list(itertools.islice(entries, RUN_CLEARED + 1))
+        if len(first) > RUN_CLEARED or any(e.is_dir(follow_symlinks=False) for e in first):
+            return False
+        for entry in first:
+            os.unlink(entry.name, dir_fd=fd)
+        return True
+    finally:
+        os.close(fd)
 
 
 def _unmount_bundle(d: Path, wait: bool = True) -> None:
