@@ -291,17 +291,23 @@ async def test_api_key_is_required(server) -> None:  # type: ignore[no-untyped-d
             await bad.list()
 
 
+THREAD_STARTS = "import threading; t = threading.Thread(target=print, args=('thread ran',)); " \
+    "t.start(); t.join()"
+
+
 @pytest.mark.parametrize("runtime", ["runc", "runsc"])
 async def test_other_runtimes(client: dsec.DSecClient, runtime: str, substrate: str) -> None:
     if substrate != "container":  # OCI runtimes are a container matter
         with pytest.raises(dsec.NotSupported):
             await client.create(substrate=substrate, image=image_for(substrate), runtime=runtime)
         return
-    async with await client.create(runtime=runtime, ttl_s=120) as sb:
+    async with await client.create(runtime=runtime, image="python-3.11", ttl_s=120) as sb:
         kernel = (await sb.run("cat /proc/version")).stdout
         assert ("Linux version 4.4.0" in kernel) == (runtime == "runsc")  # gVisor's own kernel
         await sb.write_file("/work/f", b"data")
         assert (await sb.run("cat /work/f")).stdout == "data"
+        threads = await sb.run(["python3", "-c", THREAD_STARTS])  # glibc's clone3, then clone
+        assert (threads.exit_code, threads.stdout) == (0, "thread ran\n"), threads.stderr
         routes = (await sb.run("cat /proc/net/route 2>/dev/null")).stdout.strip().splitlines()
         assert routes[1:] == []  # no route out, under either runtime
 

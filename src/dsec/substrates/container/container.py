@@ -356,7 +356,8 @@ class ContainerSubstrate(Substrate):
         overlay_mount(lowers, disk / "upper", disk / "work", rootfs)
         assert self._tree is not None, "prepare() runs before start()"
         config = container_config(plan.sandbox_id, plan.request, str(rootfs), str(self._tree),
-                                  str(run), self.cgroup_parent, self._seccomp_bpf)
+                                  str(run), self.cgroup_parent, self._seccomp_bpf,
+                                  plan.request.runtime or self.default_runtime)
         (d / "config.json").write_text(json.dumps(config))
 
     def _open_disk(self, sandbox_id: str) -> int:

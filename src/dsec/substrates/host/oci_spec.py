@@ -7,6 +7,7 @@ no new privileges, a small capability set, a seccomp deny-list, masked /proc pat
 
 from __future__ import annotations
 
+import errno
 import resource
 from typing import Any
 
@@ -62,7 +63,13 @@ SECCOMP_ARCHES = ("x86_64", "x86", "x32")
 SECCOMP_BPF_ANNOTATION = "run.oci.seccomp_bpf_data"
 
 
-def seccomp_profile() -> dict[str, Any]:
+def seccomp_profile(runtime: str = "crun") -> dict[str, Any]:
+    """The deny-list as ``runtime`` applies it. Under runsc (``--oci-seccomp``) gVisor's own
+    kernel answers the calls, and Debian 12's (runsc 0.0~20221219) answers every ``ERRNO`` rule
+    with EPERM whatever its ``errnoRet``: a clone3 rule there refused each new thread
+    (pthread_create falls back to clone only on ENOSYS), so it has none, and gVisor answers
+    clone3 itself (ENOSYS in that version; a newer gVisor's namespaces are its own user-space
+    kernel's, never the host's)."""
     eperm = 1
     return {
         "defaultAction": "SCMP_ACT_ALLOW",
@@ -75,7 +82,8 @@ def seccomp_profile() -> dict[str, Any]:
             *({"names": ["clone"], "action": "SCMP_ACT_ERRNO", "errnoRet": eperm,
                "args": [{"index": 0, "value": flag, "valueTwo": flag, "op": "SCMP_CMP_MASKED_EQ"}]}
               for flag in CLONE_NAMESPACE_FLAGS),
-            {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": 38},
+            *([{"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.ENOSYS}]
+              if runtime != "runsc" else []),
         ],
     }
 
@@ -88,9 +96,11 @@ def container_config(
     run_dir: str,
     cgroup_parent: str,
     seccomp_bpf: str | None,
+    runtime: str = "crun",
 ) -> dict[str, Any]:
     """``seccomp_bpf``: ``seccomp_profile()`` compiled (``seccomp.container_filter_bpf``), in
-    base64; None leaves its compiling to the runtime."""
+    base64, which crun loads; None leaves its compiling to the runtime. ``runtime`` is the
+    one that runs the bundle (the profile it gets)."""
     env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
            "HOME": "/root", "LANG": "C.UTF-8"}
     env.update(request.env)
@@ -144,7 +154,7 @@ def container_config(
                 "pids": {"limit": request.pids},
             },
             "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
-            "seccomp": seccomp_profile(),
+            "seccomp": seccomp_profile(runtime),
             "maskedPaths": MASKED_PATHS,
             "readonlyPaths": READONLY_PATHS,
         },
