@@ -40,7 +40,13 @@ from typing import TYPE_CHECKING, Any
 
 from dsec.config import current
 from dsec.images.builder import build_layers, plan_layers
-from dsec.images.mount import kernel_supports, locked, tmpfs_mount, unmount_or_detach
+from dsec.images.mount import (
+    kernel_supports,
+    locked,
+    private_dir,
+    tmpfs_mount,
+    unmount_or_detach,
+)
 from dsec.images.oci import import_archive
 from dsec.images.pull import pull_layers
 from dsec.images.reference import is_reference, parse_reference
@@ -115,8 +121,9 @@ class LayerStore:
             raise InvalidRequest(f"layer format must be one of {LAYER_FORMATS}, got {layer_format!r}")
         self.format = layer_format
         self._layers, self._locks, self._tmp = root / "layers", root / "locks", root / "tmp"
-        for d in (self._layers, self._locks, self._tmp):
-            d.mkdir(parents=True, exist_ok=True)
+        self._locks.mkdir(parents=True, exist_ok=True)
+        for d in (self._layers, self._tmp):  # sandboxes' files, setuid ones too: root's alone
+            private_dir(d)
 
     def get(self, digest: str) -> Layer | None:
         directory = self._layers / _hex(digest)

@@ -1,0 +1,257 @@
+"""Image builds whose content comes from a sandbox, attacked as an RL agent or a template
+author in another project would: a RUN step's writable layer becomes an image layer that
+other sandboxes (and other projects) start from, so whatever it leaves must give nobody
+anything, on the host or in a later sandbox.
+
+Each case is a real build through a real server (``Client.build_image``, the E2B template
+routes), then a real sandbox of the image or a real look at the host: setuid files a local
+user of the host could run, sparse files copied dense onto the host's disk, overlay and
+capability xattrs, names that forge the server's log, RUN text that shares another's cache
+key, trees too deep for a layer, racers left running at the commit, and E2B uploads piling
+up on the host outside any quota.
+
+Every Dockerfile declares ``ARG NONCE`` given the test-unique name: the steps' cache keys are
+this run's own (the images cache is shared and keeps layers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+import dsec
+from conftest import LOG_DIR, Server, free_port, own_server
+from dsec.images.store import ImageStore, Layer
+from test_compat_e2b import _project_keys
+from test_projects import unique
+
+pytestmark = pytest.mark.usefixtures("images")
+
+srv, client = own_server("--host", "127.0.0.1", "--port", str(free_port()), "--warm-pool", "0")
+
+NOBODY = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
+
+
+@pytest.fixture
+def name(images: ImageStore) -> Iterator[str]:
+    image = f"test-hostile-build-{secrets.token_hex(4)}"
+    yield image
+    for stored in [i.name for i in ImageStore().list() if i.name.endswith(image)]:
+        ImageStore().remove(stored)
+
+
+def dockerfile(name: str, body: str, base: str = "debian-minbase") -> str:
+    return f"FROM {base}\nARG NONCE={name}\n{body}"
+
+
+async def run_in(client: dsec.DSecClient, image: str, command: str) -> dsec.ExecResult:
+    async with await client.create(image=image, ttl_s=120) as sb:
+        return await sb.run(command, timeout_s=60)
+
+
+def top_layer(image: str) -> Layer:
+    return ImageStore().get(image).layers[-1]
+
+
+def on_host(srv: Server, layer: Layer, path: str) -> Path:
+    """Where a file of ``layer`` is on the host: under the server's mount of an EROFS layer,
+    or in a directory layer itself."""
+    if layer.format == "erofs":
+        return srv.state_dir / "layers" / layer.digest.removeprefix("sha256:") / path
+    return layer.path / path
+
+
+async def test_a_setuid_file_from_a_run_gives_a_local_user_of_the_host_no_root(
+        client: dsec.DSecClient, srv: Server, name: str) -> None:
+    """dsec's own static shell copied and made setuid root in a RUN (mksh keeps its euid
+    with ``-p``): the sandboxes of the image cannot use it (no new privileges), and no
+    local user of the host may run it as root from the host's view of the layer."""
+    body = "RUN cp /.dsec/bin/sh /usr/local/bin/suidsh && chmod 4755 /usr/local/bin/suidsh\n"
+    built = await client.build_image(name, dockerfile=dockerfile(name, body))
+    assert built.steps_run == 1
+    inside = await run_in(client, built.image, "stat -c %a:%u /usr/local/bin/suidsh; "
+                                               "setpriv --reuid 65534 /usr/local/bin/suidsh "
+                                               "-p -c 'echo $USER_ID' || true")
+    assert inside.stdout.splitlines()[0] == "4755:0"  # the image keeps its modes
+    assert "0" not in inside.stdout.splitlines()[1:]  # no new privileges in a sandbox
+    suidsh = on_host(srv, top_layer(built.image), "usr/local/bin/suidsh")
+    proof = srv.state_dir / f"owned-{secrets.token_hex(3)}"
+    local = subprocess.run([*NOBODY, str(suidsh), "-p", "-c", f"echo $USER_ID; : > {proof}"],
+                           capture_output=True, text=True, timeout=30)
+    assert "0" not in local.stdout.split(), (local.stdout, local.stderr)
+    assert not proof.exists()  # written as root into root's state directory
+    if top_layer(built.image).format == "erofs":  # and root's own view runs no set-id bit
+        flags = os.statvfs(suidsh).f_flag
+        assert flags & os.ST_NOSUID and flags & os.ST_NODEV
+
+
+@pytest.mark.xfail(strict=True, reason="the layer copy writes a sparse file's holes as zeros onto the host's disk")
+async def test_a_sparse_file_costs_the_host_no_more_than_the_sandbox(
+        client: dsec.DSecClient, srv: Server, name: str) -> None:
+    """A 2 GiB file of holes costs a RUN's disk nothing; its layer must not cost the host
+    2 GiB of written zeros (the server's own writes, while it commits the layer)."""
+    assert srv.proc is not None
+
+    def written() -> int:
+        io = dict(line.split(": ") for line in
+                  Path(f"/proc/{srv.proc.pid}/io").read_text().splitlines())  # type: ignore[union-attr]
+        return int(io["wchar"])
+    before = written()
+    built = await client.build_image(name, dockerfile=dockerfile(
+        name, "RUN truncate -s 2G /sparse && echo tail >> /sparse\n"), disk_mb=4096)
+    spent = written() - before
+    assert built.steps_run == 1
+    r = await run_in(client, built.image, "stat -c %s /sparse; tail -c 5 /sparse; "
+                                          "head -c 4096 /sparse | tr -d '\\0' | wc -c")
+    assert r.stdout.split() == [str((2 << 30) + 5), "tail", "0"]  # the same file
+    assert spent < 256 << 20, f"the server wrote {spent >> 20} MiB for a layer of holes"
+
+
+async def test_overlay_and_capability_xattrs_from_a_run_never_reach_a_layer(
+        client: dsec.DSecClient, name: str) -> None:
+    """Overlay's own xattrs (opaque, redirect, origin, metacopy, in the trusted and user
+    namespaces) set on a copied-up /etc, and a file capability on a copy of python3: the
+    next sandbox sees the lower /etc whole and no such xattr, nor the capability."""
+    script = (
+        "import os, shutil, sys\n"
+        "shutil.copy(os.path.realpath(sys.executable), '/usr/local/bin/capped')\n"
+        "cap = bytes.fromhex('01000002' + 'ffffffff' * 2 + '00000000' * 2)  # v2, all, effective\n"
+        "tried = [('/etc', 'user.overlay.opaque', b'y'), ('/etc', 'trusted.overlay.opaque', b'y'),\n"
+        "         ('/etc', 'user.overlay.redirect', b'/usr'), ('/etc', 'user.overlay.origin', b'x'),\n"
+        "         ('/usr/local/bin/capped', 'user.overlay.metacopy', b''),\n"
+        "         ('/usr/local/bin/capped', 'security.capability', cap),\n"
+        "         ('/etc', 'user.note', b'mine')]\n"
+        "for path, key, value in tried:\n"
+        "    try:\n"
+        "        os.setxattr(path, key, value)\n"
+        "        print('set', key)\n"
+        "    except OSError as exc:\n"
+        "        print('refused', key, exc.errno)\n"
+        )
+    body = f"RUN {json.dumps(['python3', '-c', script])}\n"
+    lines: list[str] = []
+    built = await client.build_image(name, dockerfile=dockerfile(name, body, "python-3.11"),
+                                     on_log=lines.append)
+    assert any("set security.capability" in line for line in lines), lines  # it tried for real
+    check = ("python3 -c \"import os; print(sorted(os.listxattr('/etc')), "
+             "sorted(os.listxattr('/usr/local/bin/capped')))\"; test -s /etc/passwd && echo passwd")
+    r = await run_in(client, built.image, check)
+    assert r.stdout.splitlines() == ["[] []", "passwd"], r.stdout + r.stderr
+
+
+@pytest.mark.xfail(strict=True, reason="a dropped name is logged raw: its newlines start forged lines")
+async def test_a_dropped_name_cannot_forge_a_line_in_the_servers_log(
+        client: dsec.DSecClient, srv: Server, name: str) -> None:
+    """A fifo (dropped from the layer, and logged) named with newlines: each of its lines
+    stays inside the one log record, in the server's log and in the build's."""
+    forged = f"FORGED-{secrets.token_hex(4)}"
+    body = f"RUN mkfifo \"$(printf 'fifo\\n{forged} ERROR:dsec.edge:the grader passed')\"\n"
+    lines: list[str] = []
+    built = await client.build_image(name, dockerfile=dockerfile(name, body), on_log=lines.append)
+    assert built.steps_run == 1
+    assert any("dropped from the layer" in line and forged in line for line in lines), lines
+    assert not any(line.startswith(forged) for line in lines)
+    log = (LOG_DIR / f"{srv.state_dir.name}.log").read_text(errors="replace")
+    assert forged in log  # the drop was logged
+    assert not any(line.startswith(forged) for line in log.splitlines()), "a forged log line"
+
+
+@pytest.mark.xfail(strict=True, reason="Instruction.text collapses double spaces in the body: two RUNs share a cache key")
+async def test_run_commands_differing_only_in_spaces_never_share_a_layer(
+        client: dsec.DSecClient, srv: Server, name: str) -> None:
+    """One project builds ``printf 'a  b'``; another, later, ``printf 'a b'`` on the same
+    image: the second's RUN must run, not be served the first one's layer from the cache."""
+    keys = []
+    async with srv.client() as admin:
+        for prefix in ("poisoner", "victim"):
+            project = unique(prefix)
+            await admin.projects().create(project, sandboxes=4, cpu=8, memory_mb=4096)
+            keys.append((await admin.projects().create_key(project, "sdk")).key)
+    results = []
+    for key, text in zip(keys, ("RUN printf 'a  b' > /f\n", "RUN printf 'a b' > /f\n"),
+                         strict=True):
+        async with dsec.DSecClient(srv.url, key, autostart=False) as tenant:
+            built = await tenant.build_image(name, dockerfile=dockerfile(name, text))
+            results.append((built.steps_run, (await run_in(tenant, built.image, "cat /f")).stdout))
+    assert results == [(1, "a  b"), (1, "a b")]
+
+
+@pytest.mark.parametrize("tree", ["deep", "long"])
+async def test_a_tree_a_layer_cannot_hold_fails_typed_and_leaks_nothing(
+        client: dsec.DSecClient, name: str, tree: str) -> None:
+    """300 directories deep, or 40 deep of 200-character names (paths past PATH_MAX on the
+    host): the build fails typed, and leaves no image, step sandbox, scratch image or
+    scratch layer directory behind."""
+    part = "d" if tree == "deep" else "n" * 200
+    depth = 300 if tree == "deep" else 40
+    body = (f"RUN mkdir x && i=0; while [ $i -lt {depth} ]; do mkdir y && mv x y/{part} && "
+            f"mv y x || exit 1; i=$((i+1)); done; echo bottom > x/f\n")  # never a long path
+    tmp = ImageStore().root / "tmp"
+    before = set(os.listdir(tmp))
+    with pytest.raises(dsec.ImageBuildError) as caught:
+        await client.build_image(name, dockerfile=dockerfile(name, body))
+    assert "layer" in caught.value.message, caught.value.message[-400:]
+    with pytest.raises(dsec.ImageNotFound):
+        ImageStore().get(name)
+    scratch = [image.name for image in ImageStore().list()
+               if image.name.startswith("dsec-build-")]
+    for left in scratch:
+        manifest = json.loads((ImageStore().root / "images" / f"{left}.json").read_text())
+        assert manifest["source"].get("dockerfile_step") != name, left
+    assert not [s for s in await client.list() if s.labels.get("dsec.build") == name]
+    deadline = time.monotonic() + 30
+    while (new := [n for n in set(os.listdir(tmp)) - before if (tmp / n / "rootfs" / part).exists()]):
+        assert time.monotonic() < deadline, f"scratch left in the store: {new}"
+        await asyncio.sleep(0.5)
+
+
+async def test_a_racer_left_running_by_a_run_commits_a_frozen_layer(
+        client: dsec.DSecClient, name: str) -> None:
+    """A RUN leaves a process swapping a file for a link to the host's files and growing
+    another, as fast as it can: the layer is one frozen instant of the tree (the link kept
+    as a link, never followed on the host), and the next sandbox runs none of it."""
+    racer = ("while :; do echo mine > /swap.tmp && mv /swap.tmp /swap; ln -sfn /etc/shadow /swap;"
+             " ln -sfn /proc/1/root /swap; head -c 65536 /dev/zero >> /grow; done")
+    body = (f"RUN setsid sh -c '{racer}' </dev/null >/dev/null 2>&1 & sleep 1; echo started\n")
+    built = await client.build_image(name, dockerfile=dockerfile(name, body), disk_mb=1024)
+    assert built.steps_run == 1
+    r = await run_in(client, built.image, "if [ -L /swap ]; then readlink /swap; "
+                                          "else cat /swap; fi; grep -l 'swap[.]tmp' "
+                                          "/proc/[0-9]*/cmdline | wc -l")
+    first = r.stdout.splitlines()[0]
+    assert first in ("mine", "/etc/shadow", "/proc/1/root"), r.stdout
+    assert r.stdout.splitlines()[1] == "0"  # no racer in a sandbox of the image
+
+
+@pytest.mark.xfail(strict=True, reason="a waiting template takes uploads for any number of hashes, unbounded")
+def test_e2b_uploads_waiting_for_a_build_are_bounded_on_the_host(srv: Server) -> None:
+    """A template that never builds takes uploads for any files hash it names: what a
+    project can leave on the host's disk that way must be bounded (here: no more than one
+    build's context, 256 MiB, for one template)."""
+    (_, key), _ = asyncio.run(_project_keys(srv, 0))
+    chunk = os.urandom(8 << 20)
+    stored = 0
+    with httpx.Client(base_url=f"{srv.url}/e2b", headers={"X-API-Key": key},
+                      timeout=120) as http, httpx.Client(timeout=120) as plain:
+        template = http.post("/v3/templates", json={"name": unique("tpl-fill")}).json()
+        for i in range(40):  # 320 MiB asked for
+            files_hash = f"{i:064x}"
+            link = http.get(f"/templates/{template['templateID']}/files/{files_hash}")
+            assert link.status_code == 201, link.text
+            answer = plain.put(link.json()["url"], content=chunk)
+            if answer.status_code != 201:
+                assert answer.status_code in (400, 413, 429), answer.text
+                break
+            stored += len(chunk)
+    on_disk = sum(f.stat().st_size for f in
+                  (srv.state_dir / "e2b-uploads" / template["templateID"]).glob("*"))
+    assert stored <= 256 << 20 and on_disk <= 256 << 20, (stored >> 20, on_disk >> 20)
