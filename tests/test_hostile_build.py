@@ -94,7 +94,6 @@ async def test_a_setuid_file_from_a_run_gives_a_local_user_of_the_host_no_root(
         assert flags & os.ST_NOSUID and flags & os.ST_NODEV
 
 
-@pytest.mark.xfail(strict=True, reason="the layer copy writes a sparse file's holes as zeros onto the host's disk")
 async def test_a_sparse_file_costs_the_host_no_more_than_the_sandbox(
         client: dsec.DSecClient, srv: Server, name: str) -> None:
     """A 2 GiB file of holes costs a RUN's disk nothing; its layer must not cost the host

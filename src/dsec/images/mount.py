@@ -193,11 +193,11 @@ class LayerMounter:
 
     def _mount(self, layer: Layer, mounted: set[Path]) -> Path:
         target = self.cache_dir / layer.digest.removeprefix("sha256:")  # == self._target(layer)
+        private_dir(self.cache_dir)  # also where an older server left its layers mounted
         if target in mounted:
             return target
         if not kernel_supports("erofs"):
             raise NotSupported(f"layer {layer.digest} is EROFS, but this kernel cannot mount erofs")
-        private_dir(self.cache_dir)
         with locked(target.with_name(target.name + ".lock")):
             if target not in mountpoints():  # another process may have mounted it meanwhile
                 target.mkdir(exist_ok=True)

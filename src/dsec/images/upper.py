@@ -12,6 +12,9 @@ link and byte was made by hostile code. So the copy:
 - keeps only the overlay's opaque xattr; a file named ``.wh.*`` is an ordinary file here;
 - counts the bytes it copies (apparent sizes: a sparse file counts whole) against the
   sandbox's disk size, so a layer never holds more than the quota the step ran under;
+- copies a file's data only, its holes left holes: a ``truncate -s 60G`` costs the step's
+  disk nothing, and so costs the host's scratch nothing either (written out as zeros, it
+  would have been the host's disk the step filled, past any quota);
 - writes only under ``dest``, a fresh scratch directory of the store: nothing of the step
   reaches another layer or the host;
 - refuses trees deeper than ``MAX_DEPTH`` directories, and drops every other xattr (file
@@ -122,17 +125,34 @@ def _copy_file(src: int, name: str, target: Path, budget: _Budget) -> None:
         out = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                       0o600)
         try:
-            left = st.st_size
-            while left > 0:
-                sent = os.sendfile(out, fd, None, min(left, _CHUNK))
-                if sent == 0:
-                    break  # shorter than its stat said: it cannot grow (frozen), so it shrank
-                left -= sent
+            _copy_data(fd, out, st.st_size)
         finally:
             os.close(out)
         _attributes(fd, target, is_dir=False)
     finally:
         os.close(fd)
+
+
+def _copy_data(fd: int, out: int, size: int) -> None:
+    """The data extents of ``fd`` at their offsets in ``out``, then ``out`` cut to ``size``:
+    the holes between (and after) them stay holes."""
+    offset = 0
+    while offset < size:
+        try:
+            start = os.lseek(fd, offset, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:
+                break  # nothing but a hole to the end
+            raise
+        end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+        os.lseek(out, start, os.SEEK_SET)
+        while start < end:
+            sent = os.sendfile(out, fd, start, min(end - start, _CHUNK))
+            if sent == 0:
+                break  # shorter than its stat said: it cannot grow (frozen), so it shrank
+            start += sent
+        offset = end
+    os.ftruncate(out, size)
 
 
 def _attributes(fd: int, target: Path, is_dir: bool) -> None:
