@@ -147,7 +147,6 @@ async def test_overlay_and_capability_xattrs_from_a_run_never_reach_a_layer(
     assert r.stdout.splitlines() == ["[] []", "passwd"], r.stdout + r.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="a dropped name is logged raw: its newlines start forged lines")
 async def test_a_dropped_name_cannot_forge_a_line_in_the_servers_log(
         client: dsec.DSecClient, srv: Server, name: str) -> None:
     """A fifo (dropped from the layer, and logged) named with newlines: each of its lines

@@ -106,8 +106,9 @@ def _copy_dir(src: int, dest: Path, rel: str, budget: _Budget, links: dict[tuple
             os.lchown(target, st.st_uid, st.st_gid)
         else:
             dropped.append(f"{rel}/{name}")
-            log.warning("layer from a writable layer: dropped %s/%s (mode %o): no devices, "
-                        "fifos or sockets in layers", rel, name, mode)
+            # the name is the sandbox's: quoted, so its newlines cannot start lines of the log
+            log.warning("layer from a writable layer: dropped %r (mode %o): no devices, "
+                        "fifos or sockets in layers", f"{rel}/{name}", mode)
 
 
 def _copy_file(src: int, name: str, target: Path, budget: _Budget) -> None:
@@ -115,12 +116,12 @@ def _copy_file(src: int, name: str, target: Path, budget: _Budget) -> None:
         fd = os.open(name, _FILE_FLAGS, dir_fd=src)
     except OSError as exc:
         if exc.errno == errno.ELOOP:  # replaced by a link since the stat: the tree is frozen,
-            raise ImageBuildError(f"{name} changed while its layer was copied") from None
+            raise ImageBuildError(f"{name!r} changed while its layer was copied") from None
         raise
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise ImageBuildError(f"{name} changed while its layer was copied")
+            raise ImageBuildError(f"{name!r} changed while its layer was copied")
         budget.take(st.st_size)
         out = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                       0o600)
