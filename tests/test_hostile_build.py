@@ -163,7 +163,6 @@ async def test_a_dropped_name_cannot_forge_a_line_in_the_servers_log(
     assert not any(line.startswith(forged) for line in log.splitlines()), "a forged log line"
 
 
-@pytest.mark.xfail(strict=True, reason="Instruction.text collapses double spaces in the body: two RUNs share a cache key")
 async def test_run_commands_differing_only_in_spaces_never_share_a_layer(
         client: dsec.DSecClient, srv: Server, name: str) -> None:
     """One project builds ``printf 'a  b'``; another, later, ``printf 'a b'`` on the same

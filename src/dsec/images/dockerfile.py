@@ -44,10 +44,12 @@ class Instruction:
 
     @property
     def text(self) -> str:
-        """The instruction as the build cache keys it: keyword, flags and arguments."""
+        """The instruction as the build cache keys it: keyword, flags and arguments, the
+        arguments exactly as they run (``printf 'a  b'`` is not ``printf 'a b'``: one
+        project's layer must never answer another's different command)."""
         flags = " ".join(f"--{k}={v}" for k, v in sorted(self.flags.items()))
         body = json.dumps(list(self.argv)) if self.argv is not None else self.args
-        return f"{self.keyword} {flags} {body}".replace("  ", " ")
+        return " ".join(part for part in (self.keyword, flags, body) if part)
 
 
 def substitute(text: str, values: dict[str, str]) -> str:
