@@ -229,26 +229,37 @@ async def test_a_racer_left_running_by_a_run_commits_a_frozen_layer(
     assert r.stdout.splitlines()[1] == "0"  # no racer in a sandbox of the image
 
 
-@pytest.mark.xfail(strict=True, reason="a waiting template takes uploads for any number of hashes, unbounded")
 def test_e2b_uploads_waiting_for_a_build_are_bounded_on_the_host(srv: Server) -> None:
     """A template that never builds takes uploads for any files hash it names: what a
-    project can leave on the host's disk that way must be bounded (here: no more than one
-    build's context, 256 MiB, for one template)."""
+    project can leave on the host's disk that way is bounded (1 GiB over its templates,
+    refused 413 past it, nothing stored), and a deleted template's uploads go with it, so
+    deleting and asking again frees nothing but what was deleted."""
     (_, key), _ = asyncio.run(_project_keys(srv, 0))
-    chunk = os.urandom(8 << 20)
-    stored = 0
+    chunk = os.urandom(16 << 20)
+    uploads = srv.state_dir / "e2b-uploads"
     with httpx.Client(base_url=f"{srv.url}/e2b", headers={"X-API-Key": key},
                       timeout=120) as http, httpx.Client(timeout=120) as plain:
-        template = http.post("/v3/templates", json={"name": unique("tpl-fill")}).json()
-        for i in range(40):  # 320 MiB asked for
-            files_hash = f"{i:064x}"
-            link = http.get(f"/templates/{template['templateID']}/files/{files_hash}")
-            assert link.status_code == 201, link.text
-            answer = plain.put(link.json()["url"], content=chunk)
-            if answer.status_code != 201:
-                assert answer.status_code in (400, 413, 429), answer.text
-                break
-            stored += len(chunk)
-    on_disk = sum(f.stat().st_size for f in
-                  (srv.state_dir / "e2b-uploads" / template["templateID"]).glob("*"))
-    assert stored <= 256 << 20 and on_disk <= 256 << 20, (stored >> 20, on_disk >> 20)
+
+        def fill(template: str, count: int) -> tuple[int, int]:
+            """PUTs of ``chunk`` under new hashes: (bytes taken, the status that stopped)."""
+            taken, status = 0, 201
+            for _ in range(count):
+                link = http.get(f"/templates/{template}/files/{secrets.token_hex(32)}")
+                assert link.status_code == 201, link.text
+                status = plain.put(link.json()["url"], content=chunk).status_code
+                if status != 201:
+                    break
+                taken += len(chunk)
+            return taken, status
+
+        first, second = (http.post("/v3/templates", json={"name": unique("tpl-fill")}).json()
+                         ["templateID"] for _ in range(2))
+        assert fill(first, 32) == (512 << 20, 201)
+        taken, status = fill(second, 48)  # 768 MiB asked for, 512 MiB left to the project
+        assert (taken, status) == (512 << 20, 413)
+        on_disk = sum(f.stat().st_size for f in uploads.glob("*/*")
+                      if f.parent.name in (first, second))
+        assert on_disk == 1 << 30
+        assert http.delete(f"/templates/{first}").status_code == 204
+        assert not (uploads / first).exists()  # its uploads went with it
+        assert fill(second, 1) == (16 << 20, 201)  # the room it held is free again

@@ -12,21 +12,27 @@ included) and the build's checked extraction checks them again.
 
 Upload links carry a token (HMAC of project, template and hash with a secret of the state
 directory): the SDK PUTs the tar there without its API key. An upload is kept under the state
-directory until its template's build ends.
+directory until its template's build ends or the template is deleted. A link names any
+files hash, and a template may wait for its build for ever, so what a project keeps there
+is bounded (``MAX_UPLOAD_BYTES`` over all its templates): without that, one key filled the
+host's disk with uploads no build would read, outside every quota.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import hmac
 import io
 import json
+import os
 import re
 import shlex
 import shutil
 import tarfile
 import zlib
+from collections.abc import Iterable
 from pathlib import Path
 
 from ..protocol.errors import InvalidRequest, UnsafeArchive
@@ -34,6 +40,7 @@ from ..store.secret import load_secret
 
 FILES_HASH = re.compile(r"[0-9a-f]{64}")
 MAX_CONTEXT_BYTES = 256 << 20  # the uploads of one build, unpacked
+MAX_UPLOAD_BYTES = 1 << 30  # the uploads a project's templates hold on the host, as sent
 _GZIP_MAGIC = b"\x1f\x8b"
 
 
@@ -59,6 +66,16 @@ class Uploads:
         if not FILES_HASH.fullmatch(files_hash):
             raise InvalidRequest("a files hash is 64 lowercase hex digits")
         return self.root / template_id / files_hash
+
+    def held(self, template_ids: Iterable[str]) -> int:
+        """The bytes the uploads of these templates take on the host (as sent)."""
+        total = 0
+        for template_id in template_ids:
+            with contextlib.suppress(FileNotFoundError):
+                for entry in os.scandir(self.root / template_id):
+                    with contextlib.suppress(FileNotFoundError):
+                        total += entry.stat(follow_symlinks=False).st_size
+        return total
 
     def present(self, template_id: str, files_hash: str) -> bool:
         return self.path(template_id, files_hash).is_file()

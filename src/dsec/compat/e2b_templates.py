@@ -55,7 +55,7 @@ from ..protocol.build import BuildLog, ImageBuildRequest, ImageBuilt
 from ..protocol.errors import DSecError, ImageNotFound, InvalidRequest
 from ..protocol.models import Network
 from ..store.templates import TemplateRow, TemplateStore
-from .e2b_build import Uploads, dockerfile
+from .e2b_build import MAX_UPLOAD_BYTES, Uploads, dockerfile
 
 log = logging.getLogger("dsec.compat.e2b")
 
@@ -186,6 +186,13 @@ class Templates:
             raise TemplateError(403, "invalid upload link (ask GET /templates/{id}/files/{hash})")
         if row.status != "waiting":
             raise TemplateError(409, f"template '{template_id}' has no build waiting for files")
+        path = self._checked(self.uploads.path, template_id, files_hash)
+        replaced = path.stat().st_size if path.is_file() else 0
+        held = self.uploads.held(r.template_id for r in self.store.of_project(row.project))
+        if held - replaced + len(data) > MAX_UPLOAD_BYTES:
+            raise TemplateError(413, f"a project's templates hold at most "
+                                     f"{MAX_UPLOAD_BYTES >> 20} MiB of uploads waiting for "
+                                     "their builds: build or delete some first")
         self._checked(self.uploads.put, template_id, files_hash, data)
 
     @staticmethod
@@ -243,9 +250,16 @@ class Templates:
         return [_listed(row) for row in self.store.of_project(self.project())]
 
     def delete(self, template_id_or_alias: str) -> bool:
-        """The template's name goes; the image it named stays in the image store under its
-        own name (its layers go with layer GC once that is removed too)."""
-        return self.store.delete(self.project(), template_id_or_alias)
+        """The template's name goes, and any uploads waiting for its build; the image it
+        named stays in the image store under its own name (its layers go with layer GC once
+        that is removed too)."""
+        project = self.project()
+        row = self.store.by_id(project, template_id_or_alias) or self.store.get(
+            project, template_id_or_alias)
+        deleted = self.store.delete(project, template_id_or_alias)
+        if row is not None:
+            self.uploads.drop(row.template_id)
+        return deleted
 
     # the build
     def _row(self, template_id: str, build_id: str | None = None) -> TemplateRow:
