@@ -29,8 +29,9 @@ import httpx
 import pytest
 
 import dsec
-from conftest import LOG_DIR, Server, free_port, own_server
+from conftest import DEST_PORTS, LOG_DIR, Server, free_port, own_server
 from dsec.images.store import ImageStore, Layer
+from dsec.network.testbed import Destination
 from test_compat_e2b import _project_keys
 from test_projects import unique
 
@@ -180,6 +181,30 @@ async def test_run_commands_differing_only_in_spaces_never_share_a_layer(
             built = await tenant.build_image(name, dockerfile=dockerfile(name, text))
             results.append((built.steps_run, (await run_in(tenant, built.image, "cat /f")).stdout))
     assert results == [(1, "a  b"), (1, "a b")]
+
+
+async def test_a_layer_made_with_network_never_answers_a_build_without(
+        srv: Server, name: str, dest: Destination) -> None:
+    """One project builds a RUN with an egress allow; another, later, the same text with
+    no network: the second's RUN must run offline, not be served the layer the first one's
+    network made (which the first one chose: what its allowed host served)."""
+    keys = []
+    async with srv.client() as admin:
+        for prefix in ("online", "offline"):
+            project = unique(prefix)
+            await admin.projects().create(project, sandboxes=4, cpu=8, memory_mb=4096)
+            keys.append((await admin.projects().create_key(project, "sdk")).key)
+    probe = (f"RUN if timeout 5 bash -c 'exec 3<>/dev/tcp/{dest.address}/{DEST_PORTS[0]}' "
+             "2>/dev/null; then echo online > /where; else echo offline > /where; fi\n")
+    results = []
+    for key, network in zip(keys, ({"allow": [f"{dest.address}:{DEST_PORTS[0]}"]}, "none"),
+                            strict=True):
+        async with dsec.DSecClient(srv.url, key, autostart=False) as tenant:
+            built = await tenant.build_image(name, dockerfile=dockerfile(name, probe),
+                                             network=network)
+            where = (await run_in(tenant, built.image, "cat /where")).stdout
+            results.append((built.steps_run, where))
+    assert results == [(1, "online\n"), (1, "offline\n")]
 
 
 @pytest.mark.parametrize("tree", ["deep", "long"])

@@ -18,8 +18,10 @@ dsec's, and its egress could not be the sandboxes' policy; measured, a dsec cont
 starts in well under a second, so a sandbox per step costs little next to the step itself.
 
 Cache: a layer's digest is its cache key, ``layer_key(parent image digest, instruction text
-+ the env, workdir, user and ARG values it ran with + the COPY tar's digest)``; a key whose
-layer is stored is a hit and runs nothing. Intermediate layers belong to no name once the
++ the env, workdir, user and ARG values it ran with + the COPY tar's digest + a RUN's egress
+policy, unless none)``; a key whose layer is stored is a hit and runs nothing. The store is
+shared by every project, so a key holds everything a RUN's result can depend on that its
+builder chose. Intermediate layers belong to no name once the
 build is over: the image GC collects those nothing uses (images/gc.py).
 
 Two callers: the command line's builder edge (a context directory on this host), and the
@@ -119,6 +121,14 @@ class _Build:
             "dockerfile": instruction.text, "env": list(self.config.env),
             "workdir": self.config.working_dir, "user": self.config.user,
             "args": sorted(self.args.items()), **extra})
+
+    def egress(self) -> dict[str, Any]:
+        """A RUN's share of its key from its network: what a RUN fetched is only the answer
+        to the same RUN with the same egress (another project's layer made online must
+        not answer an offline build, nor one with another allow). Offline adds nothing, so
+        offline keys are what they were."""
+        network = self.options.network
+        return {} if network == "none" else {"network": network.model_dump(mode="json")}
 
     async def step(self, instruction: Instruction, report: StepReport, key: str,
                    work: Callable[[str], Any]) -> None:
@@ -291,7 +301,8 @@ async def _apply(build: _Build, ins: Instruction, report: StepReport) -> None:
             await build.edge.mkdir(sandbox_id, path, parents=True)
         await build.step(ins, report, build.key(ins, {}), mkdir)
     elif ins.keyword == "RUN":
-        await build.step(ins, report, build.key(ins, {}), lambda sid: build.run(sid, ins))
+        await build.step(ins, report, build.key(ins, build.egress()),
+                         lambda sid: build.run(sid, ins))
     elif ins.keyword in ("COPY", "ADD"):
         sources, dest = sources_and_dest(ins)
         copy = await asyncio.to_thread(context_copy, build.context, sources, dest,
