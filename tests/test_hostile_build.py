@@ -17,10 +17,13 @@ this run's own (the images cache is shared and keeps layers).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import json
 import os
 import secrets
 import subprocess
+import tarfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -205,6 +208,54 @@ async def test_a_layer_made_with_network_never_answers_a_build_without(
             where = (await run_in(tenant, built.image, "cat /where")).stdout
             results.append((built.steps_run, where))
     assert results == [(1, "online\n"), (1, "offline\n")]
+
+
+async def test_another_projects_build_under_way_is_neither_named_nor_usable(
+        srv: Server, name: str) -> None:
+    """While a project's build runs a step, its image so far (the COPY of its secret
+    included) is a scratch image of the store: another project's key, asking for an image
+    that does not exist, must not be told its name (nor any other project's image names),
+    and naming it must get ``image_not_found``, never a sandbox of it."""
+    keys, projects = [], []
+    async with srv.client() as admin:
+        for prefix in ("builder", "snoop"):
+            projects.append(project := unique(prefix))
+            await admin.projects().create(project, sandboxes=4, cpu=8, memory_mb=4096)
+            keys.append((await admin.projects().create_key(project, "sdk")).key)
+    secret = secrets.token_hex(8)
+    context = io.BytesIO()
+    with tarfile.open(fileobj=context, mode="w") as tar:
+        info = tarfile.TarInfo("secret.txt")
+        info.size = len(secret)
+        tar.addfile(info, io.BytesIO(secret.encode()))
+    text = dockerfile(name, "COPY secret.txt /secret.txt\nRUN sleep 60\n")
+    started = asyncio.Event()
+    async with dsec.DSecClient(srv.url, keys[0], autostart=False) as builder, \
+            dsec.DSecClient(srv.url, keys[1], autostart=False) as snoop:
+        build = asyncio.create_task(builder.build_image(
+            name, context.getvalue(), dockerfile=text,
+            on_log=lambda line: started.set() if "RUN sleep 60" in line else None))
+        try:
+            await asyncio.wait_for(started.wait(), 120)
+            scratch = [i.name for i in ImageStore().list()
+                       if i.name.rpartition("dsec-build-")[1] and json.loads(
+                           ImageStore()._manifest(i.name).read_text())["source"].get(
+                           "dockerfile_step") == f"p.{projects[0]}.{name}"]
+            assert len(scratch) == 1, scratch
+            with pytest.raises(dsec.ImageNotFound):
+                sb = await snoop.create(image=scratch[0], ttl_s=60)
+                leaked = (await sb.run("cat /secret.txt")).stdout
+                await sb.stop()
+                assert leaked != secret, "another project read the build's secret"
+            with pytest.raises(dsec.ImageNotFound) as caught:
+                await snoop.create(image=f"no-such-image-{secrets.token_hex(3)}", ttl_s=60)
+            listed = caught.value.message.partition("known images: ")[2].partition(";")[0]
+            assert scratch[0] not in caught.value.message
+            assert not [n for n in listed.split(", ") if n.startswith("p.")], listed
+        finally:
+            build.cancel()
+            with contextlib.suppress(asyncio.CancelledError, dsec.DSecError):
+                await build
 
 
 @pytest.mark.parametrize("tree", ["deep", "long"])

@@ -60,6 +60,11 @@ if TYPE_CHECKING:
     from .edge import Edge
 
 TAIL_BYTES = 4096  # of a failing step's output, in its error
+# The image a build's steps run on (its COPYs, secrets included, and RUNs so far), named in
+# a project namespace no project has: a project's name never starts with '_', and a
+# project's key is refused every other project's 'p.NAME.' (control/image_names.py), so no
+# other project creates a sandbox of a build under way, even knowing the name.
+SCRATCH_PREFIX = "p._build.dsec-build-"
 MAX_LOG_BYTES = 1 << 20  # of RUN output streamed by one server build; the rest is dropped
 OUTPUT_MARK = "  │ "  # starts a line of a step's output in the build's log
 
@@ -103,7 +108,7 @@ class _Build:
         self.layers: list[Layer] = []
         self.config = ImageConfig()
         self.args: dict[str, str] = {}
-        self.scratch_name = f"dsec-build-{secrets.token_hex(6)}"  # the image steps run on
+        self.scratch_name = f"{SCRATCH_PREFIX}{secrets.token_hex(6)}"  # the image steps run on
 
     async def parent(self, ref: str) -> None:
         images = self.edge.images

@@ -66,6 +66,10 @@ DEFAULT_PATH = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bi
 # uncompressed (erofs-utils 1.5); lz4 decompression is cheap next to the page cache it fills.
 _EROFS_OPTIONS = ("-zlz4", "--quiet")
 DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+# Projects' images and builds under way (control/image_names.py, edge/dockerbuild.py): never
+# named to a caller who did not ask for them (an error answering one project's create must
+# not list another's images, nor the scratch image of its build under way).
+PRIVATE_PREFIX = "p."
 
 
 @dataclass(frozen=True)
@@ -311,7 +315,8 @@ class ImageStore:
                 return matches[0]
         elif image := self._lookup(ref):
             return image
-        known = ", ".join(image.name for image in self.list()) or "none"
+        known = ", ".join(image.name for image in self.list()
+                          if not image.name.startswith(PRIVATE_PREFIX)) or "none"
         raise ImageNotFound(
             f"no image {ref!r} in {self.root} (known images: {known}; "
             f"builtin specs that ensure() builds on demand: {', '.join(builtin_names())})",
