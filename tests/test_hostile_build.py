@@ -237,10 +237,7 @@ async def test_another_projects_build_under_way_is_neither_named_nor_usable(
             on_log=lambda line: started.set() if "RUN sleep 60" in line else None))
         try:
             await asyncio.wait_for(started.wait(), 120)
-            scratch = [i.name for i in ImageStore().list()
-                       if i.name.rpartition("dsec-build-")[1] and json.loads(
-                           ImageStore()._manifest(i.name).read_text())["source"].get(
-                           "dockerfile_step") == f"p.{projects[0]}.{name}"]
+            scratch = _scratch_of(f"p.{projects[0]}.{name}")
             assert len(scratch) == 1, scratch
             with pytest.raises(dsec.ImageNotFound):
                 sb = await snoop.create(image=scratch[0], ttl_s=60)
@@ -256,6 +253,54 @@ async def test_another_projects_build_under_way_is_neither_named_nor_usable(
             build.cancel()
             with contextlib.suppress(asyncio.CancelledError, dsec.DSecError):
                 await build
+
+
+async def test_a_build_the_client_walks_away_from_leaves_nothing(
+        client: dsec.DSecClient, srv: Server, name: str) -> None:
+    """The client goes away while a RUN runs (processes that ignore SIGTERM, one left in
+    the background): the step's sandbox and its processes go, its scratch image goes,
+    nothing is named."""
+    started = asyncio.Event()
+    nap = f"600.{secrets.randbelow(10**6):06d}"  # this test's own, to find on the host
+    body = f"RUN trap '' TERM; (sleep {nap} &); sleep {nap} & echo running; wait\n"
+    boxes = srv.volume / "sandboxes"
+    before = set(os.listdir(boxes))
+    build = asyncio.create_task(client.build_image(
+        name, dockerfile=dockerfile(name, body),
+        on_log=lambda line: started.set() if "running" in line else None))
+    await asyncio.wait_for(started.wait(), 120)
+    for _ in range(100):  # forked before the echo, maybe not yet exec'd
+        if len(_sleepers(nap)) == 2:
+            break
+        await asyncio.sleep(0.1)
+    assert len(_sleepers(nap)) == 2 and set(os.listdir(boxes)) - before
+    build.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await build
+    deadline = time.monotonic() + 60
+    while _sleepers(nap) or set(os.listdir(boxes)) - before or _scratch_of(name):
+        assert time.monotonic() < deadline, (_sleepers(nap), set(os.listdir(boxes)) - before,
+                                             _scratch_of(name))
+        await asyncio.sleep(0.5)
+    with pytest.raises(dsec.ImageNotFound):
+        ImageStore().get(name)
+
+
+def _sleepers(nap: str) -> list[int]:
+    """Host pids of ``sleep nap``."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/cmdline").read_bytes() == f"sleep\0{nap}\0".encode():
+                found.append(int(pid))
+    return found
+
+
+def _scratch_of(name: str) -> list[str]:
+    """The scratch images of the build of ``name`` still in the store."""
+    store = ImageStore()
+    return [i.name for i in store.list() if "dsec-build-" in i.name and json.loads(
+        store._manifest(i.name).read_text())["source"].get("dockerfile_step") == name]
 
 
 @pytest.mark.parametrize("tree", ["deep", "long"])
@@ -275,11 +320,7 @@ async def test_a_tree_a_layer_cannot_hold_fails_typed_and_leaks_nothing(
     assert "layer" in caught.value.message, caught.value.message[-400:]
     with pytest.raises(dsec.ImageNotFound):
         ImageStore().get(name)
-    scratch = [image.name for image in ImageStore().list()
-               if image.name.startswith("dsec-build-")]
-    for left in scratch:
-        manifest = json.loads((ImageStore().root / "images" / f"{left}.json").read_text())
-        assert manifest["source"].get("dockerfile_step") != name, left
+    assert not _scratch_of(name)
     assert not [s for s in await client.list() if s.labels.get("dsec.build") == name]
     deadline = time.monotonic() + 30
     while (new := [n for n in set(os.listdir(tmp)) - before if (tmp / n / "rootfs" / part).exists()]):

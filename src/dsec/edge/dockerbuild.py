@@ -67,6 +67,7 @@ TAIL_BYTES = 4096  # of a failing step's output, in its error
 SCRATCH_PREFIX = "p._build.dsec-build-"
 MAX_LOG_BYTES = 1 << 20  # of RUN output streamed by one server build; the rest is dropped
 OUTPUT_MARK = "  │ "  # starts a line of a step's output in the build's log
+_CLEANING: set[asyncio.Task[Any]] = set()  # cancelled builds finishing their clean-up
 
 
 @dataclass
@@ -238,7 +239,8 @@ async def build_events(edge: Edge, req: ImageBuildRequest,
     no devices, bytes capped at the tar's own size: only sparse members could claim more)
     into a scratch directory; the build's progress comes as ``BuildLog`` lines (RUN output
     capped at ``MAX_LOG_BYTES`` per build), then the ``ImageBuilt``. Leaving the iteration
-    early (the client went away) cancels the build: its step sandbox stops, nothing is named."""
+    early (the client went away) cancels the build once: its step sandbox stops, its scratch
+image goes, nothing is named."""
     options = BuildOptions(network=req.network, build_args=dict(req.build_args),
                            disk_mb=req.disk_mb, memory_mb=req.memory_mb, cpu=req.cpu)
     logs: asyncio.Queue[BuildLog | None] = asyncio.Queue()
@@ -271,8 +273,13 @@ async def build_events(edge: Edge, req: ImageBuildRequest,
         finally:
             if not build.done():
                 build.cancel()
+                _CLEANING.add(build)
+                build.add_done_callback(_CLEANING.discard)
                 with contextlib.suppress(asyncio.CancelledError, DSecError):
-                    await build
+                    # shielded: the server cancels a gone client's request again and again
+                    # (anyio), and awaiting the build bare passed each one on to it, so its
+                    # clean-up (the step's sandbox, the scratch image) was cut short
+                    await asyncio.shield(build)
     yield ImageBuilt(image=done.image.name, digest=done.image.digest, steps_run=done.ran,
                      steps_cached=done.cached)
 
