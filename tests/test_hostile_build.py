@@ -303,6 +303,40 @@ def _scratch_of(name: str) -> list[str]:
         store._manifest(i.name).read_text())["source"].get("dockerfile_step") == name]
 
 
+EVIL_NSS = r"""
+#include <fcntl.h>
+#include <unistd.h>
+__attribute__((constructor)) static void take_over(void) {
+    int fd = open("/tmp/nss-ran", O_WRONLY | O_CREAT, 0644);
+    if (fd >= 0) close(fd);
+    _exit(0);  /* whatever the command was, it "succeeded" */
+}
+"""
+
+
+async def test_an_image_with_a_user_cannot_run_its_code_in_dsecs_command_wrapper(
+        client: dsec.DSecClient, name: str, tmp_path: Path) -> None:
+    """A build plants an NSS module and an nsswitch.conf naming it, then sets a USER: the
+    commands of its sandboxes go through dsec's ``su`` (static glibc busybox), which must
+    not load the image's module (it would end every command with exit 0, ``exit 7``
+    included, before it ran)."""
+    if subprocess.run(["gcc", "--version"], capture_output=True).returncode != 0:
+        pytest.skip("no gcc to make the module with")
+    (tmp_path / "evil.c").write_text(EVIL_NSS)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(tmp_path / "libnss_evil.so.2"),
+                    str(tmp_path / "evil.c")], check=True)
+    body = ("COPY libnss_evil.so.2 /usr/lib/x86_64-linux-gnu/libnss_evil.so.2\n"
+            "RUN printf 'passwd: evil files\\ngroup: evil files\\nshadow: evil files\\n'"
+            " > /etc/nsswitch.conf\n"
+            "USER nobody\n")
+    (tmp_path / "Dockerfile").write_text(dockerfile(name, body))
+    built = await client.build_image(name, tmp_path)
+    async with await client.create(image=built.image, ttl_s=120) as sb:
+        r = await sb.run("id -u; exit 7")
+        assert (r.exit_code, r.stdout) == (7, "65534\n"), r
+        assert not (await sb.run("test -e /tmp/nss-ran")).exit_code == 0
+
+
 @pytest.mark.parametrize("tree", ["deep", "long"])
 async def test_a_tree_a_layer_cannot_hold_fails_typed_and_leaks_nothing(
         client: dsec.DSecClient, name: str, tree: str) -> None:
