@@ -32,7 +32,15 @@ import httpx
 import pytest
 
 import dsec
-from conftest import DEST_PORTS, LOG_DIR, Server, free_port, own_server
+from conftest import (
+    DEST_PORTS,
+    LOG_DIR,
+    Server,
+    free_port,
+    make_server,
+    own_server,
+    stop_server,
+)
 from dsec.images.store import ImageStore, Layer
 from dsec.network.testbed import Destination
 from test_compat_e2b import _project_keys
@@ -284,6 +292,31 @@ async def test_a_build_the_client_walks_away_from_leaves_nothing(
         await asyncio.sleep(0.5)
     with pytest.raises(dsec.ImageNotFound):
         ImageStore().get(name)
+
+
+async def test_a_build_cut_by_a_server_crash_leaves_no_scratch_image(name: str) -> None:
+    """The server is killed (-9) while a build runs a step: once it is back, the build's
+    scratch image (its COPYs and RUNs so far, a name that pins their layers against
+    collection) is gone too, as its step's sandbox is."""
+    own = make_server("--warm-pool", "0").start()
+    try:
+        started = asyncio.Event()
+        async with own.client() as builder:
+            build = asyncio.create_task(builder.build_image(
+                name, dockerfile=dockerfile(name, "RUN echo running; sleep 600\n"),
+                on_log=lambda line: started.set() if "running" in line else None))
+            await asyncio.wait_for(started.wait(), 120)
+            assert _scratch_of(name)
+            own.kill()
+            with contextlib.suppress(dsec.DSecError, httpx.HTTPError):
+                await build
+        own = Server(own.state_dir, own.args).start()
+        deadline = time.monotonic() + 60
+        while _scratch_of(name):
+            assert time.monotonic() < deadline, f"left after the restart: {_scratch_of(name)}"
+            await asyncio.sleep(0.5)
+    finally:
+        stop_server(own)
 
 
 def _sleepers(nap: str) -> list[int]:

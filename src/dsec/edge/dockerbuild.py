@@ -158,7 +158,7 @@ class _Build:
         # RUN as the USER so far; COPY and WORKDIR as root (their owners are the tar's)
         config = self.config if instruction.keyword == "RUN" else replace(self.config, user="")
         await asyncio.to_thread(images.save_built, self.scratch_name, self.layers, config,
-                                {"dockerfile_step": self.name})
+                                {"dockerfile_step": self.name, "edge": self.edge.id})
         opts = self.options
         network = opts.network if instruction.keyword == "RUN" else "none"
         info = await self.edge.create(CreateRequest(
@@ -282,6 +282,19 @@ image goes, nothing is named."""
                     await asyncio.shield(build)
     yield ImageBuilt(image=done.image.name, digest=done.image.digest, steps_run=done.ran,
                      steps_cached=done.cached)
+
+
+def sweep_scratch(edge: Edge) -> list[str]:
+    """Remove the scratch images of this edge's builds that its server's death cut short (a
+    build never outlives its server, and a named image pins its layers against collection
+    for good); another edge's, on a shared store, may be building and are left alone."""
+    removed = []
+    for name, source in edge.images.sources(SCRATCH_PREFIX).items():
+        if source.get("edge") == edge.id:
+            with contextlib.suppress(ImageNotFound):
+                edge.images.remove(name)
+                removed.append(name)
+    return removed
 
 
 async def _apply(build: _Build, ins: Instruction, report: StepReport) -> None:

@@ -298,6 +298,17 @@ class ImageStore:
                 raise ImageBuildError(f"layers {missing} vanished before {name!r} was saved")
             return self._save(name, layers, config, source)
 
+    def sources(self, prefix: str) -> dict[str, dict[str, Any]]:
+        """The stored names starting with ``prefix``, each with what its manifest says made
+        it (``source``); a manifest that cannot be read is skipped."""
+        found: dict[str, dict[str, Any]] = {}
+        for path in self._images.glob("*.json"):
+            if path.stem.startswith(prefix) and not path.is_symlink():
+                with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                    manifest = json.loads(path.read_text())
+                    found[str(manifest["name"])] = dict(manifest.get("source") or {})
+        return found
+
     def pullable(self, ref: str) -> bool:
         """Whether ``ref`` names a registry image (not a builtin spec, not a digest prefix)."""
         return ref not in builtin_names() and not ref.startswith("sha256:") and is_reference(ref)
