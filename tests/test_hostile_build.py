@@ -370,6 +370,42 @@ async def test_an_image_with_a_user_cannot_run_its_code_in_dsecs_command_wrapper
         assert not (await sb.run("test -e /tmp/nss-ran")).exit_code == 0
 
 
+async def test_files_under_a_lease_cannot_hold_the_commit(
+        client: dsec.DSecClient, name: str) -> None:
+    """A RUN leaves a process holding write leases on 50 of its files (an open by anyone
+    else waits for the holder to let go, 45 s each by default, and the holder is frozen
+    during the commit): the commit must not wait, and the server answers meanwhile."""
+    holder = ("import fcntl, os, sys, time\n"
+              "fds = []\n"
+              "for i in range(50):\n"
+              "    path = f'/leased-{i}'\n"
+              "    open(path, 'w').write('x')\n"
+              "    fd = os.open(path, os.O_RDONLY)\n"
+              "    fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)\n"
+              "    fds.append(fd)\n"
+              "print('leased', flush=True)\n"
+              "time.sleep(3600)\n")
+    launcher = ("import subprocess, sys, time\n"
+                f"subprocess.Popen([sys.executable, '-c', {holder!r}], start_new_session=True,\n"
+                "                 stdout=open('/leases.log', 'w'))\n"
+                "for _ in range(100):\n"
+                "    if open('/leases.log').read():\n"
+                "        break\n"
+                "    time.sleep(0.1)\n")
+    text = dockerfile(name, f"RUN {json.dumps(['python3', '-c', launcher])}\n", "python-3.11")
+    began = time.monotonic()
+    build = asyncio.create_task(client.build_image(name, dockerfile=text))
+    await asyncio.sleep(1)
+    assert (await client.health())  # the server answers while it commits
+    try:
+        built = await build
+        r = await run_in(client, built.image, "cat /leased-0 /leases.log")
+        assert r.stdout == "xleased\n"
+    except dsec.ImageBuildError as exc:
+        assert "leased" in exc.message, exc.message  # refused, typed, naming a file
+    assert time.monotonic() - began < 40, "the commit waited for the leases"
+
+
 @pytest.mark.parametrize("tree", ["deep", "long"])
 async def test_a_tree_a_layer_cannot_hold_fails_typed_and_leaks_nothing(
         client: dsec.DSecClient, name: str, tree: str) -> None:
