@@ -406,6 +406,46 @@ async def test_files_under_a_lease_cannot_hold_the_commit(
     assert time.monotonic() - began < 40, "the commit waited for the leases"
 
 
+async def test_another_projects_build_cannot_be_reached_by_its_digest(
+        srv: Server, name: str) -> None:
+    """A project builds an image holding a secret; another project's key names it by its
+    digest (whole, or the prefix ``sha256:`` that matches every image, whose "ambiguous"
+    answer would list the names to narrow it down with): ``image_not_found``, no name of it
+    in any answer, never a sandbox of it; a legacy scratch image (``dsec-build-*``, left by
+    an older server) neither. Project keys name images by name (their own as well)."""
+    keys, projects = [], []
+    async with srv.client() as admin:
+        for prefix in ("owner", "prober"):
+            projects.append(project := unique(prefix))
+            await admin.projects().create(project, sandboxes=4, cpu=8, memory_mb=4096)
+            keys.append((await admin.projects().create_key(project, "sdk")).key)
+    secret = secrets.token_hex(8)
+    async with dsec.DSecClient(srv.url, keys[0], autostart=False) as owner, \
+            dsec.DSecClient(srv.url, keys[1], autostart=False) as prober:
+        built = await owner.build_image(name, dockerfile=dockerfile(
+            name, f"RUN echo {secret} > /secret.txt\n"))
+        legacy = f"dsec-build-{secrets.token_hex(6)}"
+        store = ImageStore()
+        for ref in (built.digest, built.digest[:19], "sha256:", legacy):
+            if ref == legacy:  # the build's image so far, as an older server named it
+                image = store.get(built.image)
+                store.save_built(legacy, list(image.layers), image.config,
+                                 {"dockerfile_step": name})
+            try:
+                with pytest.raises((dsec.ImageNotFound, dsec.InvalidRequest)) as caught:
+                    sb = await prober.create(image=ref, ttl_s=60)
+                    leaked = (await sb.run("cat /secret.txt")).stdout
+                    await sb.stop()
+                    assert secret not in leaked, f"{ref}: another project read the secret"
+            finally:
+                if ref == legacy:
+                    store.remove(legacy)
+            assert built.image not in caught.value.message, (ref, caught.value.message)
+            assert ref == legacy or legacy not in caught.value.message, caught.value.message
+        r = await run_in(owner, built.image, "cat /secret.txt")  # its own, by its name
+        assert r.stdout.strip() == secret
+
+
 @pytest.mark.parametrize("tree", ["deep", "long"])
 async def test_a_tree_a_layer_cannot_hold_fails_typed_and_leaks_nothing(
         client: dsec.DSecClient, name: str, tree: str) -> None:

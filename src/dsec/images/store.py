@@ -69,7 +69,7 @@ DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 # Projects' images and builds under way (control/image_names.py, edge/dockerbuild.py): never
 # named to a caller who did not ask for them (an error answering one project's create must
 # not list another's images, nor the scratch image of its build under way).
-PRIVATE_PREFIX = "p."
+PRIVATE_PREFIXES = ("p.", "dsec-build-")  # the second: scratch images of older servers
 
 
 @dataclass(frozen=True)
@@ -327,7 +327,7 @@ class ImageStore:
         elif image := self._lookup(ref):
             return image
         known = ", ".join(image.name for image in self.list()
-                          if not image.name.startswith(PRIVATE_PREFIX)) or "none"
+                          if not image.name.startswith(PRIVATE_PREFIXES)) or "none"
         raise ImageNotFound(
             f"no image {ref!r} in {self.root} (known images: {known}; "
             f"builtin specs that ensure() builds on demand: {', '.join(builtin_names())})",
