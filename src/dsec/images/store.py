@@ -319,8 +319,10 @@ class ImageStore:
         if ref.startswith("sha256:"):
             matches = [image for image in self.list() if image.digest.startswith(ref)]
             if len(matches) > 1:
+                shared = [i.name for i in matches if not i.name.startswith(PRIVATE_PREFIXES)]
                 raise InvalidRequest(
-                    f"digest prefix {ref} is ambiguous: {', '.join(i.name for i in matches)}"
+                    f"digest prefix {ref} is ambiguous: {len(matches)} images "
+                    f"({', '.join(shared) or 'none of them shared'})"
                 )
             if matches:
                 return matches[0]
