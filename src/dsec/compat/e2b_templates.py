@@ -50,6 +50,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from rich.console import Console
 
+from ..control.image_names import check_visible
 from ..images.store import ImageStore
 from ..protocol.build import BuildLog, ImageBuildRequest, ImageBuilt
 from ..protocol.errors import DSecError, ImageNotFound, InvalidRequest
@@ -111,12 +112,14 @@ Builder = Callable[[ImageBuildRequest, bytes], AsyncIterator[BuildLog | ImageBui
 class Templates:
     def __init__(self, store: TemplateStore, images: ImageStore, static: dict[str, str],
                  pull: str, project: Callable[[], str], build: Builder,
-                 uploads: Uploads, network: Network = "none") -> None:
+                 uploads: Uploads, network: Network = "none",
+                 caller: Callable[[], str | None] = lambda: None) -> None:
         """``static``: the server's template → image mapping; ``pull``: the server's pull
         policy (``missing`` lets a build pull a registry reference); ``project``: the caller's;
         ``build``: the server's Dockerfile build (``Router.build_image``); ``uploads``: where
         COPY steps' files wait for their build; ``network``: RUN steps' egress (the server's
-        ``DSEC_E2B_BUILD_ALLOW``)."""
+        ``DSEC_E2B_BUILD_ALLOW``); ``caller``: the caller's project, None for an admin key
+        (which images it may name: control/image_names.py)."""
         self.store = store
         self.images = images
         self.static = static
@@ -125,6 +128,7 @@ class Templates:
         self.build = build
         self.uploads = uploads
         self.network = network
+        self.caller = caller
         self._builds: set[asyncio.Task[None]] = set()
 
     # create
@@ -317,6 +321,7 @@ class Templates:
                                     ref=str(body["fromTemplate"]))
             return base.image, dict(base.settings)
         ref = str(body["fromImage"])
+        check_visible(ref, self.caller())  # as the create of a sandbox of it would
         try:  # a builtin spec (python-3.11) is built if it is not yet, as a create would
             return (await asyncio.to_thread(self.images.ensure, ref)).name, {}
         except ImageNotFound:
