@@ -467,6 +467,21 @@ def _e2b_template_from(srv: Server, key: str, image: str) -> tuple[str, str]:
         return str(status["status"]), json.dumps(status)
 
 
+async def test_a_build_of_more_layers_than_a_sandbox_can_stack_fails_typed(
+        client: dsec.DSecClient, srv: Server, name: str) -> None:
+    """60 steps, each a layer: past what one overlay mount can stack (its options are one
+    page), the build fails with a typed error naming why, and names no image."""
+    body = "".join(f"RUN echo {i} > /step-{i}\n" for i in range(60))
+    boxes = srv.volume / "sandboxes"
+    before = set(os.listdir(boxes))
+    with pytest.raises(dsec.NotSupported) as caught:  # not a connection cut mid-answer
+        await client.build_image(name, dockerfile=dockerfile(name, body))
+    assert "layers" in caught.value.message, caught.value
+    with pytest.raises(dsec.ImageNotFound):
+        ImageStore().get(name)
+    assert not _scratch_of(name) and not set(os.listdir(boxes)) - before
+
+
 @pytest.mark.parametrize("tree", ["deep", "long"])
 async def test_a_tree_a_layer_cannot_hold_fails_typed_and_leaks_nothing(
         client: dsec.DSecClient, name: str, tree: str) -> None:

@@ -67,7 +67,8 @@ def kernel_supports(fstype: str) -> bool:
 
 
 def overlay_options(lowerdirs: Sequence[Path], upper: Path, work: Path) -> str:
-    """The overlay mount data for ``lowerdirs`` (top first); raises ValueError if unusable."""
+    """The overlay mount data for ``lowerdirs`` (top first); ValueError for a path it cannot
+    name, NotSupported for more layers than one mount takes."""
     for path in (*lowerdirs, upper, work):
         if any(c in str(path) for c in ",:\\"):
             raise ValueError(f"overlay paths must not contain ',', ':' or '\\': {path}")
@@ -79,11 +80,12 @@ def overlay_options(lowerdirs: Sequence[Path], upper: Path, work: Path) -> str:
             *_SELF_CONTAINED_UPPER,
         )
     )
-    if len(options.encode()) >= _PAGE_SIZE:
-        raise ValueError(
-            f"overlay mount options are {len(options)} bytes, the kernel takes at most {_PAGE_SIZE - 1}: "
-            f"use fewer layers or a shorter layer cache directory"
-        )
+    if len(options.encode()) >= _PAGE_SIZE:  # an image's to make (a build of many steps): typed
+        raise NotSupported(
+            f"an image of {len(lowerdirs)} layers cannot be mounted here: the overlay mount "
+            f"options are {len(options)} bytes, the kernel takes at most {_PAGE_SIZE - 1}: "
+            f"use fewer layers (fewer steps) or a shorter layer cache directory",
+            layers=len(lowerdirs))
     return options
 
 
