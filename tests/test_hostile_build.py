@@ -482,6 +482,20 @@ async def test_a_build_of_more_layers_than_a_sandbox_can_stack_fails_typed(
     assert not _scratch_of(name) and not set(os.listdir(boxes)) - before
 
 
+@pytest.mark.parametrize("step", ['COPY ["a\\u0000b", "/x"]', "ENV A=x\x00y\nRUN true",
+                                  "WORKDIR /a\x00b", 'RUN ["/bin/echo", "a\\u0000b"]',
+                                  "USER nobody\x00"])
+async def test_nul_bytes_in_a_dockerfile_fail_typed(
+        client: dsec.DSecClient, name: str, step: str) -> None:
+    """A NUL byte where a path, a variable or an argument is read: a typed error, the
+    build's answer whole (never a connection cut mid-answer), nothing named."""
+    with pytest.raises(dsec.DSecError) as caught:
+        await client.build_image(name, b"", dockerfile=dockerfile(name, step + "\n"))
+    assert not isinstance(caught.value, dsec.ServerUnavailable), caught.value
+    with pytest.raises(dsec.ImageNotFound):
+        ImageStore().get(name)
+
+
 @pytest.mark.parametrize("tree", ["deep", "long"])
 async def test_a_tree_a_layer_cannot_hold_fails_typed_and_leaks_nothing(
         client: dsec.DSecClient, name: str, tree: str) -> None:
