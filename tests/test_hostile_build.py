@@ -496,6 +496,25 @@ async def test_nul_bytes_in_a_dockerfile_fail_typed(
         ImageStore().get(name)
 
 
+async def test_run_flags_are_honoured_or_refused_never_ignored(
+        client: dsec.DSecClient, name: str, dest: Destination) -> None:
+    """``RUN --network=none`` in a build given an egress allow runs that step offline (it
+    ran online: the flag was dropped without a word); flags dsec does not do (a secret or
+    bind mount, another network, ``--security=insecure``) are refused before anything runs."""
+    probe = (f"if timeout 5 bash -c 'exec 3<>/dev/tcp/{dest.address}/{DEST_PORTS[0]}' "
+             "2>/dev/null; then echo online; else echo offline; fi")
+    allow = {"allow": [f"{dest.address}:{DEST_PORTS[0]}"]}
+    text = dockerfile(name, f"RUN --network=none {probe} > /none\nRUN {probe} > /default\n")
+    built = await client.build_image(name, dockerfile=text, network=allow)
+    r = await run_in(client, built.image, "cat /none /default")
+    assert r.stdout.split() == ["offline", "online"]
+    for flag in ("--network=host", "--mount=type=secret,id=x", "--mount=type=bind,target=/x",
+                 "--security=insecure", "--frobnicate=1"):
+        with pytest.raises((dsec.NotSupported, dsec.InvalidRequest)):
+            await client.build_image(name + "-refused", dockerfile=dockerfile(
+                name, f"RUN {flag} true\n"), network=allow)
+
+
 @pytest.mark.parametrize("tree", ["deep", "long"])
 async def test_a_tree_a_layer_cannot_hold_fails_typed_and_leaks_nothing(
         client: dsec.DSecClient, name: str, tree: str) -> None:

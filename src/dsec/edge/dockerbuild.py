@@ -128,12 +128,19 @@ class _Build:
             "workdir": self.config.working_dir, "user": self.config.user,
             "args": sorted(self.args.items()), **extra})
 
-    def egress(self) -> dict[str, Any]:
+    def network(self, instruction: Instruction) -> Network:
+        """A step's egress: the build's for a RUN, unless it says ``--network=none``; none
+        for the others (COPY, WORKDIR)."""
+        if instruction.keyword != "RUN" or instruction.flags.get("network") == "none":
+            return "none"
+        return self.options.network
+
+    def egress(self, instruction: Instruction) -> dict[str, Any]:
         """A RUN's share of its key from its network: what a RUN fetched is only the answer
         to the same RUN with the same egress (another project's layer made online must
         not answer an offline build, nor one with another allow). Offline adds nothing, so
         offline keys are what they were."""
-        network = self.options.network
+        network = self.network(instruction)
         return {} if network == "none" else {"network": network.model_dump(mode="json")}
 
     async def step(self, instruction: Instruction, report: StepReport, key: str,
@@ -160,7 +167,7 @@ class _Build:
         await asyncio.to_thread(images.save_built, self.scratch_name, self.layers, config,
                                 {"dockerfile_step": self.name, "edge": self.edge.id})
         opts = self.options
-        network = opts.network if instruction.keyword == "RUN" else "none"
+        network = self.network(instruction)
         info = await self.edge.create(CreateRequest(
             substrate="container", image=self.scratch_name, network=network, cpu=opts.cpu,
             memory_mb=opts.memory_mb, disk_mb=opts.disk_mb,
@@ -326,7 +333,7 @@ async def _apply(build: _Build, ins: Instruction, report: StepReport) -> None:
             await build.edge.mkdir(sandbox_id, path, parents=True)
         await build.step(ins, report, build.key(ins, {}), mkdir)
     elif ins.keyword == "RUN":
-        await build.step(ins, report, build.key(ins, build.egress()),
+        await build.step(ins, report, build.key(ins, build.egress(ins)),
                          lambda sid: build.run(sid, ins))
     elif ins.keyword in ("COPY", "ADD"):
         sources, dest = sources_and_dest(ins)
