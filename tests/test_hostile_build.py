@@ -515,6 +515,25 @@ async def test_run_flags_are_honoured_or_refused_never_ignored(
                 name, f"RUN {flag} true\n"), network=allow)
 
 
+async def test_a_flood_of_dropped_fifos_is_not_a_flood_of_the_servers_log(
+        client: dsec.DSecClient, srv: Server, name: str) -> None:
+    """A RUN leaves 50,000 fifos (nothing of them reaches the layer): the server's log, a
+    host file outside every quota, says so in a few lines, not one line each."""
+    log = LOG_DIR / f"{srv.state_dir.name}.log"
+    before = log.stat().st_size
+    body = "RUN mkdir /fifos && cd /fifos && seq 1 50000 | xargs mkfifo\n"
+    lines: list[str] = []
+    built = await client.build_image(name, dockerfile=dockerfile(name, body), on_log=lines.append)
+    assert built.steps_run == 1
+    with log.open("rb") as f:
+        f.seek(before)
+        grown = f.read()
+    assert grown.count(b"\n") < 100, f"{grown.count(chr(10).encode())} lines of log"
+    assert len([line for line in lines if "dropped" in line]) < 10
+    r = await run_in(client, built.image, "ls /fifos | wc -l")
+    assert r.stdout.strip() == "0"
+
+
 @pytest.mark.parametrize("tree", ["deep", "long"])
 async def test_a_tree_a_layer_cannot_hold_fails_typed_and_leaks_nothing(
         client: dsec.DSecClient, name: str, tree: str) -> None:

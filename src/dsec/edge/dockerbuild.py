@@ -180,7 +180,7 @@ class _Build:
                                                            opts.disk_mb << 20)
             if dropped:
                 self.say(f"[yellow]dropped from the layer (no devices, fifos or sockets in "
-                         f"layers): {_printable(', '.join(dropped[:10]))}[/yellow]")
+                         f"layers): {_printable(', '.join(dropped))}[/yellow]")
             layer = images.layers.get(digest)
             if layer is None:
                 raise ImageBuildError(f"layer {digest} vanished as it was made")

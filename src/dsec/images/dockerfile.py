@@ -163,8 +163,8 @@ def parse(text: str, build_args: dict[str, str] | None = None,
                                    or flags.get("network", "none") not in RUN_NETWORKS):
             # a flag dropped without a word would run the step otherwise than asked (a
             # --network=none step with the build's egress, a secret mount's step without it)
-            given = " ".join(f"--{k}={v}" for k, v in flags.items())
-            raise NotSupported(f"Dockerfile line {line}: RUN {given} is not supported (only "
+            asked = " ".join(f"--{k}={v}" for k, v in flags.items())
+            raise NotSupported(f"Dockerfile line {line}: RUN {asked} is not supported (only "
                                "--network=none or --network=default)", line=line)
         instructions.append(Instruction(keyword, rest, line, argv, flags))
     if not saw_from:
