@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import io
 import json
 import os
@@ -448,6 +449,47 @@ async def test_another_projects_build_cannot_be_reached_by_its_digest(
         status, said = await asyncio.to_thread(_e2b_template_from, srv, keys[1], ref)
         assert status == "error", (ref, said)
         assert ref == built.image or built.image not in said, (ref, said)
+
+
+def test_an_e2b_upload_of_countless_members_is_refused_before_it_fills_memory(
+        srv: Server) -> None:
+    """A COPY's upload of 300,000 directory members (one header repeated: 1.5 MiB gzipped,
+    150 MiB of tar, no file bytes to count): the build fails naming the member count, and
+    the server's memory while it does stays far below the tar it would have re-packed."""
+    assert srv.proc is not None
+    (_, key), _ = asyncio.run(_project_keys(srv, 0))
+    header = tarfile.TarInfo("d")
+    header.type, header.mode = tarfile.DIRTYPE, 0o755
+    block = header.tobuf(tarfile.GNU_FORMAT) * 10_000
+    upload = io.BytesIO()
+    with gzip.GzipFile(fileobj=upload, mode="wb") as packed:
+        for _ in range(30):
+            packed.write(block)
+        packed.write(b"\0" * 1024)
+    files_hash = secrets.token_hex(32)
+    status_file = Path(f"/proc/{srv.proc.pid}/status")
+
+    def peak_mib() -> int:
+        fields = dict(line.split(":", 1) for line in status_file.read_text().splitlines())
+        return int(fields["VmHWM"].split()[0]) >> 10
+    with httpx.Client(base_url=f"{srv.url}/e2b", headers={"X-API-Key": key},
+                      timeout=300) as http:
+        made = http.post("/v3/templates", json={"name": unique("tpl-bomb")}).json()
+        link = http.get(f"/templates/{made['templateID']}/files/{files_hash}").json()
+        assert httpx.put(link["url"], content=upload.getvalue(), timeout=120).status_code == 201
+        Path(f"/proc/{srv.proc.pid}/clear_refs").write_text("5")  # the peak, from now
+        base = peak_mib()
+        steps = {"fromImage": "debian-minbase", "steps": [
+            {"type": "COPY", "args": [".", "/data/"], "filesHash": files_hash}]}
+        assert http.post(f"/v2/templates/{made['templateID']}/builds/{made['buildID']}",
+                         json=steps).status_code == 202
+        status = {"status": "building"}
+        while status["status"] in ("waiting", "building"):
+            time.sleep(0.5)
+            status = http.get(f"/templates/{made['templateID']}/builds/{made['buildID']}"
+                              "/status").json()
+    assert status["status"] == "error" and "members" in json.dumps(status), status
+    assert peak_mib() - base < 64, f"the server grew by {peak_mib() - base} MiB"
 
 
 def _e2b_template_from(srv: Server, key: str, image: str) -> tuple[str, str]:
