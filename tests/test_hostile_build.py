@@ -6,9 +6,12 @@ anything, on the host or in a later sandbox.
 Each case is a real build through a real server (``Client.build_image``, the E2B template
 routes), then a real sandbox of the image or a real look at the host: setuid files a local
 user of the host could run, sparse files copied dense onto the host's disk, overlay and
-capability xattrs, names that forge the server's log, RUN text that shares another's cache
-key, trees too deep for a layer, racers left running at the commit, and E2B uploads piling
-up on the host outside any quota.
+capability xattrs, names (and floods of them) that forge or fill the server's log, another
+project's layers answering from the shared cache (RUN text differing in spaces, a RUN made
+with network), another project's build reached while it runs or by its digest, builds cut
+short by a client or a crash, RUN flags dropped without a word, trees and layer stacks too
+big to mount, racers and leases left at the commit, and E2B uploads piling up on the host
+or in the server's memory outside any quota.
 
 Every Dockerfile declares ``ARG NONCE`` given the test-unique name: the steps' cache keys are
 this run's own (the images cache is shared and keeps layers).
