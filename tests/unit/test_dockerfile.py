@@ -60,6 +60,8 @@ def test_cache_text_tells_forms_and_flags_apart():
     a, b, c = parse("FROM b\nRUN [\"echo\", \"x\"]\nRUN echo x\nCOPY --chown=1:1 a /a\n")[1:]
     assert a.text != b.text
     assert "--chown=1:1" in c.text
+    spaced, single = parse("FROM b\nRUN printf 'a  b'\nRUN printf 'a b'\n")[1:]
+    assert spaced.text == "RUN printf 'a  b'" != single.text  # a command's spaces are its own
 
 
 @pytest.mark.parametrize("text, error", [

@@ -39,7 +39,8 @@ def mount_compat(app: FastAPI, control: ControlPlane) -> FastAPI:
                           template_mapping(settings.e2b_templates), settings.pull,
                           lambda: control.projects.caller() or ROOT_PROJECT,
                           control.router.build_image, Uploads(settings.state_dir / "e2b-uploads"),
-                          allow_network(settings.e2b_build_allow.split(",")))
+                          allow_network(settings.e2b_build_allow.split(",")),
+                          control.projects.caller)
     app.mount(E2B_PREFIX, E2BPorts(create_e2b_app(control.router, keys, templates),
                                    control.router, keys))
     app.mount(SANDBOXFUSION_PREFIX, create_sandboxfusion_app(control.router, keys,

@@ -12,28 +12,38 @@ included) and the build's checked extraction checks them again.
 
 Upload links carry a token (HMAC of project, template and hash with a secret of the state
 directory): the SDK PUTs the tar there without its API key. An upload is kept under the state
-directory until its template's build ends.
+directory until its template's build ends or the template is deleted. A link names any
+files hash, and a template may wait for its build for ever, so what a project keeps there
+is bounded (``MAX_UPLOAD_BYTES`` over all its templates): without that, one key filled the
+host's disk with uploads no build would read, outside every quota.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import hmac
 import io
 import json
+import os
 import re
 import shlex
 import shutil
 import tarfile
 import zlib
+from collections.abc import Iterable
 from pathlib import Path
 
+from ..protocol.archive import DEFAULT_MAX_MEMBERS
 from ..protocol.errors import InvalidRequest, UnsafeArchive
 from ..store.secret import load_secret
 
 FILES_HASH = re.compile(r"[0-9a-f]{64}")
 MAX_CONTEXT_BYTES = 256 << 20  # the uploads of one build, unpacked
+MAX_CONTEXT_MEMBERS = DEFAULT_MAX_MEMBERS  # of one build's uploads: what its extraction takes
+_HEADER = 512  # bytes of a tar header: what each member costs at least
+MAX_UPLOAD_BYTES = 1 << 30  # the uploads a project's templates hold on the host, as sent
 _GZIP_MAGIC = b"\x1f\x8b"
 
 
@@ -60,6 +70,16 @@ class Uploads:
             raise InvalidRequest("a files hash is 64 lowercase hex digits")
         return self.root / template_id / files_hash
 
+    def held(self, template_ids: Iterable[str]) -> int:
+        """The bytes the uploads of these templates take on the host (as sent)."""
+        total = 0
+        for template_id in template_ids:
+            with contextlib.suppress(FileNotFoundError):
+                for entry in os.scandir(self.root / template_id):
+                    with contextlib.suppress(FileNotFoundError):
+                        total += entry.stat(follow_symlinks=False).st_size
+        return total
+
     def present(self, template_id: str, files_hash: str) -> bool:
         return self.path(template_id, files_hash).is_file()
 
@@ -75,7 +95,7 @@ class Uploads:
 
     def context(self, template_id: str, hashes: list[str]) -> bytes:
         """One plain tar of the uploads of ``hashes``, each under ``<hash>/``."""
-        out, budget = io.BytesIO(), [MAX_CONTEXT_BYTES]
+        out, budget = io.BytesIO(), _Budget()
         with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
             for files_hash in dict.fromkeys(hashes):
                 path = self.path(template_id, files_hash)
@@ -85,18 +105,35 @@ class Uploads:
         return out.getvalue()
 
 
-def _repack(upload: bytes, prefix: str, out: tarfile.TarFile, budget: list[int]) -> None:
+class _Budget:
+    """What a build's uploads may unpack to, in memory as the re-packed tar: its members
+    (the build's extraction takes no more) and its bytes, a header's 512 counted for every
+    member. Counting file bytes only, a 1.5 MiB upload of one directory header repeated
+    300,000 times re-packed into 357 MiB of the server's memory (64 MiB of it: gigabytes)."""
+
+    def __init__(self) -> None:
+        self.bytes, self.members = MAX_CONTEXT_BYTES, MAX_CONTEXT_MEMBERS
+
+    def take(self, member: tarfile.TarInfo) -> None:
+        self.members -= 1
+        self.bytes -= _HEADER + (member.size if member.isfile() else 0)
+        if self.members < 0:
+            raise UnsafeArchive(f"a template's uploads hold more than {MAX_CONTEXT_MEMBERS} "
+                                "members")
+        if self.bytes < 0:
+            raise UnsafeArchive(f"a template's uploads unpack to more than "
+                                f"{MAX_CONTEXT_BYTES >> 20} MiB")
+
+
+def _repack(upload: bytes, prefix: str, out: tarfile.TarFile, budget: _Budget) -> None:
     stream = gzip.GzipFile(fileobj=io.BytesIO(upload)) if upload.startswith(_GZIP_MAGIC) \
         else io.BytesIO(upload)
     try:
         with tarfile.open(fileobj=stream, mode="r|") as tar:
             for member in tar:
+                budget.take(member)
                 name = _relative(member.name)
                 if member.isfile():
-                    budget[0] -= member.size
-                    if budget[0] < 0:
-                        raise UnsafeArchive(f"a template's uploads unpack to more than "
-                                            f"{MAX_CONTEXT_BYTES >> 20} MiB")
                     data = tar.extractfile(member)
                     member.name = f"{prefix}/{name}"
                     out.addfile(member, data)
@@ -108,6 +145,10 @@ def _repack(upload: bytes, prefix: str, out: tarfile.TarFile, budget: list[int])
                 else:
                     raise UnsafeArchive(f"{member.name!r}: an upload holds only files, "
                                         "directories and links")
+                # both tars are streamed, nothing looks a member up again: their lists of
+                # members (TarFile keeps every one) would hold 100,000 of them in memory
+                tar.members.clear()  # type: ignore[attr-defined]  # not in typeshed
+                out.members.clear()  # type: ignore[attr-defined]
     except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
         raise UnsafeArchive(f"an uploaded tar is unreadable: {exc}") from None
 

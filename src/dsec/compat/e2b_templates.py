@@ -50,12 +50,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from rich.console import Console
 
+from ..control.image_names import check_visible
 from ..images.store import ImageStore
 from ..protocol.build import BuildLog, ImageBuildRequest, ImageBuilt
 from ..protocol.errors import DSecError, ImageNotFound, InvalidRequest
 from ..protocol.models import Network
 from ..store.templates import TemplateRow, TemplateStore
-from .e2b_build import Uploads, dockerfile
+from .e2b_build import MAX_UPLOAD_BYTES, Uploads, dockerfile
 
 log = logging.getLogger("dsec.compat.e2b")
 
@@ -111,12 +112,14 @@ Builder = Callable[[ImageBuildRequest, bytes], AsyncIterator[BuildLog | ImageBui
 class Templates:
     def __init__(self, store: TemplateStore, images: ImageStore, static: dict[str, str],
                  pull: str, project: Callable[[], str], build: Builder,
-                 uploads: Uploads, network: Network = "none") -> None:
+                 uploads: Uploads, network: Network = "none",
+                 caller: Callable[[], str | None] = lambda: None) -> None:
         """``static``: the server's template → image mapping; ``pull``: the server's pull
         policy (``missing`` lets a build pull a registry reference); ``project``: the caller's;
         ``build``: the server's Dockerfile build (``Router.build_image``); ``uploads``: where
         COPY steps' files wait for their build; ``network``: RUN steps' egress (the server's
-        ``DSEC_E2B_BUILD_ALLOW``)."""
+        ``DSEC_E2B_BUILD_ALLOW``); ``caller``: the caller's project, None for an admin key
+        (which images it may name: control/image_names.py)."""
         self.store = store
         self.images = images
         self.static = static
@@ -125,6 +128,7 @@ class Templates:
         self.build = build
         self.uploads = uploads
         self.network = network
+        self.caller = caller
         self._builds: set[asyncio.Task[None]] = set()
 
     # create
@@ -186,6 +190,13 @@ class Templates:
             raise TemplateError(403, "invalid upload link (ask GET /templates/{id}/files/{hash})")
         if row.status != "waiting":
             raise TemplateError(409, f"template '{template_id}' has no build waiting for files")
+        path = self._checked(self.uploads.path, template_id, files_hash)
+        replaced = path.stat().st_size if path.is_file() else 0
+        held = self.uploads.held(r.template_id for r in self.store.of_project(row.project))
+        if held - replaced + len(data) > MAX_UPLOAD_BYTES:
+            raise TemplateError(413, f"a project's templates hold at most "
+                                     f"{MAX_UPLOAD_BYTES >> 20} MiB of uploads waiting for "
+                                     "their builds: build or delete some first")
         self._checked(self.uploads.put, template_id, files_hash, data)
 
     @staticmethod
@@ -243,9 +254,16 @@ class Templates:
         return [_listed(row) for row in self.store.of_project(self.project())]
 
     def delete(self, template_id_or_alias: str) -> bool:
-        """The template's name goes; the image it named stays in the image store under its
-        own name (its layers go with layer GC once that is removed too)."""
-        return self.store.delete(self.project(), template_id_or_alias)
+        """The template's name goes, and any uploads waiting for its build; the image it
+        named stays in the image store under its own name (its layers go with layer GC once
+        that is removed too)."""
+        project = self.project()
+        row = self.store.by_id(project, template_id_or_alias) or self.store.get(
+            project, template_id_or_alias)
+        deleted = self.store.delete(project, template_id_or_alias)
+        if row is not None:
+            self.uploads.drop(row.template_id)
+        return deleted
 
     # the build
     def _row(self, template_id: str, build_id: str | None = None) -> TemplateRow:
@@ -303,6 +321,7 @@ class Templates:
                                     ref=str(body["fromTemplate"]))
             return base.image, dict(base.settings)
         ref = str(body["fromImage"])
+        check_visible(ref, self.caller())  # as the create of a sandbox of it would
         try:  # a builtin spec (python-3.11) is built if it is not yet, as a create would
             return (await asyncio.to_thread(self.images.ensure, ref)).name, {}
         except ImageNotFound:

@@ -18,8 +18,10 @@ dsec's, and its egress could not be the sandboxes' policy; measured, a dsec cont
 starts in well under a second, so a sandbox per step costs little next to the step itself.
 
 Cache: a layer's digest is its cache key, ``layer_key(parent image digest, instruction text
-+ the env, workdir, user and ARG values it ran with + the COPY tar's digest)``; a key whose
-layer is stored is a hit and runs nothing. Intermediate layers belong to no name once the
++ the env, workdir, user and ARG values it ran with + the COPY tar's digest + a RUN's egress
+policy, unless none)``; a key whose layer is stored is a hit and runs nothing. The store is
+shared by every project, so a key holds everything a RUN's result can depend on that its
+builder chose. Intermediate layers belong to no name once the
 build is over: the image GC collects those nothing uses (images/gc.py).
 
 Two callers: the command line's builder edge (a context directory on this host), and the
@@ -58,8 +60,14 @@ if TYPE_CHECKING:
     from .edge import Edge
 
 TAIL_BYTES = 4096  # of a failing step's output, in its error
+# The image a build's steps run on (its COPYs, secrets included, and RUNs so far), named in
+# a project namespace no project has: a project's name never starts with '_', and a
+# project's key is refused every other project's 'p.NAME.' (control/image_names.py), so no
+# other project creates a sandbox of a build under way, even knowing the name.
+SCRATCH_PREFIX = "p._build.dsec-build-"
 MAX_LOG_BYTES = 1 << 20  # of RUN output streamed by one server build; the rest is dropped
 OUTPUT_MARK = "  │ "  # starts a line of a step's output in the build's log
+_CLEANING: set[asyncio.Task[Any]] = set()  # cancelled builds finishing their clean-up
 
 
 @dataclass
@@ -101,7 +109,7 @@ class _Build:
         self.layers: list[Layer] = []
         self.config = ImageConfig()
         self.args: dict[str, str] = {}
-        self.scratch_name = f"dsec-build-{secrets.token_hex(6)}"  # the image steps run on
+        self.scratch_name = f"{SCRATCH_PREFIX}{secrets.token_hex(6)}"  # the image steps run on
 
     async def parent(self, ref: str) -> None:
         images = self.edge.images
@@ -119,6 +127,21 @@ class _Build:
             "dockerfile": instruction.text, "env": list(self.config.env),
             "workdir": self.config.working_dir, "user": self.config.user,
             "args": sorted(self.args.items()), **extra})
+
+    def network(self, instruction: Instruction) -> Network:
+        """A step's egress: the build's for a RUN, unless it says ``--network=none``; none
+        for the others (COPY, WORKDIR)."""
+        if instruction.keyword != "RUN" or instruction.flags.get("network") == "none":
+            return "none"
+        return self.options.network
+
+    def egress(self, instruction: Instruction) -> dict[str, Any]:
+        """A RUN's share of its key from its network: what a RUN fetched is only the answer
+        to the same RUN with the same egress (another project's layer made online must
+        not answer an offline build, nor one with another allow). Offline adds nothing, so
+        offline keys are what they were."""
+        network = self.network(instruction)
+        return {} if network == "none" else {"network": network.model_dump(mode="json")}
 
     async def step(self, instruction: Instruction, report: StepReport, key: str,
                    work: Callable[[str], Any]) -> None:
@@ -142,9 +165,9 @@ class _Build:
         # RUN as the USER so far; COPY and WORKDIR as root (their owners are the tar's)
         config = self.config if instruction.keyword == "RUN" else replace(self.config, user="")
         await asyncio.to_thread(images.save_built, self.scratch_name, self.layers, config,
-                                {"dockerfile_step": self.name})
+                                {"dockerfile_step": self.name, "edge": self.edge.id})
         opts = self.options
-        network = opts.network if instruction.keyword == "RUN" else "none"
+        network = self.network(instruction)
         info = await self.edge.create(CreateRequest(
             substrate="container", image=self.scratch_name, network=network, cpu=opts.cpu,
             memory_mb=opts.memory_mb, disk_mb=opts.disk_mb,
@@ -157,7 +180,7 @@ class _Build:
                                                            opts.disk_mb << 20)
             if dropped:
                 self.say(f"[yellow]dropped from the layer (no devices, fifos or sockets in "
-                         f"layers): {_printable(', '.join(dropped[:10]))}[/yellow]")
+                         f"layers): {_printable(', '.join(dropped))}[/yellow]")
             layer = images.layers.get(digest)
             if layer is None:
                 raise ImageBuildError(f"layer {digest} vanished as it was made")
@@ -223,7 +246,8 @@ async def build_events(edge: Edge, req: ImageBuildRequest,
     no devices, bytes capped at the tar's own size: only sparse members could claim more)
     into a scratch directory; the build's progress comes as ``BuildLog`` lines (RUN output
     capped at ``MAX_LOG_BYTES`` per build), then the ``ImageBuilt``. Leaving the iteration
-    early (the client went away) cancels the build: its step sandbox stops, nothing is named."""
+    early (the client went away) cancels the build once: its step sandbox stops, its scratch
+image goes, nothing is named."""
     options = BuildOptions(network=req.network, build_args=dict(req.build_args),
                            disk_mb=req.disk_mb, memory_mb=req.memory_mb, cpu=req.cpu)
     logs: asyncio.Queue[BuildLog | None] = asyncio.Queue()
@@ -256,10 +280,28 @@ async def build_events(edge: Edge, req: ImageBuildRequest,
         finally:
             if not build.done():
                 build.cancel()
+                _CLEANING.add(build)
+                build.add_done_callback(_CLEANING.discard)
                 with contextlib.suppress(asyncio.CancelledError, DSecError):
-                    await build
+                    # shielded: the server cancels a gone client's request again and again
+                    # (anyio), and awaiting the build bare passed each one on to it, so its
+                    # clean-up (the step's sandbox, the scratch image) was cut short
+                    await asyncio.shield(build)
     yield ImageBuilt(image=done.image.name, digest=done.image.digest, steps_run=done.ran,
                      steps_cached=done.cached)
+
+
+def sweep_scratch(edge: Edge) -> list[str]:
+    """Remove the scratch images of this edge's builds that its server's death cut short (a
+    build never outlives its server, and a named image pins its layers against collection
+    for good); another edge's, on a shared store, may be building and are left alone."""
+    removed = []
+    for name, source in edge.images.sources(SCRATCH_PREFIX).items():
+        if source.get("edge") == edge.id:
+            with contextlib.suppress(ImageNotFound):
+                edge.images.remove(name)
+                removed.append(name)
+    return removed
 
 
 async def _apply(build: _Build, ins: Instruction, report: StepReport) -> None:
@@ -291,7 +333,8 @@ async def _apply(build: _Build, ins: Instruction, report: StepReport) -> None:
             await build.edge.mkdir(sandbox_id, path, parents=True)
         await build.step(ins, report, build.key(ins, {}), mkdir)
     elif ins.keyword == "RUN":
-        await build.step(ins, report, build.key(ins, {}), lambda sid: build.run(sid, ins))
+        await build.step(ins, report, build.key(ins, build.egress(ins)),
+                         lambda sid: build.run(sid, ins))
     elif ins.keyword in ("COPY", "ADD"):
         sources, dest = sources_and_dest(ins)
         copy = await asyncio.to_thread(context_copy, build.context, sources, dest,

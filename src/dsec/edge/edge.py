@@ -70,7 +70,7 @@ from ..substrates.host.openfiles import RESERVE, ensure_open_files
 from ..substrates.host.tree import remove_tree
 from ..substrates.host.volume import DiskVolume
 from .commands import DEFAULT_CWD, as_user, check_env, exec_argv, sandbox_path
-from .dockerbuild import build_events
+from .dockerbuild import build_events, sweep_scratch
 from .inherit import from_snapshot, inheritance
 from .metrics import EdgeMetrics
 from .pool import Pooled, WarmPool
@@ -250,6 +250,8 @@ class Edge:
         if self.shared is not None:
             for name in await asyncio.to_thread(self.shared.sweep, self._recorded):
                 log.info("removed %s from the shared snapshot directory", name)
+        for name in await asyncio.to_thread(sweep_scratch, self):
+            log.info("removed %s, the scratch image of a build cut short", name)
 
     async def _undo_interrupted(self, row: SandboxRow, substrate: Substrate) -> None:
         """A freeze an interrupted snapshot left is undone; a failure is the sandbox's (its

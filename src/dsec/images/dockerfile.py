@@ -25,6 +25,7 @@ IGNORED = ("EXPOSE", "VOLUME", "STOPSIGNAL", "HEALTHCHECK", "MAINTAINER")
 # Would change what later steps (or child images) do: refused rather than ignored.
 REFUSED = ("SHELL", "ONBUILD")
 SUBSTITUTED = ("FROM", "COPY", "ADD", "ENV", "WORKDIR", "USER", "LABEL", "ARG")
+RUN_NETWORKS = ("none", "default")  # RUN --network=: offline, or the build's egress
 _VAR = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)(?:(:[-+])([^}]*))?\}|([A-Za-z_][A-Za-z0-9_]*))")
 _USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,31})?")
 _ESCAPE_DIRECTIVE = re.compile(r"^#\s*escape\s*=\s*([\\`])\s*$", re.IGNORECASE)
@@ -44,10 +45,12 @@ class Instruction:
 
     @property
     def text(self) -> str:
-        """The instruction as the build cache keys it: keyword, flags and arguments."""
+        """The instruction as the build cache keys it: keyword, flags and arguments, the
+        arguments exactly as they run (``printf 'a  b'`` is not ``printf 'a b'``: one
+        project's layer must never answer another's different command)."""
         flags = " ".join(f"--{k}={v}" for k, v in sorted(self.flags.items()))
         body = json.dumps(list(self.argv)) if self.argv is not None else self.args
-        return f"{self.keyword} {flags} {body}".replace("  ", " ")
+        return " ".join(part for part in (self.keyword, flags, body) if part)
 
 
 def substitute(text: str, values: dict[str, str]) -> str:
@@ -156,6 +159,13 @@ def parse(text: str, build_args: dict[str, str] | None = None,
         elif keyword in ("COPY", "ADD") and set(flags) - {"chown", "chmod"}:
             raise NotSupported(f"Dockerfile line {line}: {keyword} {sorted(flags)} is not "
                                "supported (only --chown and --chmod)", line=line)
+        elif keyword == "RUN" and (set(flags) - {"network"}
+                                   or flags.get("network", "none") not in RUN_NETWORKS):
+            # a flag dropped without a word would run the step otherwise than asked (a
+            # --network=none step with the build's egress, a secret mount's step without it)
+            asked = " ".join(f"--{k}={v}" for k, v in flags.items())
+            raise NotSupported(f"Dockerfile line {line}: RUN {asked} is not supported (only "
+                               "--network=none or --network=default)", line=line)
         instructions.append(Instruction(keyword, rest, line, argv, flags))
     if not saw_from:
         raise InvalidRequest("the Dockerfile has no FROM instruction")

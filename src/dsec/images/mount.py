@@ -2,6 +2,12 @@
 
 The overlay mount sits on the sandbox create path, so it is a direct mount(2) call through
 ctypes (about 0.3 ms) rather than the ``mount`` command (about 2 ms of fork/exec).
+
+A layer's files were made by sandboxes (a Dockerfile RUN, a pulled image): setuid-root
+programs among them. Sandboxes run them with no new privileges, but the host runs its own
+mount of a layer as it finds it, so EROFS layers are mounted ``nosuid,nodev`` and under a
+directory only root may enter (``private_dir``): no local user of the host runs a layer's
+setuid program as root, or reads a project's image files through the node's mounts.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import fcntl
 import logging
 import os
 import re
+import stat
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
@@ -40,6 +47,19 @@ _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctype
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 
 
+def private_dir(path: Path) -> Path:
+    """``path`` as a directory only root may enter (made if missing, its mode set if not:
+    a store or cache made before this held its layers open to every local user). A mode
+    that cannot be set (a shared store this node only reads) is left as it is, logged."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        if stat.S_IMODE(path.stat().st_mode) != 0o700:
+            path.chmod(0o700)
+    except OSError as exc:
+        log.warning("could not make %s private to root: %s", path, exc)
+    return path
+
+
 def kernel_supports(fstype: str) -> bool:
     """Whether the running kernel can mount ``fstype`` (it is listed in /proc/filesystems)."""
     with open("/proc/filesystems") as f:
@@ -47,7 +67,8 @@ def kernel_supports(fstype: str) -> bool:
 
 
 def overlay_options(lowerdirs: Sequence[Path], upper: Path, work: Path) -> str:
-    """The overlay mount data for ``lowerdirs`` (top first); raises ValueError if unusable."""
+    """The overlay mount data for ``lowerdirs`` (top first); ValueError for a path it cannot
+    name, NotSupported for more layers than one mount takes."""
     for path in (*lowerdirs, upper, work):
         if any(c in str(path) for c in ",:\\"):
             raise ValueError(f"overlay paths must not contain ',', ':' or '\\': {path}")
@@ -59,11 +80,12 @@ def overlay_options(lowerdirs: Sequence[Path], upper: Path, work: Path) -> str:
             *_SELF_CONTAINED_UPPER,
         )
     )
-    if len(options.encode()) >= _PAGE_SIZE:
-        raise ValueError(
-            f"overlay mount options are {len(options)} bytes, the kernel takes at most {_PAGE_SIZE - 1}: "
-            f"use fewer layers or a shorter layer cache directory"
-        )
+    if len(options.encode()) >= _PAGE_SIZE:  # an image's to make (a build of many steps): typed
+        raise NotSupported(
+            f"an image of {len(lowerdirs)} layers cannot be mounted here: the overlay mount "
+            f"options are {len(options)} bytes, the kernel takes at most {_PAGE_SIZE - 1}: "
+            f"use fewer layers (fewer steps) or a shorter layer cache directory",
+            layers=len(lowerdirs))
     return options
 
 
@@ -173,11 +195,11 @@ class LayerMounter:
 
     def _mount(self, layer: Layer, mounted: set[Path]) -> Path:
         target = self.cache_dir / layer.digest.removeprefix("sha256:")  # == self._target(layer)
+        private_dir(self.cache_dir)  # also where an older server left its layers mounted
         if target in mounted:
             return target
         if not kernel_supports("erofs"):
             raise NotSupported(f"layer {layer.digest} is EROFS, but this kernel cannot mount erofs")
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
         with locked(target.with_name(target.name + ".lock")):
             if target not in mountpoints():  # another process may have mounted it meanwhile
                 target.mkdir(exist_ok=True)
@@ -187,9 +209,10 @@ class LayerMounter:
 
 
 def mount_erofs(image_file: Path, target: Path) -> None:
-    """Loop-mount an EROFS image read-only (a one-off per layer and node, so the command is fine)."""
+    """Loop-mount an EROFS image read-only, its setuid bits and devices inert on the host (a
+    one-off per layer and node, so the command is fine)."""
     result = subprocess.run(
-        ["mount", "-t", "erofs", "-o", "ro,loop", str(image_file), str(target)],
+        ["mount", "-t", "erofs", "-o", "ro,loop,nosuid,nodev", str(image_file), str(target)],
         capture_output=True,
         text=True,
     )

@@ -40,7 +40,13 @@ from typing import TYPE_CHECKING, Any
 
 from dsec.config import current
 from dsec.images.builder import build_layers, plan_layers
-from dsec.images.mount import kernel_supports, locked, tmpfs_mount, unmount_or_detach
+from dsec.images.mount import (
+    kernel_supports,
+    locked,
+    private_dir,
+    tmpfs_mount,
+    unmount_or_detach,
+)
 from dsec.images.oci import import_archive
 from dsec.images.pull import pull_layers
 from dsec.images.reference import is_reference, parse_reference
@@ -60,6 +66,10 @@ DEFAULT_PATH = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bi
 # uncompressed (erofs-utils 1.5); lz4 decompression is cheap next to the page cache it fills.
 _EROFS_OPTIONS = ("-zlz4", "--quiet")
 DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+# Projects' images and builds under way (control/image_names.py, edge/dockerbuild.py): never
+# named to a caller who did not ask for them (an error answering one project's create must
+# not list another's images, nor the scratch image of its build under way).
+PRIVATE_PREFIXES = ("p.", "dsec-build-")  # the second: scratch images of older servers
 
 
 @dataclass(frozen=True)
@@ -115,8 +125,9 @@ class LayerStore:
             raise InvalidRequest(f"layer format must be one of {LAYER_FORMATS}, got {layer_format!r}")
         self.format = layer_format
         self._layers, self._locks, self._tmp = root / "layers", root / "locks", root / "tmp"
-        for d in (self._layers, self._locks, self._tmp):
-            d.mkdir(parents=True, exist_ok=True)
+        self._locks.mkdir(parents=True, exist_ok=True)
+        for d in (self._layers, self._tmp):  # sandboxes' files, setuid ones too: root's alone
+            private_dir(d)
 
     def get(self, digest: str) -> Layer | None:
         directory = self._layers / _hex(digest)
@@ -287,6 +298,17 @@ class ImageStore:
                 raise ImageBuildError(f"layers {missing} vanished before {name!r} was saved")
             return self._save(name, layers, config, source)
 
+    def sources(self, prefix: str) -> dict[str, dict[str, Any]]:
+        """The stored names starting with ``prefix``, each with what its manifest says made
+        it (``source``); a manifest that cannot be read is skipped."""
+        found: dict[str, dict[str, Any]] = {}
+        for path in self._images.glob("*.json"):
+            if path.stem.startswith(prefix) and not path.is_symlink():
+                with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                    manifest = json.loads(path.read_text())
+                    found[str(manifest["name"])] = dict(manifest.get("source") or {})
+        return found
+
     def pullable(self, ref: str) -> bool:
         """Whether ``ref`` names a registry image (not a builtin spec, not a digest prefix)."""
         return ref not in builtin_names() and not ref.startswith("sha256:") and is_reference(ref)
@@ -297,14 +319,17 @@ class ImageStore:
         if ref.startswith("sha256:"):
             matches = [image for image in self.list() if image.digest.startswith(ref)]
             if len(matches) > 1:
+                shared = [i.name for i in matches if not i.name.startswith(PRIVATE_PREFIXES)]
                 raise InvalidRequest(
-                    f"digest prefix {ref} is ambiguous: {', '.join(i.name for i in matches)}"
+                    f"digest prefix {ref} is ambiguous: {len(matches)} images "
+                    f"({', '.join(shared) or 'none of them shared'})"
                 )
             if matches:
                 return matches[0]
         elif image := self._lookup(ref):
             return image
-        known = ", ".join(image.name for image in self.list()) or "none"
+        known = ", ".join(image.name for image in self.list()
+                          if not image.name.startswith(PRIVATE_PREFIXES)) or "none"
         raise ImageNotFound(
             f"no image {ref!r} in {self.root} (known images: {known}; "
             f"builtin specs that ensure() builds on demand: {', '.join(builtin_names())})",
