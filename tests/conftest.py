@@ -157,6 +157,16 @@ def own_server(*args: str) -> tuple[Any, Any]:
     return srv, client
 
 
+@pytest.fixture
+def name(images: ImageStore) -> Iterator[str]:
+    """A fresh name for an image a test builds; every image named so is removed after it
+    (a project key's too: ``p.<project>.<name>``)."""
+    image = f"test-build-{secrets.token_hex(4)}"
+    yield image
+    for stored in [i.name for i in ImageStore().list() if i.name.endswith(image)]:
+        ImageStore().remove(stored)
+
+
 @pytest.fixture(scope="session")
 def server(images: ImageStore) -> Iterator[Server]:
     srv = make_server("--capacity", "64", "--vm-accel", VM_ACCEL).start()

@@ -171,10 +171,7 @@ def test_hostile_uploads_are_refused(server: Server, image: str) -> None:
             {"type": "COPY", "args": [".", "/data/"], "filesHash": files_hash}]}
         assert http.post(f"/v2/templates/{template}/builds/{made['buildID']}",
                          json=steps).status_code == 202
-        status = {"status": "building"}
-        while status["status"] in ("waiting", "building"):
-            time.sleep(0.2)
-            status = http.get(f"/templates/{template}/builds/{made['buildID']}/status").json()
+        status = build_end(http, template, made["buildID"])
         assert status["status"] == "error" and "'..'" in status["reason"]["message"], status
         with httpx.Client(base_url=f"{server.url}/e2b", headers={"X-API-Key": theirs}) as them:
             status_url = f"/templates/{template}/builds/{made['buildID']}/status"
@@ -182,6 +179,15 @@ def test_hostile_uploads_are_refused(server: Server, image: str) -> None:
         assert not Path("/escaped-upload.txt").exists()
         assert not (server.state_dir / "e2b-uploads" / template).exists()  # gone with the build
         plain.close()
+
+
+def build_end(http: httpx.Client, template: str, build: str) -> dict[str, Any]:
+    """The status of an E2B template build once it is neither waiting nor building."""
+    status: dict[str, Any] = {"status": "building"}
+    while status["status"] in ("waiting", "building"):
+        time.sleep(0.2)
+        status = http.get(f"/templates/{template}/builds/{build}/status").json()
+    return status
 
 
 def test_a_bad_reference_fails_the_build_and_leaves_nothing_ready(server: Server,

@@ -29,7 +29,6 @@ import secrets
 import subprocess
 import tarfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -48,30 +47,15 @@ from conftest import (
 from dsec.images.store import ImageStore, Layer
 from dsec.network.testbed import Destination
 from test_compat_e2b import _project_keys
+from test_compat_e2b_templates import build_end
 from test_projects import unique
+from test_server_build import dockerfile, run_in
 
 pytestmark = pytest.mark.usefixtures("images")
 
 srv, client = own_server("--host", "127.0.0.1", "--port", str(free_port()), "--warm-pool", "0")
 
 NOBODY = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
-
-
-@pytest.fixture
-def name(images: ImageStore) -> Iterator[str]:
-    image = f"test-hostile-build-{secrets.token_hex(4)}"
-    yield image
-    for stored in [i.name for i in ImageStore().list() if i.name.endswith(image)]:
-        ImageStore().remove(stored)
-
-
-def dockerfile(name: str, body: str, base: str = "debian-minbase") -> str:
-    return f"FROM {base}\nARG NONCE={name}\n{body}"
-
-
-async def run_in(client: dsec.DSecClient, image: str, command: str) -> dsec.ExecResult:
-    async with await client.create(image=image, ttl_s=120) as sb:
-        return await sb.run(command, timeout_s=60)
 
 
 def top_layer(image: str) -> Layer:
@@ -183,12 +167,7 @@ async def test_run_commands_differing_only_in_spaces_never_share_a_layer(
         client: dsec.DSecClient, srv: Server, name: str) -> None:
     """One project builds ``printf 'a  b'``; another, later, ``printf 'a b'`` on the same
     image: the second's RUN must run, not be served the first one's layer from the cache."""
-    keys = []
-    async with srv.client() as admin:
-        for prefix in ("poisoner", "victim"):
-            project = unique(prefix)
-            await admin.projects().create(project, sandboxes=4, cpu=8, memory_mb=4096)
-            keys.append((await admin.projects().create_key(project, "sdk")).key)
+    keys = [key for _, key in await _project_keys(srv, 0)]
     results = []
     for key, text in zip(keys, ("RUN printf 'a  b' > /f\n", "RUN printf 'a b' > /f\n"),
                          strict=True):
@@ -203,12 +182,7 @@ async def test_a_layer_made_with_network_never_answers_a_build_without(
     """One project builds a RUN with an egress allow; another, later, the same text with
     no network: the second's RUN must run offline, not be served the layer the first one's
     network made (which the first one chose: what its allowed host served)."""
-    keys = []
-    async with srv.client() as admin:
-        for prefix in ("online", "offline"):
-            project = unique(prefix)
-            await admin.projects().create(project, sandboxes=4, cpu=8, memory_mb=4096)
-            keys.append((await admin.projects().create_key(project, "sdk")).key)
+    keys = [key for _, key in await _project_keys(srv, 0)]
     probe = (f"RUN if timeout 5 bash -c 'exec 3<>/dev/tcp/{dest.address}/{DEST_PORTS[0]}' "
              "2>/dev/null; then echo online > /where; else echo offline > /where; fi\n")
     results = []
@@ -228,12 +202,7 @@ async def test_another_projects_build_under_way_is_neither_named_nor_usable(
     included) is a scratch image of the store: another project's key, asking for an image
     that does not exist, must not be told its name (nor any other project's image names),
     and naming it must get ``image_not_found``, never a sandbox of it."""
-    keys, projects = [], []
-    async with srv.client() as admin:
-        for prefix in ("builder", "snoop"):
-            projects.append(project := unique(prefix))
-            await admin.projects().create(project, sandboxes=4, cpu=8, memory_mb=4096)
-            keys.append((await admin.projects().create_key(project, "sdk")).key)
+    projects, keys = (list(column) for column in zip(*await _project_keys(srv, 0)))
     secret = secrets.token_hex(8)
     context = io.BytesIO()
     with tarfile.open(fileobj=context, mode="w") as tar:
@@ -417,12 +386,7 @@ async def test_another_projects_build_cannot_be_reached_by_its_digest(
     answer would list the names to narrow it down with): ``image_not_found``, no name of it
     in any answer, never a sandbox of it; a legacy scratch image (``dsec-build-*``, left by
     an older server) neither. Project keys name images by name (their own as well)."""
-    keys, projects = [], []
-    async with srv.client() as admin:
-        for prefix in ("owner", "prober"):
-            projects.append(project := unique(prefix))
-            await admin.projects().create(project, sandboxes=4, cpu=8, memory_mb=4096)
-            keys.append((await admin.projects().create_key(project, "sdk")).key)
+    projects, keys = (list(column) for column in zip(*await _project_keys(srv, 0)))
     secret = secrets.token_hex(8)
     async with dsec.DSecClient(srv.url, keys[0], autostart=False) as owner, \
             dsec.DSecClient(srv.url, keys[1], autostart=False) as prober:
@@ -486,11 +450,7 @@ def test_an_e2b_upload_of_countless_members_is_refused_before_it_fills_memory(
             {"type": "COPY", "args": [".", "/data/"], "filesHash": files_hash}]}
         assert http.post(f"/v2/templates/{made['templateID']}/builds/{made['buildID']}",
                          json=steps).status_code == 202
-        status = {"status": "building"}
-        while status["status"] in ("waiting", "building"):
-            time.sleep(0.5)
-            status = http.get(f"/templates/{made['templateID']}/builds/{made['buildID']}"
-                              "/status").json()
+        status = build_end(http, made["templateID"], made["buildID"])
     assert status["status"] == "error" and "members" in json.dumps(status), status
     assert peak_mib() - base < 64, f"the server grew by {peak_mib() - base} MiB"
 
@@ -504,11 +464,7 @@ def _e2b_template_from(srv: Server, key: str, image: str) -> tuple[str, str]:
         answer = http.post(f"/v2/templates/{made['templateID']}/builds/{made['buildID']}",
                            json={"fromImage": image, "steps": []})
         assert answer.status_code == 202, answer.text
-        status = {"status": "building"}
-        while status["status"] in ("waiting", "building"):
-            time.sleep(0.2)
-            status = http.get(f"/templates/{made['templateID']}/builds/{made['buildID']}"
-                              "/status").json()
+        status = build_end(http, made["templateID"], made["buildID"])
         return str(status["status"]), json.dumps(status)
 
 

@@ -15,11 +15,9 @@ import asyncio
 import io
 import json
 import os
-import secrets
 import subprocess
 import sys
 import tarfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,14 +33,6 @@ pytestmark = pytest.mark.usefixtures("images")
 
 # on every address of the host (a RUN step could try any of them to reach it)
 srv, client = own_server("--host", "0.0.0.0", "--port", str(free_port()), "--warm-pool", "0")
-
-
-@pytest.fixture
-def name(images: ImageStore) -> Iterator[str]:
-    image = f"test-server-build-{secrets.token_hex(4)}"
-    yield image
-    for stored in [i.name for i in ImageStore().list() if i.name.endswith(image)]:
-        ImageStore().remove(stored)
 
 
 def dockerfile(name: str, body: str, base: str = "debian-minbase") -> str:
