@@ -213,6 +213,7 @@ async def test_a_snapshot_template_stays_while_used_and_goes_once_idle(images: I
             assert template.exists() and (await sb.run("echo adopted")).stdout == "adopted\n"
             await sb.stop()
             assert _traces(srv, sb.id) == []
+            assert not (template / "users" / sb.id).is_symlink()  # released by its teardown
         _idle_for_two_days(template)
         srv.kill(signal.SIGKILL)
         srv.start()  # nothing uses it, none restored it for a day

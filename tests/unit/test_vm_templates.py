@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -48,12 +49,14 @@ def test_a_template_goes_when_idle_or_unrestorable_and_stays_while_used(tmp_path
     initramfs.touch()
     live, gone = tmp_path / "vms" / "sb-live", tmp_path / "vms" / "sb-gone"
     live.mkdir(parents=True)
+    gone.mkdir()
     fresh = _template(root, "a" * 16, [kernel, initramfs])
     idle = _template(root, "b" * 16, [kernel, initramfs], age_s=2 * DAY)
     old_format_idle = _template(root, "c" * 16, None, age_s=2 * DAY)
     old_format_fresh = _template(root, "d" * 16, None)
     used_idle = _template(root, "e" * 16, [kernel, initramfs], age_s=2 * DAY, users=[live, gone])
     agent_rebuilt = _template(root, "f" * 16, [kernel, files / "initramfs-of-an-older-dsec"])
+    shutil.rmtree(gone)  # its sandbox's directory removed with no release (a crash's remains)
     freed = _sweep(root)
     assert {p.name for p in root.iterdir() if not p.name.startswith(".")} == \
         {fresh.name, old_format_fresh.name, used_idle.name}
@@ -61,10 +64,11 @@ def test_a_template_goes_when_idle_or_unrestorable_and_stays_while_used(tmp_path
     for removed in (idle, old_format_idle, agent_rebuilt):  # and their locks
         assert not vmsnapshot._lock_path(root, removed.name).exists()
     assert [p.name for p in (used_idle / "users").iterdir()] == ["sb-live"]  # gone's pruned
-    live.rmdir()  # its sandbox destroyed: nothing uses it any more
+    vmsnapshot.release(live)  # its sandbox destroyed: nothing uses it any more
+    assert list((used_idle / "users").iterdir()) == []
     _sweep(root)
     assert not used_idle.exists()
-    assert live.parent.exists()  # a link is never followed into what it names
+    assert live.exists()  # a link is never followed into what it names
 
 
 def test_a_locked_template_is_left_and_a_waiting_user_locks_the_next_file(

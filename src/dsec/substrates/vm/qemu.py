@@ -544,9 +544,10 @@ class QemuSubstrate(Substrate):
     def _teardown(self, sandbox_id: str, d: Path) -> None:
         """Kill QEMU (through its cgroup, or its pid file if it never got one; also a
         snapshot template's QEMU that this sandbox's start was booting), then remove its
-        cgroups and directory."""
+        cgroups, its use of a template and its directory."""
         self._kill(sandbox_id, d, ("qemu.pid", "template.pid"), False)
         cgroups.remove_cgroups(cgroups.sandbox_dirs(self.cgroup_parent, sandbox_id))
+        vmsnapshot.release(d)
         shutil.rmtree(d, ignore_errors=True)
 
     def _kill(self, sandbox_id: str, d: Path, pid_files: tuple[str, ...], wait: bool) -> None:

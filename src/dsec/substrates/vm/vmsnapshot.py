@@ -52,6 +52,7 @@ log = logging.getLogger("dsec.vm")
 SAVE_TIMEOUT_S = 120.0
 MAX_BANDWIDTH = 1 << 40  # bytes/s: a save to a local file is never throttled (QEMU's default is)
 META, USERS = "meta.json", "users"
+USED_TEMPLATE = "template"  # in a restored sandbox's directory: its template's path
 KEPT = ("state.bin", "disk.ext4", META)  # a template's files; the rest only built it
 # The names the cache holds, each with its template's key: a template, a scratch directory
 # (a builder's, from mkdtemp, or a template being removed) and a template's lock file.
@@ -140,14 +141,27 @@ def record_inputs(scratch: Path, inputs: list[Path]) -> None:
 
 def use(target: Path, sandbox_dir: Path) -> None:
     """Record, under ``target``'s TemplateLock, that the sandbox of ``sandbox_dir`` restores
-    from it (and when: the template's time)."""
+    from it (and when: the template's time); the sandbox's directory names the template, for
+    ``release``."""
     users = target / USERS
     users.mkdir(exist_ok=True)
     try:
         os.symlink(sandbox_dir, users / sandbox_dir.name)
     except FileExistsError:
         pass
+    (sandbox_dir / USED_TEMPLATE).write_text(str(target))
     os.utime(target)
+
+
+def release(sandbox_dir: Path) -> None:
+    """The sandbox of ``sandbox_dir``, being destroyed, no longer uses its template: its link
+    goes (else the next sweep finds it dangling)."""
+    try:
+        template = Path((sandbox_dir / USED_TEMPLATE).read_text())
+    except FileNotFoundError:
+        return
+    if TEMPLATE.fullmatch(template.name):
+        (template / USERS / sandbox_dir.name).unlink(missing_ok=True)
 
 
 def sweep(root: Path, now: float, idle_s: float) -> int:
