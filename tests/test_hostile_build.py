@@ -243,12 +243,13 @@ async def test_a_build_the_client_walks_away_from_leaves_nothing(
     nothing is named."""
     started = asyncio.Event()
     nap = f"600.{secrets.randbelow(10**6):06d}"  # this test's own, to find on the host
-    body = f"RUN trap '' TERM; (sleep {nap} &); sleep {nap} & echo running; wait\n"
+    # the output says "42-running"; the step's header (its text) does not: it says $((6*7))
+    body = f"RUN trap '' TERM; (sleep {nap} &); sleep {nap} & echo $((6*7))-running; wait\n"
     boxes = srv.volume / "sandboxes"
     before = set(os.listdir(boxes))
     build = asyncio.create_task(client.build_image(
         name, dockerfile=dockerfile(name, body),
-        on_log=lambda line: started.set() if "running" in line else None))
+        on_log=lambda line: started.set() if "42-running" in line else None))
     await asyncio.wait_for(started.wait(), 120)
     for _ in range(100):  # forked before the echo, maybe not yet exec'd
         if len(_sleepers(nap)) == 2:
@@ -276,8 +277,8 @@ async def test_a_build_cut_by_a_server_crash_leaves_no_scratch_image(name: str) 
         started = asyncio.Event()
         async with own.client() as builder:
             build = asyncio.create_task(builder.build_image(
-                name, dockerfile=dockerfile(name, "RUN echo running; sleep 600\n"),
-                on_log=lambda line: started.set() if "running" in line else None))
+                name, dockerfile=dockerfile(name, "RUN echo $((6*7))-running; sleep 600\n"),
+                on_log=lambda line: started.set() if "42-running" in line else None))
             await asyncio.wait_for(started.wait(), 120)
             assert _scratch_of(name)
             own.kill()

@@ -247,7 +247,7 @@ async def build_events(edge: Edge, req: ImageBuildRequest,
     into a scratch directory; the build's progress comes as ``BuildLog`` lines (RUN output
     capped at ``MAX_LOG_BYTES`` per build), then the ``ImageBuilt``. Leaving the iteration
     early (the client went away) cancels the build once: its step sandbox stops, its scratch
-image goes, nothing is named."""
+    image goes, nothing is named."""
     options = BuildOptions(network=req.network, build_args=dict(req.build_args),
                            disk_mb=req.disk_mb, memory_mb=req.memory_mb, cpu=req.cpu)
     logs: asyncio.Queue[BuildLog | None] = asyncio.Queue()
